@@ -1,0 +1,28 @@
+# `make demo` and `make test` set up .venv themselves (pinned versions, CPU torch).
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.attncomp-installed
+JOBS   ?= 2
+
+.PHONY: demo test test-gpu venv clean
+
+$(STAMP): pyproject.toml requirements.lock
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "setting up $(VENV) (torch==2.13.0 CPU, pinned dependencies)..."
+	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(PY) -m pip install -q --disable-pip-version-check -r requirements.lock
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps -e .
+	@touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/quickstart.py
+
+# pytest exits 5 when it collects no test: make fails on that like on any other failure.
+test: $(STAMP)
+	$(PY) -m pytest -q -n $(JOBS) --durations=10 tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache

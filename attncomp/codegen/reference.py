@@ -1,0 +1,216 @@
+"""Reference backend: the exact semantics of DESIGN.md §4 in plain PyTorch.
+
+This is the test oracle for every kernel and the default backend where no GPU is present. It
+materialises the full ``(B, Hq, Nq, Nk)`` logits, so it is meant for correctness, not speed.
+
+Rules implemented here (one place, so every backend is checked against the same statement):
+
+* logits ``s = scale * q·k + bias``; fp16/bf16 inputs are computed in float32, others in their own dtype;
+* allowed: bool mask True, float mask not ``-inf``, and ``j <= i`` when causal;
+* kept: allowed, and the policy's rule (N:M per group of ``m`` keys with lower-index ties, bucket
+  equality, keep masks, block pattern with diagonal blocks);
+* ``out = softmax(kept logits) @ v``; a row with no kept key gives zeros and ``lse = -inf``;
+* dropout (when ``dropout_p > 0``) zeroes probabilities where ``uniform_hash(seed, idx) < dropout_p``,
+  ``idx`` the row-major index in ``(B, Hq, Nq, Nk)``, and scales the rest by ``1/(1-p)``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+
+from ..policy import DFSS, Drop, Hash, SPION, uniform_hash
+from ..spec import AttentionSpec
+
+__all__ = ["attention", "keep_mask", "logits", "dropout_keep"]
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _expand_kv(x: torch.Tensor, hq: int) -> torch.Tensor:
+    hk = x.shape[1]
+    return x if hk == hq else x.repeat_interleave(hq // hk, dim=1)
+
+
+def logits(spec: AttentionSpec, q, k, attn_mask=None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Return ``(s, allowed)``: float logits ``(B, Hq, Nq, Nk)`` and the bool allowed mask."""
+    ct = _compute_dtype(q.dtype)
+    B, Hq, Nq, D = q.shape
+    Nk = k.shape[2]
+    scale = spec.scale if spec.scale is not None else 1.0 / math.sqrt(D)
+    kk = _expand_kv(k, Hq).to(ct)
+    s = torch.matmul(q.to(ct), kk.transpose(-1, -2)) * scale
+    allowed = torch.ones((1, 1, Nq, Nk), dtype=torch.bool, device=q.device)
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            allowed = allowed & attn_mask
+        else:
+            bias = attn_mask.to(ct)
+            s = s + bias
+            allowed = allowed & (bias != float("-inf"))
+    if spec.causal:
+        i = torch.arange(Nq, device=q.device)[:, None]
+        j = torch.arange(Nk, device=q.device)[None, :]
+        allowed = allowed & (j <= i)
+    allowed = allowed.expand(B, Hq, Nq, Nk)
+    return s, allowed
+
+
+def _nm_keep(s: torch.Tensor, allowed: torch.Tensor, n: int, m: int) -> torch.Tensor:
+    B, H, Nq, Nk = s.shape
+    g = -(-Nk // m)
+    pad = g * m - Nk
+    neg = torch.finfo(s.dtype).min
+    sm = torch.where(allowed, s, torch.full_like(s, float("-inf")))
+    # allowed entries always rank above disallowed ones, even at -inf-like magnitudes
+    sm = torch.where(allowed & torch.isneginf(sm), torch.full_like(s, neg), sm)
+    if pad:
+        sm = torch.nn.functional.pad(sm, (0, pad), value=float("-inf"))
+        allowed = torch.nn.functional.pad(allowed, (0, pad), value=False)
+    sg = sm.reshape(B, H, Nq, g, m)
+    # stable descending sort: among equal logits the lower key index comes first
+    order = torch.sort(sg, dim=-1, descending=True, stable=True).indices
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(m, device=s.device).expand_as(order))
+    keep = (rank < n).reshape(B, H, Nq, g * m) & allowed
+    return keep[..., :Nk]
+
+
+def keep_mask(spec: AttentionSpec, s, allowed, q_aux=None, k_aux=None, block_pattern=None) -> torch.Tensor:
+    """The kept entries ``(B, Hq, Nq, Nk)`` for the spec's policy (DESIGN.md §4 table)."""
+    pol = spec.policy
+    B, Hq, Nq, Nk = s.shape
+    if isinstance(pol, DFSS):
+        r = pol.resolved(_dtype_of(spec, s))
+        return _nm_keep(s, allowed, r.n, r.m)
+    if isinstance(pol, Hash):
+        qb, kb = q_aux, _expand_kv(k_aux, Hq)
+        keep = allowed & (qb[..., :, None] == kb[..., None, :])
+        if pol.exclude_self:
+            i = torch.arange(Nq, device=s.device)[:, None]
+            j = torch.arange(Nk, device=s.device)[None, :]
+            keep = keep & (i != j)
+        return keep
+    if isinstance(pol, Drop):
+        kk = _expand_kv(k_aux, Hq)
+        return allowed & q_aux[..., :, None] & kk[..., None, :]
+    if isinstance(pol, SPION):
+        bs = pol.block_size
+        bi = torch.arange(Nq, device=s.device) // bs
+        bj = torch.arange(Nk, device=s.device) // bs
+        pat = block_pattern.to(torch.bool)[:, bi][:, :, bj]  # (Hq or 1, Nq, Nk)
+        diag = bi[:, None] == bj[None, :]
+        return allowed & (pat[None] | diag)
+    return allowed
+
+
+def _dtype_of(spec: AttentionSpec, s: torch.Tensor) -> torch.dtype:
+    return spec.torch_dtype() or s.dtype
+
+
+def dropout_keep(seed: int, p: float, shape, device) -> torch.Tensor:
+    """Bool ``shape`` mask of probabilities that survive dropout (see module docstring)."""
+    idx = torch.arange(math.prod(shape), device=device, dtype=torch.int64).view(shape)
+    return uniform_hash(seed, idx) >= p
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: Optional[torch.Tensor] = None,
+    *,
+    spec: AttentionSpec,
+    q_aux: Optional[torch.Tensor] = None,
+    k_aux: Optional[torch.Tensor] = None,
+    block_pattern: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+    seed: int = 0,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention under ``spec``; returns ``(out, lse)``, ``lse`` float32 ``(B, Hq, Nq)``.
+
+    Differentiable with ordinary autograd (the op's reference backward recomputes through it).
+    """
+    if spec.policy.name == "dfss" and spec.dtype is None:
+        spec = spec.replace(dtype=str(q.dtype).replace("torch.", ""))
+    s, allowed = logits(spec, q, k, attn_mask)
+    keep = keep_mask(spec, s, allowed, q_aux, k_aux, block_pattern)
+    ninf = torch.full_like(s, float("-inf"))
+    sk = torch.where(keep, s, ninf)
+    m = sk.amax(dim=-1, keepdim=True)
+    m = torch.where(torch.isneginf(m), torch.zeros_like(m), m).detach()
+    p = torch.where(keep, torch.exp(sk - m), torch.zeros_like(s))
+    l = p.sum(dim=-1, keepdim=True)
+    safe_l = torch.where(l > 0, l, torch.ones_like(l))
+    p = p / safe_l
+    if dropout_p > 0.0:
+        dk = dropout_keep(seed, dropout_p, p.shape, p.device)
+        p = torch.where(dk, p / (1.0 - dropout_p), torch.zeros_like(p))
+    vv = _expand_kv(v, q.shape[1]).to(p.dtype)
+    out = torch.matmul(p, vv).to(q.dtype)
+    lse = torch.where(l > 0, m + torch.log(safe_l), torch.full_like(l, float("-inf")))
+    return out, lse.squeeze(-1).to(torch.float32)
+
+
+def _sum_groups(x: torch.Tensor, hk: int) -> torch.Tensor:
+    B, H, N, D = x.shape
+    return x if H == hk else x.view(B, hk, H // hk, N, D).sum(2)
+
+
+def attention_backward(q, k, v, attn_mask, grad_out, *, spec: AttentionSpec, q_aux=None, k_aux=None,
+                       block_pattern=None, dropout_p: float = 0.0, seed: int = 0, need_mask_grad: bool = False):
+    """Analytic gradients of :func:`attention` (the policy's selection is held fixed, so gradients
+    flow only through kept entries). Returns ``(dq, dk, dv, dbias | None)``; ``dbias`` has the full
+    ``(B, Hq, Nq, Nk)`` shape."""
+    if spec.policy.name == "dfss" and spec.dtype is None:
+        spec = spec.replace(dtype=str(q.dtype).replace("torch.", ""))
+    D = q.shape[-1]
+    Hq, Hk = q.shape[1], k.shape[1]
+    scale = spec.scale if spec.scale is not None else 1.0 / math.sqrt(D)
+    s, allowed = logits(spec, q, k, attn_mask)
+    keep = keep_mask(spec, s, allowed, q_aux, k_aux, block_pattern)
+    sk = torch.where(keep, s, torch.full_like(s, float("-inf")))
+    m = sk.amax(dim=-1, keepdim=True)
+    m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+    p = torch.where(keep, torch.exp(sk - m), torch.zeros_like(s))
+    l = p.sum(dim=-1, keepdim=True)
+    p = p / torch.where(l > 0, l, torch.ones_like(l))
+    ct = p.dtype
+    do = grad_out.to(ct)
+    vv = _expand_kv(v, Hq).to(ct)
+    if dropout_p > 0.0:
+        dk_mask = dropout_keep(seed, dropout_p, p.shape, p.device).to(ct) / (1.0 - dropout_p)
+    else:
+        dk_mask = None
+    pd = p if dk_mask is None else p * dk_mask
+    dv = _sum_groups(torch.matmul(pd.transpose(-1, -2), do), Hk)
+    dp = torch.matmul(do, vv.transpose(-1, -2))
+    if dk_mask is not None:
+        dp = dp * dk_mask
+    ds = p * (dp - (dp * p).sum(dim=-1, keepdim=True))
+    dq = torch.matmul(ds, _expand_kv(k, Hq).to(ct)) * scale
+    dkk = _sum_groups(torch.matmul(ds.transpose(-1, -2), q.to(ct)), Hk) * scale
+    return dq.to(q.dtype), dkk.to(k.dtype), dv.to(v.dtype), (ds if need_mask_grad else None)
+
+
+class ReferenceBackend:
+    """Backend object for the runtime's dispatch: exact, any device, any float dtype."""
+
+    name = "reference"
+
+    def supports(self, spec: AttentionSpec, q: torch.Tensor) -> Optional[str]:
+        return None
+
+    def forward(self, spec, q, k, v, attn_mask, q_aux, k_aux, block_pattern, dropout_p, seed):
+        with torch.no_grad():
+            return attention(q, k, v, attn_mask, spec=spec, q_aux=q_aux, k_aux=k_aux,
+                             block_pattern=block_pattern, dropout_p=dropout_p, seed=seed)
+
+    def backward(self, spec, q, k, v, attn_mask, q_aux, k_aux, block_pattern, dropout_p, seed,
+                 out, lse, grad_out, need_mask_grad=False):
+        return attention_backward(q, k, v, attn_mask, grad_out, spec=spec, q_aux=q_aux, k_aux=k_aux,
+                                  block_pattern=block_pattern, dropout_p=dropout_p, seed=seed,
+                                  need_mask_grad=need_mask_grad)

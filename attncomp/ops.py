@@ -1,0 +1,268 @@
+"""The ``attncomp::attention`` custom op: the single IR node every matched site becomes.
+
+Schema::
+
+    attncomp::attention(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor? q_aux,
+                        Tensor? k_aux, Tensor? block_pattern, str spec, float dropout_p,
+                        int seed) -> (Tensor out, Tensor lse)
+
+``spec`` is the canonical JSON of an :class:`~attncomp.spec.AttentionSpec`. ``q_aux``/``k_aux``
+are the policy's per-token tensors (hash buckets or keep masks), always explicit at the op: the
+Python entry point :func:`attention` derives them (LSH, seeded draws) before calling the op, so the
+forward and backward of one call see the same ones. ``lse`` is the float32 log-sum-exp of the kept
+logits per query row (``-inf`` for a row with no kept key); backends use it for the backward.
+
+The op has a fake implementation (shapes only) and autograd, so graphs that contain it run forward
+and backward, and export with ``torch.export``.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import itertools
+import logging
+from typing import Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from .policy import DFSS, Drop, Hash, SPION, ceil_div, keep_mask, lsh_buckets
+from .spec import AttentionSpec
+
+__all__ = ["attention", "check_inputs", "materialize_aux", "site_dropout", "next_seed", "training_mode"]
+
+log = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------------------------
+# Input validation (shared by the functional API and the op).
+
+def _shape(t) -> Tuple[int, ...]:
+    return tuple(int(s) for s in t.shape)
+
+
+def check_inputs(spec: AttentionSpec, q, k, v, attn_mask=None, q_aux=None, k_aux=None,
+                 block_pattern=None, enable_gqa: bool = True) -> None:
+    """Raise ``ValueError`` naming the expected shape/dtype for any input that does not fit."""
+    for nm, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise ValueError(f"{nm} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{nm} must have shape (B, H, N, D), got {tuple(t.shape)}")
+        if not t.is_floating_point():
+            raise ValueError(f"{nm} must be a floating-point tensor, got {t.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    B, Hq, Nq, D = _shape(q)
+    Bk, Hk, Nk, Dk = _shape(k)
+    if Bk != B or v.shape[0] != B:
+        raise ValueError(f"batch sizes differ: q {B}, k {Bk}, v {v.shape[0]}")
+    if Dk != D:
+        raise ValueError(f"k must have head dim {D} like q, got {tuple(k.shape)}")
+    if _shape(v)[1:3] != (Hk, Nk):
+        raise ValueError(f"v must have shape ({B}, {Hk}, {Nk}, Dv) like k, got {tuple(v.shape)}")
+    if Hq % Hk:
+        raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hk})")
+    if Hq != Hk and not enable_gqa:
+        raise ValueError(f"q has {Hq} heads but k/v have {Hk}: pass enable_gqa=True for grouped-query attention")
+    if attn_mask is not None:
+        if not isinstance(attn_mask, Tensor):
+            raise ValueError(f"attn_mask must be a tensor or None, got {type(attn_mask).__name__}")
+        if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+            raise ValueError(f"attn_mask must be bool or floating point, got {attn_mask.dtype}")
+        full = (B, Hq, Nq, Nk)
+        ms = _shape(attn_mask)
+        if len(ms) > 4 or any(a not in (1, b) for a, b in zip(ms[::-1], full[::-1])):
+            raise ValueError(f"attn_mask of shape {ms} does not broadcast to (B, Hq, Nq, Nk) = {full}")
+    pol = spec.policy
+    given = {"q_aux": q_aux, "k_aux": k_aux, "block_pattern": block_pattern}
+    if isinstance(pol, Hash):
+        _check_token(q_aux, "q_buckets", (B, Hq, Nq), "integer")
+        _check_token(k_aux, "k_buckets", (B, Hk, Nk), "integer")
+        for t, nm in ((q_aux, "q_buckets"), (k_aux, "k_buckets")):
+            if t.numel() and (int(t.max().item()) >= 2 ** 31 or int(t.min().item()) < -(2 ** 31)):
+                raise ValueError(f"{nm} ids must fit in int32")
+    elif isinstance(pol, Drop):
+        _check_token(q_aux, "q_keep", (B, Hq, Nq), "bool")
+        _check_token(k_aux, "k_keep", (B, Hk, Nk), "bool")
+    elif q_aux is not None or k_aux is not None:
+        raise ValueError(f"policy {pol.name!r} takes no bucket or keep tensors")
+    if isinstance(pol, SPION):
+        bs = pol.block_size
+        exp = (ceil_div(Nq, bs), ceil_div(Nk, bs))
+        if block_pattern is None:
+            raise ValueError("policy 'spion' needs a block_pattern")
+        bp = _shape(block_pattern)
+        if len(bp) != 3 or bp[0] not in (1, Hq) or bp[1:] != exp:
+            raise ValueError(f"block_pattern must have shape ({Hq} or 1, {exp[0]}, {exp[1]}) for block size {bs}, got {bp}")
+        if block_pattern.dtype != torch.bool:
+            raise ValueError(f"block_pattern must be bool, got {block_pattern.dtype}")
+    elif block_pattern is not None:
+        raise ValueError(f"policy {pol.name!r} takes no block_pattern")
+    del given
+
+
+def _check_token(t, name: str, shape, kind: str) -> None:
+    if t is None:
+        raise ValueError(f"{name} is required: expected a {kind} tensor of shape {shape}")
+    ok = (t.dtype == torch.bool) if kind == "bool" else (not t.is_floating_point() and t.dtype != torch.bool)
+    if not isinstance(t, Tensor) or not ok:
+        raise ValueError(f"{name} must be a {kind} tensor of shape {shape}, got dtype {getattr(t, 'dtype', type(t))}")
+    if _shape(t) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {_shape(t)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-call state of compiled modules: training mode (dropout, fresh drop draws) and seeds.
+
+_training = contextvars.ContextVar("attncomp_training", default=None)
+_step = itertools.count()
+
+
+class training_mode:
+    """Context manager set by compiled modules: whether sites run in training mode."""
+
+    def __init__(self, training: bool):
+        self.training = training
+
+    def __enter__(self):
+        self._tok = _training.set(self.training)
+
+    def __exit__(self, *exc):
+        _training.reset(self._tok)
+
+
+@torch.fx.wrap
+def site_dropout(p: float) -> float:
+    """The dropout rate a site applies now: its rate in training mode, 0 in eval mode."""
+    t = _training.get()
+    return p if (t is None or t) else 0.0
+
+
+@torch.fx.wrap
+def next_seed(base: int = 0) -> int:
+    """A fresh seed per training call; ``base`` in eval mode (reproducible inference)."""
+    if _training.get():
+        return (int(base) + 0x9E37 * next(_step)) & 0x7FFFFFFF
+    return int(base)
+
+
+def materialize_aux(spec: AttentionSpec, q, k, q_aux=None, k_aux=None, seed: Optional[int] = None):
+    """Derive the policy's per-token tensors that the caller did not give."""
+    pol = spec.policy
+    if isinstance(pol, Hash):
+        if (q_aux is None) != (k_aux is None):
+            raise ValueError("give both q_buckets and k_buckets, or neither")
+        if q_aux is None:
+            with torch.no_grad():
+                q_aux, k_aux = lsh_buckets(q.detach(), k.detach(), pol.n_buckets, pol.seed)
+    elif isinstance(pol, Drop):
+        s = pol.seed if seed is None else seed
+        B, Hq, Nq = q.shape[:3]
+        Hk, Nk = k.shape[1:3]
+        if q_aux is None:
+            q_aux = keep_mask((B, Hq, Nq), pol.q_rate, s, 0, q.device)
+        if k_aux is None:
+            k_aux = keep_mask((B, Hk, Nk), pol.k_rate, s, 1, q.device)
+    return q_aux, k_aux
+
+
+# ---------------------------------------------------------------------------------------------
+# The op.
+
+def _backend_for(spec: AttentionSpec, q: Tensor):
+    from .runtime.dispatch import select_backend
+
+    return select_backend(spec, q)
+
+
+@torch.library.custom_op("attncomp::attention", mutates_args=())
+def _attention_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], q_aux: Optional[Tensor],
+                  k_aux: Optional[Tensor], block_pattern: Optional[Tensor], spec: str, dropout_p: float,
+                  seed: int) -> Tuple[Tensor, Tensor]:
+    s = AttentionSpec.from_json(spec)
+    be = _backend_for(s, q)
+    out, lse = be.forward(s, q, k, v, attn_mask, q_aux, k_aux, block_pattern, dropout_p, seed)
+    return out, lse
+
+
+@_attention_op.register_fake
+def _(q, k, v, attn_mask, q_aux, k_aux, block_pattern, spec, dropout_p, seed):
+    B, Hq, Nq, _ = q.shape
+    out = q.new_empty((B, Hq, Nq, v.shape[-1]))
+    lse = q.new_empty((B, Hq, Nq), dtype=torch.float32)
+    return out, lse
+
+
+@torch.library.custom_op("attncomp::attention_backward", mutates_args=())
+def _attention_backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
+                           q_aux: Optional[Tensor], k_aux: Optional[Tensor], block_pattern: Optional[Tensor],
+                           out: Tensor, lse: Tensor, spec: str, dropout_p: float, seed: int,
+                           need_mask_grad: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    s = AttentionSpec.from_json(spec)
+    be = _backend_for(s, q)
+    dq, dk, dv, dm = be.backward(s, q, k, v, attn_mask, q_aux, k_aux, block_pattern, dropout_p, seed,
+                                 out, lse, grad_out, need_mask_grad=need_mask_grad)
+    if need_mask_grad and dm is None:
+        from .codegen import get_backend
+
+        dm = get_backend("reference").backward(s, q, k, v, attn_mask, q_aux, k_aux, block_pattern, dropout_p,
+                                               seed, out, lse, grad_out, need_mask_grad=True)[3]
+    if dm is None:
+        dm = q.new_empty((0,))
+    else:
+        dm = _reduce_to(dm, attn_mask.shape).to(attn_mask.dtype)
+    return dq, dk, dv, dm
+
+
+def _reduce_to(g: Tensor, shape) -> Tensor:
+    while g.dim() > len(shape):
+        g = g.sum(0)
+    for d, n in enumerate(shape):
+        if n == 1 and g.shape[d] != 1:
+            g = g.sum(d, keepdim=True)
+    return g.contiguous()
+
+
+@_attention_backward_op.register_fake
+def _(grad_out, q, k, v, attn_mask, q_aux, k_aux, block_pattern, out, lse, spec, dropout_p, seed, need_mask_grad):
+    dm = attn_mask.new_empty(attn_mask.shape) if need_mask_grad else q.new_empty((0,))
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dm
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, attn_mask, q_aux, k_aux, block_pattern, spec, dropout_p, seed = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, attn_mask, q_aux, k_aux, block_pattern, out, lse)
+    ctx.spec, ctx.dropout_p, ctx.seed = spec, dropout_p, seed
+    ctx.need_mask_grad = attn_mask is not None and attn_mask.is_floating_point() and attn_mask.requires_grad
+
+
+def _backward(ctx, grad_out, grad_lse):
+    q, k, v, attn_mask, q_aux, k_aux, block_pattern, out, lse = ctx.saved_tensors
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    dq, dk, dv, dm = _attention_backward_op(grad_out.contiguous(), q, k, v, attn_mask, q_aux, k_aux,
+                                            block_pattern, out, lse, ctx.spec, ctx.dropout_p, ctx.seed,
+                                            ctx.need_mask_grad)
+    return dq, dk, dv, (dm if ctx.need_mask_grad else None), None, None, None, None, None, None
+
+
+_attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None, *, spec: AttentionSpec,
+              q_aux: Optional[Tensor] = None, k_aux: Optional[Tensor] = None,
+              block_pattern: Optional[Tensor] = None, dropout_p: float = 0.0, seed: int = 0,
+              draw_seed: Optional[int] = None) -> Tensor:
+    """Run one attention site: derive missing policy tensors, then call ``attncomp::attention``."""
+    q_aux, k_aux = materialize_aux(spec, q, k, q_aux, k_aux, draw_seed)
+    out, _ = torch.ops.attncomp.attention(q, k, v, attn_mask, q_aux, k_aux, block_pattern, spec.to_json(),
+                                          float(dropout_p), int(seed))
+    return out
+
+
+def op_inputs(node_args: Sequence) -> dict:
+    """Name the positional arguments of an ``attncomp::attention`` node (for passes and the report)."""
+    names = ("q", "k", "v", "attn_mask", "q_aux", "k_aux", "block_pattern", "spec", "dropout_p", "seed")
+    return dict(zip(names, node_args))

@@ -1,0 +1,59 @@
+"""The pass pipeline: an ordered list of passes, run with a graph lint after each in debug mode.
+
+A pass that raises is named in the error together with the passes that ran before it;
+``ATTNCOMP_DEBUG=1`` logs the graph after every pass.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Callable, List, Sequence, Tuple
+
+import torch.fx as fx
+
+from .base import CompileContext, PassResult
+
+log = logging.getLogger(__name__)
+
+__all__ = ["PassError", "default_passes", "run_passes"]
+
+Pass = Callable[[fx.GraphModule, CompileContext], PassResult]
+
+
+class PassError(RuntimeError):
+    pass
+
+
+def default_passes() -> List[Tuple[str, Pass]]:
+    """The compile pipeline after capture, in order."""
+    from . import canonicalize, match_attention, scale_reorder, fold_wv_wo, sparsify, select_backend
+
+    return [
+        ("canonicalize", canonicalize.canonicalize),
+        ("match_attention", match_attention.match_attention),
+        ("scale_reorder", scale_reorder.scale_reorder),
+        ("fold_wv_wo", fold_wv_wo.fold_wv_wo),
+        ("sparsify", sparsify.sparsify),
+        ("select_backend", select_backend.select_backend),
+    ]
+
+
+def run_passes(gm: fx.GraphModule, ctx: CompileContext, passes: Sequence[Tuple[str, Pass]] = None) -> fx.GraphModule:
+    passes = default_passes() if passes is None else passes
+    debug = os.environ.get("ATTNCOMP_DEBUG", "0") == "1"
+    done: List[str] = []
+    for name, fn in passes:
+        try:
+            res = fn(gm, ctx)
+        except Exception as e:
+            raise PassError(f"pass {name!r} failed (after {', '.join(done) or 'capture'}): {e}") from e
+        gm = res.graph_module
+        if res.modified:
+            gm.graph.eliminate_dead_code()
+            gm.recompile()
+        if debug:
+            gm.graph.lint()
+            log.warning("attncomp: graph after %s:\n%s", name, gm.graph)
+        done.append(name)
+    return gm
