@@ -1,0 +1,20 @@
+import os
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path_factory, monkeypatch):
+    """Each test uses a private kernel/autotune cache unless it sets its own."""
+    if "ATTNCOMP_CACHE_DIR" not in os.environ or os.environ.get("ATTNCOMP_TEST_SHARED_CACHE") != "1":
+        monkeypatch.setenv("ATTNCOMP_CACHE_DIR", str(tmp_path_factory.mktemp("attncomp-cache")))

@@ -1,0 +1,45 @@
+"""Shared test helpers: tolerances per dtype, fresh random inputs, poisoning, closeness checks."""
+
+from __future__ import annotations
+
+import torch
+
+#: (atol, rtol) for comparing a kernel's output with the reference computed in float64
+TOL = {
+    torch.float64: (1e-10, 1e-10),
+    torch.float32: (2e-3, 2e-3),  # Triton's float32 dot runs as tf32
+    torch.float16: (2e-2, 2e-2),
+    torch.bfloat16: (4e-2, 4e-2),
+}
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype = None, msg: str = ""):
+    dtype = dtype or actual.dtype
+    atol, rtol = TOL[dtype]
+    assert not torch.isnan(actual).any(), f"NaN in output {msg}"
+    torch.testing.assert_close(actual.double(), expected.double(), atol=atol, rtol=rtol, msg=lambda m: f"{msg}\n{m}")
+
+
+def poison(t: torch.Tensor) -> torch.Tensor:
+    """Fill with NaN (floats) or a sentinel (ints) so unwritten elements are caught."""
+    return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-12345)
+
+
+def qkv(B, Hq, Nq, D, *, Hk=None, Nk=None, Dv=None, dtype=torch.float32, device="cpu", requires_grad=False, seed=None):
+    """Fresh random q, k, v (never zeros)."""
+    g = torch.Generator(device="cpu")
+    g.manual_seed(seed if seed is not None else torch.randint(0, 2**31 - 1, (1,)).item())
+    Hk = Hk or Hq
+    Nk = Nk or Nq
+    Dv = Dv or D
+
+    def mk(*shape):
+        t = torch.randn(*shape, generator=g, dtype=torch.float32).to(device=device, dtype=dtype)
+        return t.requires_grad_(requires_grad)
+
+    return mk(B, Hq, Nq, D), mk(B, Hk, Nk, D), mk(B, Hk, Nk, Dv)
