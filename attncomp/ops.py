@@ -266,3 +266,9 @@ def op_inputs(node_args: Sequence) -> dict:
     """Name the positional arguments of an ``attncomp::attention`` node (for passes and the report)."""
     names = ("q", "k", "v", "attn_mask", "q_aux", "k_aux", "block_pattern", "spec", "dropout_p", "seed")
     return dict(zip(names, node_args))
+
+
+def is_attention_node(node) -> bool:
+    """Whether an fx node calls ``attncomp::attention`` (overload or packet)."""
+    return node.op == "call_function" and node.target in (torch.ops.attncomp.attention.default,
+                                                          torch.ops.attncomp.attention)
