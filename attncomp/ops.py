@@ -176,11 +176,18 @@ def _backend_for(spec: AttentionSpec, q: Tensor):
     return select_backend(spec, q)
 
 
+def _resolve(s: AttentionSpec, q: Tensor) -> AttentionSpec:
+    """Fill in what the compiler could not know: the dtype and the dtype-dependent policy defaults."""
+    if s.dtype is None or s.policy.resolved(q.dtype) != s.policy:
+        s = s.replace(dtype=str(q.dtype).replace("torch.", ""), policy=s.policy.resolved(q.dtype))
+    return s
+
+
 @torch.library.custom_op("attncomp::attention", mutates_args=())
 def _attention_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], q_aux: Optional[Tensor],
                   k_aux: Optional[Tensor], block_pattern: Optional[Tensor], spec: str, dropout_p: float,
                   seed: int) -> Tuple[Tensor, Tensor]:
-    s = AttentionSpec.from_json(spec)
+    s = _resolve(AttentionSpec.from_json(spec), q)
     be = _backend_for(s, q)
     out, lse = be.forward(s, q, k, v, attn_mask, q_aux, k_aux, block_pattern, dropout_p, seed)
     return out, lse
@@ -199,7 +206,7 @@ def _attention_backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, at
                            q_aux: Optional[Tensor], k_aux: Optional[Tensor], block_pattern: Optional[Tensor],
                            out: Tensor, lse: Tensor, spec: str, dropout_p: float, seed: int,
                            need_mask_grad: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    s = AttentionSpec.from_json(spec)
+    s = _resolve(AttentionSpec.from_json(spec), q)
     be = _backend_for(s, q)
     dq, dk, dv, dm = be.backward(s, q, k, v, attn_mask, q_aux, k_aux, block_pattern, dropout_p, seed,
                                  out, lse, grad_out, need_mask_grad=need_mask_grad)
@@ -272,3 +279,10 @@ def is_attention_node(node) -> bool:
     """Whether an fx node calls ``attncomp::attention`` (overload or packet)."""
     return node.op == "call_function" and node.target in (torch.ops.attncomp.attention.default,
                                                           torch.ops.attncomp.attention)
+
+
+@torch.fx.wrap
+def policy_aux(spec_json: str, q: Tensor, k: Tensor, draw_seed: Optional[int] = None):
+    """The policy's per-token tensors for a compiled site (LSH buckets, or keep masks drawn from
+    ``draw_seed``), as a pair ``(q_aux, k_aux)``."""
+    return materialize_aux(AttentionSpec.from_json(spec_json), q, k, None, None, draw_seed)

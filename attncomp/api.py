@@ -1,0 +1,284 @@
+"""Public API: ``compile``, ``backend`` (the torch.compile route), ``report``, ``export``, ``load``."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from . import ops
+from .passes.base import CompileContext, SiteReport
+from .passes.capture import CaptureError, capture, split_inputs
+from .passes.pipeline import run_passes
+from .policy import Policy, get_policy
+from .spec import BACKENDS
+
+log = logging.getLogger(__name__)
+
+__all__ = ["compile", "backend", "report", "export", "load", "CompiledModule", "Report", "CaptureError"]
+
+_FALLBACKS = ("error", "eager")
+
+
+@dataclass
+class Report:
+    """What a compile found and did: one entry per attention site, plus counters and notes."""
+
+    sites: List[SiteReport] = field(default_factory=list)
+    policy: str = ""
+    backend: str = ""
+    capture: str = ""
+    counters: Dict[str, Dict[str, int]] = field(default_factory=dict)
+    notes: List[str] = field(default_factory=list)
+
+    @property
+    def rewritten(self) -> int:
+        return sum(s.rewritten for s in self.sites)
+
+    def __str__(self) -> str:
+        head = (f"attncomp report: policy={self.policy} backend={self.backend} capture={self.capture}\n"
+                f"{len(self.sites)} attention site(s), {self.rewritten} rewritten")
+        rows = [("site", "pattern", "policy", "rewrites", "reason / notes")]
+        for s in self.sites:
+            notes = s.reason if not s.rewritten else "; ".join(
+                f"{k}: {v}" for k, v in s.details.items() if k != "notes") or ""
+            rows.append((s.name, s.pattern or "-", s.policy, ", ".join(s.rewrites) or "-",
+                         ("NOT REWRITTEN: " + (s.reason or "")) if not s.rewritten else notes))
+        widths = [min(48, max(len(str(r[i])) for r in rows)) for i in range(4)]
+        lines = [head, ""]
+        for r in rows:
+            cells = [str(c)[:w].ljust(w) for c, w in zip(r[:4], widths)]
+            lines.append("  ".join(cells + [str(r[4])]).rstrip())
+        if self.notes:
+            lines.append("")
+            lines.extend(f"note: {n}" for n in self.notes)
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+def _make_report(ctx: CompileContext) -> Report:
+    return Report(sites=ctx.sites, policy=ctx.policy.describe(), backend=ctx.backend, capture=ctx.capture,
+                  counters={k: dict(v) for k, v in ctx.counters.items()}, notes=ctx.notes)
+
+
+def _check_options(policy, backend: str, fallback: str) -> Policy:
+    pol = get_policy(policy)
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; valid backends: {', '.join(BACKENDS)}")
+    if fallback not in _FALLBACKS:
+        raise ValueError(f"fallback must be one of {_FALLBACKS}, got {fallback!r}")
+    return pol
+
+
+def _frozen(model: nn.Module) -> bool:
+    return not model.training and not any(p.requires_grad for p in model.parameters())
+
+
+class CompiledModule(nn.Module):
+    """The compiled model: same call signature and outputs as the original.
+
+    Holds the rewritten graph module (which shares the original's parameters, plus any folded copies
+    the rewrites made). ``train()``/``eval()`` switch dropout and per-step draws of the sites. If no
+    example inputs were given, the model is captured on its first call.
+    """
+
+    def __init__(self, model: nn.Module, policy: Policy, backend: str, example_inputs, inference: Optional[bool],
+                 fallback: str, options: Dict[str, Any]):
+        super().__init__()
+        self._policy, self._backend, self._fallback = policy, backend, fallback
+        self._inference, self._options = inference, options
+        self._lock = threading.Lock()
+        self._report: Optional[Report] = None
+        self.graph_module: Optional[fx.GraphModule] = None
+        object.__setattr__(self, "_original", model)  # not a submodule: parameters are not listed twice
+        self.train(model.training)
+        if example_inputs is not None:
+            self._build(example_inputs)
+
+    @property
+    def original(self) -> nn.Module:
+        return self._original
+
+    def _build(self, example_inputs) -> None:
+        model = self._original
+        inference = _frozen(model) if self._inference is None else bool(self._inference)
+        ctx = CompileContext(policy=self._policy, backend=self._backend, inference=inference,
+                             options=dict(self._options))
+        gm = capture(model, example_inputs, ctx)
+        gm = run_passes(gm, ctx)
+        self.graph_module = gm
+        self._report = _make_report(ctx)
+        if not self._report.sites:
+            self._report.notes.append("no attention site found: the model runs unchanged")
+        log.info("%s", self._report)
+
+    def forward(self, *args, **kwargs):
+        if self.graph_module is None:
+            with self._lock:
+                if self.graph_module is None:
+                    self._build(kwargs if (kwargs and not args) else (args if not kwargs else _merge(self._original, args, kwargs)))
+        with ops.training_mode(self.training):
+            return self.graph_module(*args, **kwargs)
+
+    def report(self) -> Report:
+        if self._report is None:
+            return Report(policy=self._policy.describe(), backend=self._backend,
+                          notes=["not captured yet: the model is compiled on its first call"])
+        return self._report
+
+
+def _merge(model, args, kwargs):
+    import inspect
+
+    bound = inspect.signature(model.forward).bind(*args, **kwargs)
+    return dict(bound.arguments)
+
+
+def compile(model: nn.Module, policy: Union[str, Policy] = "dense", *, example_inputs=None, backend: str = "auto",
+            fallback: str = "error", inference: Optional[bool] = None, **options) -> nn.Module:
+    """Compile the attention of ``model``.
+
+    Every attention site (``QK^T -> scale -> mask -> softmax -> dropout -> AV``, however written, and
+    ``scaled_dot_product_attention`` calls) becomes one ``attncomp::attention`` op running ``policy``
+    (``"dense"``, ``"dfss"``, ``"hash"``, ``"drop"``, ``"spion"``, ``"et"`` or a policy object) on
+    ``backend`` (``"auto"``: Triton on CUDA, the exact reference elsewhere).
+
+    ``example_inputs``: a tuple of positional arguments or a dict of keyword arguments; without it the
+    model is captured on its first call. ``fallback="eager"`` returns the original module (with a
+    warning) when the model cannot be captured. ``inference`` says whether weights are frozen (default:
+    eval mode and no parameter requires grad), which lets rewrites fold constants into weights. The
+    user's module and its parameters are never modified.
+    """
+    pol = _check_options(policy, backend, fallback)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"attncomp.compile expects an nn.Module, got {type(model).__name__}")
+    try:
+        return CompiledModule(model, pol, backend, example_inputs, inference, fallback, options)
+    except CaptureError as e:
+        if fallback == "eager":
+            warnings.warn(f"attncomp: returning the original module: {e}", RuntimeWarning, stacklevel=2)
+            return model
+        raise
+
+
+def report(obj) -> Report:
+    """The report of a compiled module (or of a :func:`backend` after ``torch.compile`` ran it)."""
+    if isinstance(obj, CompiledModule):
+        return obj.report()
+    if isinstance(obj, _DynamoBackend):
+        return obj.report()
+    rep = getattr(obj, "_attncomp_report", None)
+    if rep is not None:
+        return rep
+    inner = getattr(obj, "_orig_mod", None)
+    if isinstance(inner, CompiledModule):
+        return inner.report()
+    raise TypeError(f"no attncomp report for {type(obj).__name__}: pass a module returned by attncomp.compile "
+                    "or attncomp.load, or the object returned by attncomp.backend()")
+
+
+class _DynamoBackend:
+    """A ``torch.compile`` backend: runs the attncomp passes on each graph dynamo captures."""
+
+    def __init__(self, policy: Policy, backend: str, inference: Optional[bool]):
+        self.policy, self.backend, self.inference = policy, backend, inference
+        self.contexts: List[CompileContext] = []
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor]):
+        ctx = CompileContext(policy=self.policy, backend=self.backend, inference=bool(self.inference),
+                             capture="torch.compile (dynamo)")
+        _propagate_fake(gm, example_inputs)
+        gm = run_passes(gm, ctx)
+        self.contexts.append(ctx)
+
+        def run(*args):
+            return gm(*args)
+
+        return run
+
+    def report(self) -> Report:
+        ctx = CompileContext(policy=self.policy, backend=self.backend, capture="torch.compile (dynamo)")
+        for c in self.contexts:
+            ctx.sites.extend(c.sites)
+            ctx.notes.extend(c.notes)
+            for k, v in c.counters.items():
+                ctx.counters[k].update(v)
+        return _make_report(ctx)
+
+
+def _propagate_fake(gm: fx.GraphModule, example_inputs) -> None:
+    """Dynamo graphs carry ``example_value`` on nodes; expose it as ``val`` for the passes."""
+    for n in gm.graph.nodes:
+        ev = n.meta.get("example_value")
+        if isinstance(ev, torch.Tensor) and "val" not in n.meta:
+            n.meta["val"] = ev
+
+
+def backend(policy: Union[str, Policy] = "dense", *, backend: str = "auto", inference: Optional[bool] = None):
+    """A backend for ``torch.compile(model, backend=attncomp.backend(policy=...))``; the same passes as
+    :func:`compile`. ``attncomp.report(the_backend)`` lists the sites of every graph it compiled."""
+    pol = _check_options(policy, backend, "error")
+    return _DynamoBackend(pol, backend, inference)
+
+
+def export(compiled: nn.Module, path: str, example_inputs=None) -> str:
+    """Export a compiled module ahead of time to ``path`` (see :mod:`attncomp.runtime.package`)."""
+    from .runtime import package
+
+    if not isinstance(compiled, CompiledModule):
+        raise TypeError("attncomp.export expects a module returned by attncomp.compile")
+    if compiled.graph_module is None:
+        if example_inputs is None:
+            raise ValueError("the module was never called: pass example_inputs to export it")
+        compiled._build(example_inputs)
+    if example_inputs is None:
+        raise ValueError("attncomp.export needs example_inputs (a tuple of arguments or a dict of keyword arguments)")
+    args, kwargs = split_inputs(example_inputs)
+    from .passes.capture import _dynamic_shapes
+
+    dyn_args, dyn_kwargs = _dynamic_shapes(args, kwargs)
+    dynamic = dyn_kwargs if (kwargs and not args) else dyn_args
+    gm = compiled.graph_module
+    with ops.training_mode(False), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            ep = torch.export.export(gm, args, kwargs, dynamic_shapes=dynamic, strict=False)
+        except Exception:
+            ep = torch.export.export(gm, args, kwargs, strict=False)
+    rep = compiled.report()
+    meta = {"report": {"policy": rep.policy, "backend": rep.backend, "capture": rep.capture,
+                       "sites": [s.as_dict() for s in rep.sites], "notes": rep.notes}}
+    package.save_package(path, ep, meta)
+    return path
+
+
+class LoadedModule(nn.Module):
+    """A module loaded from a package: runs the exported program; no tracing, matching or tuning."""
+
+    def __init__(self, ep, meta: Dict[str, Any]):
+        super().__init__()
+        self.program = ep.module()
+        r = meta.get("report", {})
+        self._attncomp_report = Report(sites=[SiteReport(**s) for s in r.get("sites", [])],
+                                       policy=r.get("policy", ""), backend=r.get("backend", ""),
+                                       capture="loaded package (" + r.get("capture", "") + ")",
+                                       notes=list(r.get("notes", [])))
+
+    def forward(self, *args, **kwargs):
+        with ops.training_mode(False):
+            return self.program(*args, **kwargs)
+
+
+def load(path: str) -> nn.Module:
+    """Load a package written by :func:`export`; refuses tampered or incompatible packages."""
+    from .runtime import package
+
+    ep, meta = package.load_package(path)
+    return LoadedModule(ep, meta)

@@ -1,0 +1,284 @@
+"""Canonicalise the spellings of the operations attention is written with, so one shape is matched.
+
+Matches: any node of a captured graph (torch.fx ``symbolic_trace``, ``torch.export`` aten graphs, or
+dynamo graphs) that spells one of the operations below.
+
+Requires: a graph from :mod:`attncomp.passes.capture`.
+
+Guarantees (same values, canonical spelling, as ``call_function`` nodes):
+
+* ``torch.matmul(a, b)``: from ``@``, ``matmul``/``bmm`` (functions, methods, aten), and two-operand
+  ``einsum`` equations that are batched matrix products (``bhid,bhjd->bhij`` and friends);
+* ``torch.transpose(x, d0, d1)``: from methods, aten, ``.mT``, ``swapaxes``/``swapdims``;
+* ``torch.mul(a, b)`` / ``torch.div(a, b)`` / ``torch.add(a, b)``: from operators, methods, aten;
+  division by a Python number becomes multiplication by its reciprocal;
+* ``torch.where(cond, a, b)``: from ``masked_fill`` (``where(mask, value, x)``);
+* ``torch.softmax(x, dim, dtype=...)``: from ``F.softmax``, methods, ``nn.Softmax`` modules, aten;
+* ``torch.nn.functional.dropout(x, p, training)``: from ``nn.Dropout`` modules (marked in
+  ``node.meta["attncomp_module_dropout"]``: their rate follows the module's mode at run time) and aten;
+* ``torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal,
+  scale=, enable_gqa=)``: from aten;
+* casts ``x.to(dtype)`` (``call_method`` ``to`` with one dtype argument): from ``float()``, ``half()``,
+  ``bfloat16()``, ``type(dtype)``, aten ``to``/``_to_copy``;
+* in-place ``masked_fill_``/``add_``/``mul_``/``div_`` on a value become out-of-place, and later readers
+  of the mutated value read the new node (functionalisation of those four).
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import re
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .base import CompileContext, PassResult
+
+log = logging.getLogger(__name__)
+
+__all__ = ["canonicalize", "MATMUL", "TRANSPOSE", "MUL", "DIV", "ADD", "WHERE", "SOFTMAX", "DROPOUT", "SDPA",
+           "is_cast", "cast_dtype"]
+
+aten = torch.ops.aten
+
+MATMUL = torch.matmul
+TRANSPOSE = torch.transpose
+MUL = torch.mul
+DIV = torch.div
+ADD = torch.add
+WHERE = torch.where
+SOFTMAX = torch.softmax
+DROPOUT = F.dropout
+SDPA = F.scaled_dot_product_attention
+
+_MATMULS = {operator.matmul, torch.matmul, torch.bmm, aten.matmul.default, aten.bmm.default}
+_TRANSPOSES = {torch.transpose, torch.swapaxes, torch.swapdims, aten.transpose.int}
+_MULS = {operator.mul, torch.mul, aten.mul.Tensor, aten.mul.Scalar}
+_DIVS = {operator.truediv, torch.div, torch.true_divide, aten.div.Tensor, aten.div.Scalar}
+_ADDS = {operator.add, torch.add, aten.add.Tensor, aten.add.Scalar}
+_WHERES = {torch.where, aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar}
+_MASKED_FILLS = {torch.masked_fill, aten.masked_fill.Scalar, aten.masked_fill.Tensor}
+_SOFTMAXES = {torch.softmax, F.softmax, torch.nn.functional.softmax, aten.softmax.int, torch.special.softmax}
+_DROPOUTS = {F.dropout, torch.dropout, aten.dropout.default}
+_SDPAS = {F.scaled_dot_product_attention, aten.scaled_dot_product_attention.default}
+_METHOD_MAP = {
+    "matmul": MATMUL, "bmm": MATMUL, "__matmul__": MATMUL,
+    "transpose": TRANSPOSE, "swapaxes": TRANSPOSE, "swapdims": TRANSPOSE,
+    "mul": MUL, "__mul__": MUL, "div": DIV, "__truediv__": DIV, "true_divide": DIV,
+    "add": ADD, "__add__": ADD,
+    "softmax": SOFTMAX,
+}
+_INPLACE = {"masked_fill_": "masked_fill", "add_": "add", "mul_": "mul", "div_": "div"}
+_CAST_METHODS = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16, "double": torch.float64}
+
+
+def is_cast(n: fx.Node) -> bool:
+    """Whether ``n`` is a pure dtype cast of its first argument (canonical ``to`` or ``type_as``)."""
+    if n.op != "call_method":
+        return False
+    if n.target == "to":
+        if len(n.args) != 2 or n.kwargs:
+            return False
+        d = n.args[1]
+        return isinstance(d, torch.dtype) or (isinstance(d, fx.Node) and d.op == "call_function"
+                                              and d.target is getattr and d.args[1] == "dtype")
+    return n.target == "type_as"
+
+
+def cast_dtype(n: fx.Node) -> Optional[torch.dtype]:
+    if n.op == "call_method" and n.target == "to":
+        d = n.kwargs.get("dtype", n.args[1] if len(n.args) > 1 else None)
+        return d if isinstance(d, torch.dtype) else None
+    return None
+
+
+def _replace(gm: fx.GraphModule, n: fx.Node, target, args: Tuple, kwargs: Dict[str, Any] = None,
+             op: str = "call_function") -> fx.Node:
+    """Swap ``n`` for a new node (same meta) and return it."""
+    with gm.graph.inserting_after(n):
+        new = gm.graph.create_node(op, target, tuple(args), dict(kwargs or {}))
+    new.meta.update(n.meta)
+    n.replace_all_uses_with(new)
+    gm.graph.erase_node(n)
+    return new
+
+
+def _kw(n: fx.Node, name: str, pos: int, default=None):
+    if name in n.kwargs:
+        return n.kwargs[name]
+    return n.args[pos] if len(n.args) > pos else default
+
+
+def _einsum_to_matmul(eq: str) -> Optional[Tuple[bool, bool]]:
+    """For ``'...ij,...jk->...ik'``-like equations return (transpose_a, transpose_b); else None."""
+    eq = eq.replace(" ", "")
+    m = re.fullmatch(r"([a-zA-Z]+),([a-zA-Z]+)->([a-zA-Z]+)", eq)
+    if not m:
+        return None
+    a, b, o = m.groups()
+    if not (len(a) == len(b) == len(o) >= 2) or len(set(a)) != len(a) or len(set(b)) != len(b):
+        return None
+    batch = a[:-2]
+    if b[:-2] != batch or o[:-2] != batch:
+        return None
+    a2, b2, o2 = a[-2:], b[-2:], o[-2:]
+    shared = set(a2) & set(b2)
+    if len(shared) != 1:
+        return None
+    c = shared.pop()
+    ai = (set(a2) - {c}).pop()
+    bi = (set(b2) - {c}).pop()
+    if o2 != ai + bi or c in o2:
+        return None
+    return a2[1] != c, b2[0] != c
+
+
+def _functionalize_inplace(gm: fx.GraphModule, ctx: CompileContext) -> int:
+    """Turn the in-place methods attention code uses into out-of-place ones."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    n_done = 0
+    for n in list(gm.graph.nodes):
+        if n.op == "call_method" and n.target in _INPLACE:
+            base = n.args[0]
+            if not isinstance(base, fx.Node):
+                continue
+            later = [u for u in base.users if u is not n and order.get(u, -1) > order[n]]
+            with gm.graph.inserting_after(n):
+                new = gm.graph.call_method(_INPLACE[n.target], n.args, n.kwargs)
+            new.meta.update(n.meta)
+            n.replace_all_uses_with(new)
+            for u in later:
+                u.replace_input_with(base, new)
+            gm.graph.erase_node(n)
+            n_done += 1
+    return n_done
+
+
+def canonicalize(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
+    modified = _functionalize_inplace(gm, ctx) > 0
+    modules = dict(gm.named_modules())
+    for n in list(gm.graph.nodes):
+        new = _canon_node(gm, n, modules)
+        if new is not None:
+            modified = True
+            ctx.count("canonicalize", "rewritten")
+    return PassResult(gm, modified)
+
+
+def _canon_node(gm: fx.GraphModule, n: fx.Node, modules) -> Optional[fx.Node]:
+    op, t, a, kw = n.op, n.target, n.args, n.kwargs
+    if op == "call_module":
+        mod = modules.get(t)
+        if isinstance(mod, nn.Softmax):
+            return _replace(gm, n, SOFTMAX, (a[0], mod.dim if mod.dim is not None else -1))
+        if isinstance(mod, nn.Dropout) and type(mod) is nn.Dropout:
+            new = _replace(gm, n, DROPOUT, (a[0], float(mod.p), True))
+            new.meta["attncomp_module_dropout"] = t
+            return new
+        return None
+    if op == "call_method":
+        if t in _METHOD_MAP:
+            target = _METHOD_MAP[t]
+            if target is ADD and (kw.get("alpha", 1) != 1 or len(a) > 2):
+                return None
+            if target is SOFTMAX:
+                return _replace(gm, n, SOFTMAX, (a[0], _kw(n, "dim", 1, None)), _dtype_kw(n, 2))
+            if target is DIV and kw.get("rounding_mode") is not None:
+                return None
+            return _canon_arith(gm, n, target, a[0], a[1], a[2:] if target is TRANSPOSE else ()) \
+                if target in (MUL, DIV, ADD) else _replace(gm, n, target, a, {})
+        if t == "masked_fill":
+            x, mask, val = a[0], _kw(n, "mask", 1), _kw(n, "value", 2)
+            return _replace(gm, n, WHERE, (mask, val, x))
+        if t in _CAST_METHODS and not a[1:] and not kw:
+            return _replace(gm, n, "to", (a[0], _CAST_METHODS[t]), op="call_method")
+        if t in ("to", "type") and len(a) == 2 and isinstance(a[1], torch.dtype) and not kw:
+            if t == "type":
+                return _replace(gm, n, "to", (a[0], a[1]), op="call_method")
+            return None
+        if t == "to" and len(a) == 1 and isinstance(kw.get("dtype"), torch.dtype) and set(kw) == {"dtype"}:
+            return _replace(gm, n, "to", (a[0], kw["dtype"]), op="call_method")
+        return None
+    if op != "call_function":
+        return None
+    if t is getattr and len(a) == 2 and a[1] == "mT":
+        return _replace(gm, n, TRANSPOSE, (a[0], -2, -1))
+    if t in _MATMULS and t is not MATMUL:
+        return _replace(gm, n, MATMUL, (a[0], a[1]))
+    if t in (torch.einsum, aten.einsum.default):
+        eq, ops = a[0], a[1:]
+        if len(ops) == 1 and isinstance(ops[0], (list, tuple)):
+            ops = tuple(ops[0])
+        if isinstance(eq, str) and len(ops) == 2:
+            tr = _einsum_to_matmul(eq)
+            if tr is not None:
+                x, y = ops
+                with gm.graph.inserting_before(n):
+                    if tr[0]:
+                        x = gm.graph.call_function(TRANSPOSE, (x, -2, -1))
+                    if tr[1]:
+                        y = gm.graph.call_function(TRANSPOSE, (y, -2, -1))
+                return _replace(gm, n, MATMUL, (x, y))
+        return None
+    if t in _TRANSPOSES and t is not TRANSPOSE:
+        return _replace(gm, n, TRANSPOSE, (a[0], a[1], a[2]))
+    if t in _MULS and t is not MUL:
+        return _canon_arith(gm, n, MUL, a[0], a[1])
+    if t in _DIVS and (t is not DIV or isinstance(a[1], (int, float))):
+        if kw.get("rounding_mode") is not None:
+            return None
+        return _canon_arith(gm, n, DIV, a[0], a[1])
+    if t in _ADDS and t is not ADD:
+        if kw.get("alpha", 1) != 1 or len(a) > 2:
+            return None
+        return _canon_arith(gm, n, ADD, a[0], a[1])
+    if t in _WHERES and t is not WHERE:
+        return _replace(gm, n, WHERE, tuple(a[:3]))
+    if t in _MASKED_FILLS:
+        return _replace(gm, n, WHERE, (a[1], a[2], a[0]))
+    if t in _SOFTMAXES and (t is not SOFTMAX or kw):
+        if t is aten.softmax.int:
+            return _replace(gm, n, SOFTMAX, (a[0], a[1]), {"dtype": a[2]} if len(a) > 2 and a[2] is not None else {})
+        return _replace(gm, n, SOFTMAX, (a[0], _kw(n, "dim", 1, None)), _dtype_kw(n, 3 if t is F.softmax else 2))
+    if t is aten._softmax.default:
+        x, dim, half_to_float = a[0], a[1], a[2]
+        return _replace(gm, n, SOFTMAX, (x, dim), {"dtype": torch.float32} if half_to_float else {})
+    if t in _DROPOUTS and t is not DROPOUT:
+        p = _kw(n, "p", 1, 0.5)
+        train = _kw(n, "train", 2, _kw(n, "training", 2, True))
+        return _replace(gm, n, DROPOUT, (a[0], p, train))
+    if t is DROPOUT and (kw or len(a) != 3):
+        return _replace(gm, n, DROPOUT, (a[0], _kw(n, "p", 1, 0.5), _kw(n, "training", 2, True)))
+    if t in _SDPAS and (t is not SDPA or a[3:] or kw):
+        names = ("attn_mask", "dropout_p", "is_causal")
+        defaults = (None, 0.0, False)
+        extra = {nm: _kw(n, nm, 3 + i, d) for i, (nm, d) in enumerate(zip(names, defaults))}
+        extra["scale"] = kw.get("scale")
+        extra["enable_gqa"] = kw.get("enable_gqa", False)
+        if t is SDPA and (list(a[3:]) + list(kw)) == [] :
+            return None
+        return _replace(gm, n, SDPA, (a[0], a[1], a[2]), extra)
+    if t in (aten.to.dtype, aten._to_copy.default):
+        d = _kw(n, "dtype", 1)
+        rest = {k: v for k, v in kw.items() if k not in ("dtype", "layout")}
+        if isinstance(d, torch.dtype) and len(a) <= 2 and all(v in (None, False) for v in rest.values()):
+            return _replace(gm, n, "to", (a[0], d), op="call_method")
+        return None
+    return None
+
+
+def _dtype_kw(n: fx.Node, pos: int) -> Dict[str, Any]:
+    d = n.kwargs.get("dtype", n.args[pos] if len(n.args) > pos else None)
+    return {"dtype": d} if isinstance(d, torch.dtype) else {}
+
+
+def _canon_arith(gm, n, target, x, y, _unused=()) -> Optional[fx.Node]:
+    if target is DIV and isinstance(y, (int, float)) and not isinstance(y, bool) and y != 0:
+        return _replace(gm, n, MUL, (x, 1.0 / y))
+    if n.op == "call_function" and n.target is target and not n.kwargs:
+        return None
+    return _replace(gm, n, target, (x, y))

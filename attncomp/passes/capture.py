@@ -1,0 +1,148 @@
+"""Capture an ``nn.Module`` as one torch.fx ``GraphModule`` that later passes share.
+
+Order: ``torch.fx.symbolic_trace`` first (keeps the module structure and Python-level ops); if that
+fails, or the traced graph does not reproduce the model on the example inputs, ``torch.export``
+(non-strict, every input dim dynamic) which handles models such as Hugging Face transformers; the
+dynamo backend hands its own graphs straight to the passes. Both captures keep the batch and
+sequence dims symbolic, so a compiled module runs new shapes without re-tracing.
+
+Guarantees: the returned graph module has the model's call signature (positional and keyword
+arguments, nested outputs), shares the model's parameters (the model is never modified), and carries
+shape metadata (``tensor_meta`` for fx with example inputs, ``val`` for export).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import warnings
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.fx.passes.shape_prop import ShapeProp
+from torch.utils._pytree import tree_flatten, tree_map
+
+from .base import CompileContext
+
+log = logging.getLogger(__name__)
+
+__all__ = ["capture", "CaptureError", "split_inputs"]
+
+
+class CaptureError(RuntimeError):
+    """The model could not be captured; the message says which capture failed and why."""
+
+
+def split_inputs(example_inputs) -> Tuple[Tuple, Dict[str, Any]]:
+    if example_inputs is None:
+        return (), {}
+    if isinstance(example_inputs, dict):
+        return (), dict(example_inputs)
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,), {}
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs), {}
+    raise ValueError("example_inputs must be a tuple of positional arguments, a dict of keyword arguments "
+                     f"or a single tensor, got {type(example_inputs).__name__}")
+
+
+def _fx_capture(model: nn.Module, args, kwargs) -> fx.GraphModule:
+    gm = fx.symbolic_trace(model)
+    if args or kwargs:
+        sig = inspect.signature(model.forward)
+        bound = sig.bind(*args, **kwargs)
+        bound.apply_defaults()
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        flat = []
+        for p in placeholders:
+            name = p.target.lstrip("*")
+            if name not in bound.arguments:
+                raise CaptureError(f"fx graph input {name!r} has no example value")
+            flat.append(bound.arguments[name])
+        with torch.no_grad():
+            ShapeProp(gm).propagate(*flat)
+            if not model.training:
+                ref = model(*args, **kwargs)
+                got = gm(*args, **kwargs)
+                if not _same(ref, got):
+                    raise CaptureError("the fx trace does not reproduce the model on the example inputs "
+                                       "(data-dependent control flow?)")
+    return gm
+
+
+def _same(a, b) -> bool:
+    fa, sa = tree_flatten(a)
+    fb, sb = tree_flatten(b)
+    if len(fa) != len(fb):
+        return False
+    for x, y in zip(fa, fb):
+        if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor):
+            return False
+        if isinstance(x, torch.Tensor):
+            if x.shape != y.shape or not torch.equal(x, y) and not torch.allclose(x, y, equal_nan=True):
+                return False
+    return True
+
+
+def _dynamic_shapes(args, kwargs):
+    auto = torch.export.Dim.AUTO
+
+    def spec(t):
+        if isinstance(t, torch.Tensor):
+            return {i: auto for i in range(t.dim())}
+        return None
+
+    return tree_map(spec, args), tree_map(spec, kwargs)
+
+
+def _export_capture(model: nn.Module, args, kwargs) -> Tuple[fx.GraphModule, str]:
+    dyn_args, dyn_kwargs = _dynamic_shapes(args, kwargs)
+    dynamic: Any
+    if kwargs and not args:
+        dynamic = dyn_kwargs
+    elif args and not kwargs:
+        dynamic = dyn_args
+    else:
+        sig = inspect.signature(model.forward)
+        bound = sig.bind(*args, **kwargs)
+        dynamic = {k: tree_map(lambda t: {i: torch.export.Dim.AUTO for i in range(t.dim())}
+                               if isinstance(t, torch.Tensor) else None, v) for k, v in bound.arguments.items()}
+    note = "dynamic shapes"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            ep = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic, strict=False)
+        except Exception as e:
+            log.info("export with dynamic shapes failed (%s); exporting with static shapes", e)
+            ep = torch.export.export(model, args, kwargs, strict=False)
+            note = f"static shapes (dynamic export failed: {str(e).splitlines()[0][:200]})"
+    return ep.module(), note
+
+
+def capture(model: nn.Module, example_inputs, ctx: Optional[CompileContext] = None) -> fx.GraphModule:
+    """Return a GraphModule equivalent to ``model``; raise :class:`CaptureError` naming what failed."""
+    if not isinstance(model, nn.Module):
+        raise CaptureError(f"attncomp.compile expects an nn.Module, got {type(model).__name__}")
+    args, kwargs = split_inputs(example_inputs)
+    try:
+        gm = _fx_capture(model, args, kwargs)
+        if ctx is not None:
+            ctx.capture = "torch.fx symbolic_trace"
+        return gm
+    except Exception as e:
+        fx_err = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        log.info("fx symbolic_trace failed: %s", fx_err)
+    if not args and not kwargs:
+        raise CaptureError(f"torch.fx could not trace {type(model).__name__} ({fx_err}); pass example_inputs "
+                           "so that torch.export can capture it")
+    try:
+        gm, note = _export_capture(model, args, kwargs)
+    except Exception as e:
+        ex_err = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        raise CaptureError(f"could not capture {type(model).__name__}: torch.fx symbolic_trace failed "
+                           f"({fx_err}); torch.export failed ({ex_err})") from e
+    if ctx is not None:
+        ctx.capture = f"torch.export (non-strict, {note}); fx failed: {fx_err[:160]}"
+    return gm

@@ -1,0 +1,741 @@
+"""Find every attention site and rewrite it to one ``attncomp::attention`` op.
+
+Matches (on the canonical graph of :mod:`.canonicalize`)::
+
+    s = matmul(q', kT)                      q' = q * c?, kT = transpose(k * c?) or any (.., D, Nk) tensor
+    s = s * c | s + bias | where(m, fill, s) | where(m, s, fill) | s.to(dtype)    (any order, repeated)
+    p = softmax(s, dim=-1[, dtype])  [.to(dtype)]  [dropout(p, rate, training)]
+    o = matmul(p, v)
+
+and every ``scaled_dot_product_attention`` call. Scales are Python numbers, 0-dim constant tensors or
+scalar expressions of the head dim (``d ** -0.5``, ``sqrt(d)``); a scale computed from other run-time
+values is applied to q with a multiply instead. Masks: additive float tensors (summed), boolean
+exclusions from ``where``/``masked_fill`` with a fill at or below -1e4 (``-inf``, ``finfo.min``), a
+constant lower-triangular buffer sliced from the top left (GPT-2's registered ``bias``), which becomes
+``causal=True``. GQA expansions of k and v (``repeat_interleave`` on dim 1, ``expand`` + ``reshape``)
+are undone so the op sees the KV heads. 3-D (``bmm``-style) sites run as 4-D with one head.
+
+Requires: :mod:`.canonicalize` ran. Shape metadata (``val`` or ``tensor_meta``) where present is used
+to check ranks, softmax dim and GQA shapes; without it only the literal ``dim=-1`` is accepted.
+
+Guarantees: each rewritten site is exactly one op node followed by ``getitem(·, 0)``, whose
+``meta["attncomp_site"]`` is its :class:`SiteReport`; the region between the two matmuls is convex (no
+node in it is used outside it, and no op input depends on it); every candidate that is not rewritten
+is reported with the reason. A fully masked query row outputs zeros (eager gives NaN or a uniform
+average over masked keys).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import operator
+from dataclasses import dataclass, field
+from typing import List, Optional, Tuple
+
+import networkx as nx
+import torch
+import torch.fx as fx
+
+from .. import ops
+from ..policy import Dense
+from ..spec import AttentionSpec, dtype_name
+from .base import SITE_META, CompileContext, PassResult, SiteReport
+from .canonicalize import ADD, DIV, DROPOUT, MATMUL, MUL, SDPA, SOFTMAX, TRANSPOSE, WHERE, is_cast
+from .graph_utils import (UNKNOWN, get_attr_value, meta_dtype, meta_shape, same_dim, scalar_value, site_name,
+                          static_int, to_networkx)
+
+log = logging.getLogger(__name__)
+
+__all__ = ["match_attention"]
+
+aten = torch.ops.aten
+_MASK_FILL_MAX = -1e4
+
+
+class NoMatch(Exception):
+    """A candidate that is not rewritten; the message is the reason shown in the report."""
+
+
+@dataclass
+class Site:
+    anchor: fx.Node          # the node whose value the op replaces (AV matmul or SDPA call)
+    name: str
+    pattern: str
+    q: fx.Node
+    k: fx.Node
+    v: fx.Node
+    rank: int = 4
+    scale: object = None     # float, None (default 1/sqrt(D)), or a node to multiply q by
+    causal: bool = False
+    biases: List[object] = field(default_factory=list)    # float tensors added to the logits
+    allowed: List[fx.Node] = field(default_factory=list)  # bool tensors, True = may attend
+    mask: Optional[fx.Node] = None                         # an SDPA attn_mask as given
+    dropout: float = 0.0
+    dropout_node: Optional[fx.Node] = None
+    k_transposed: bool = False                             # k is (.., D, Nk) and needs a transpose
+    groups: int = 1
+    notes: List[str] = field(default_factory=list)
+
+
+def match_attention(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
+    modified = False
+    n_idx = 0
+    for node in list(gm.graph.nodes):
+        if node.graph is not gm.graph or node not in _live(gm):
+            continue
+        is_sm = node.op == "call_function" and node.target is SOFTMAX
+        is_sdpa = node.op == "call_function" and node.target is SDPA
+        if not (is_sm or is_sdpa):
+            continue
+        default_name = f"site{n_idx}"
+        try:
+            site = _match_sdpa(gm, node) if is_sdpa else _match_softmax(gm, node)
+        except NoMatch as e:
+            if str(e).startswith("not attention:"):
+                continue
+            name = site_name(node, default_name)
+            ctx.sites.append(SiteReport(name=name, rewritten=False, policy=ctx.policy.name,
+                                        pattern="sdpa" if is_sdpa else "matmul-softmax-matmul", reason=str(e)))
+            ctx.count("match_attention", "rejected")
+            n_idx += 1
+            continue
+        if site is None:
+            continue
+        site.name = site_name(node, default_name)
+        _rewrite(gm, site, ctx)
+        ctx.count("match_attention", "rewritten")
+        ctx.count("match_attention", f"pattern:{site.pattern}")
+        modified = True
+        n_idx += 1
+    return PassResult(gm, modified)
+
+
+def _live(gm):
+    return set(gm.graph.nodes)
+
+
+# ---------------------------------------------------------------------------------------------
+# Matching
+
+
+def _is(n, target) -> bool:
+    return isinstance(n, fx.Node) and n.op == "call_function" and n.target is target
+
+
+def _users(n: fx.Node) -> List[fx.Node]:
+    return list(n.users)
+
+
+def _match_softmax(gm: fx.GraphModule, sm: fx.Node) -> Optional[Site]:
+    x = sm.args[0]
+    dim = sm.args[1] if len(sm.args) > 1 else sm.kwargs.get("dim")
+    # --- up: from the softmax input to the QK^T matmul
+    scale_factors: List[object] = []
+    biases: List[object] = []
+    allowed: List[fx.Node] = []
+    exclusions_raw: List[Tuple[fx.Node, bool]] = []
+    steps: List[str] = []
+    cur = x
+    qk = None
+    for _ in range(64):
+        if not isinstance(cur, fx.Node):
+            raise NoMatch("not attention: softmax input is not computed")
+        if _is(cur, MATMUL):
+            qk = cur
+            break
+        if is_cast(cur):
+            cur = cur.args[0]
+            continue
+        if _is(cur, MUL) or _is(cur, DIV):
+            a, b = cur.args[0], cur.args[1]
+            if _is(cur, MUL) and _reaches_matmul(b) and not _reaches_matmul(a):
+                a, b = b, a
+            if not _reaches_matmul(a):
+                raise NoMatch("not attention: no QK^T product before the softmax")
+            scale_factors.append(("div" if _is(cur, DIV) else "mul", b))
+            steps.append("scale on scores")
+            cur = a
+            continue
+        if _is(cur, ADD):
+            a, b = cur.args[0], cur.args[1]
+            ra, rb = _reaches_matmul(a), _reaches_matmul(b)
+            if ra and rb:
+                raise NoMatch("logits are a sum of two products; not one attention site")
+            if not (ra or rb):
+                raise NoMatch("not attention: no QK^T product before the softmax")
+            chain, bias = (a, b) if ra else (b, a)
+            if isinstance(bias, (int, float)):
+                steps.append("constant shift")
+            else:
+                biases.append(bias)
+                steps.append("additive mask/bias")
+            cur = chain
+            continue
+        if _is(cur, WHERE):
+            cond, a, b = cur.args[0], cur.args[1], cur.args[2]
+            ra, rb = _reaches_matmul(a), _reaches_matmul(b)
+            if ra == rb:
+                raise NoMatch("not attention: where() does not select between logits and a fill value")
+            fill = b if ra else a
+            fv = scalar_value(gm, fill)
+            if fv is UNKNOWN or fv > _MASK_FILL_MAX:
+                raise NoMatch(f"where()/masked_fill fills logits with {fill!r}, not a masking value (<= -1e4)")
+            # where(cond, fill, s): cond marks excluded entries; where(cond, s, fill): cond marks allowed
+            exclusions_raw.append((cond, ra))
+            steps.append("boolean mask")
+            cur = a if ra else b
+            continue
+        raise NoMatch("not attention: unsupported op between QK^T and softmax: "
+                      f"{cur.op} {getattr(cur.target, '__name__', cur.target)}")
+    if qk is None:
+        raise NoMatch("not attention: no QK^T product before the softmax")
+
+    qa, kb = qk.args[0], qk.args[1]
+    # --- down: from the softmax to the AV matmul
+    chain = [sm]
+    cur = sm
+    dropout, dropout_node = 0.0, None
+    av = None
+    for _ in range(8):
+        us = _users(cur)
+        if len(us) != 1:
+            raise NoMatch(f"attention probabilities escape the site (used by {len(us)} nodes: "
+                          f"{', '.join(u.name for u in us)}), e.g. returned as attention weights")
+        u = us[0]
+        if is_cast(u):
+            cur = u
+            chain.append(u)
+            continue
+        if _is(u, DROPOUT):
+            p = u.args[1] if len(u.args) > 1 else u.kwargs.get("p", 0.5)
+            train = u.args[2] if len(u.args) > 2 else u.kwargs.get("training", True)
+            if not isinstance(p, (int, float)):
+                raise NoMatch("dropout rate is not a constant")
+            if train is True or "attncomp_module_dropout" in u.meta:
+                dropout = float(p)
+            elif train is not False:
+                raise NoMatch("dropout training flag is not a constant")
+            dropout_node = u
+            cur = u
+            chain.append(u)
+            continue
+        if _is(u, MATMUL) and u.args[0] is cur:
+            av = u
+            break
+        raise NoMatch(f"softmax output feeds {u.op} {getattr(u.target, '__name__', u.target)}, "
+                      "not a product with values")
+    if av is None:
+        raise NoMatch("softmax output is not multiplied by values")
+    v = av.args[1]
+
+    # --- shapes and the softmax dim
+    s_shape = meta_shape(x)
+    rank = len(s_shape) if s_shape is not None else None
+    if rank is None:
+        if dim != -1:
+            raise NoMatch(f"softmax over dim {dim} and shapes unknown; pass example_inputs")
+        rank = 4
+        notes = ["shapes unknown at compile time: 4-D assumed, checked at run time"]
+    else:
+        notes = []
+        if dim not in (-1, rank - 1):
+            raise NoMatch(f"softmax over dim {dim}, not over the keys (last dim of {rank}-D logits)")
+        if rank not in (3, 4):
+            raise NoMatch(f"{rank}-D logits; attention sites are 3-D or 4-D")
+    # a matmul-softmax-matmul whose "keys" are constants (a learned matrix) is not attention
+    if _is_constant(gm, kb) or _is_constant(gm, v):
+        raise NoMatch("key or value side is a constant (parameter or buffer), not an attention site")
+    if not _depends_on_input(kb) or not _depends_on_input(qa):
+        raise NoMatch("query or key side does not depend on the model inputs")
+
+    # --- q and k: peel scalar multiplications (scale on q, on k, or both) and the transpose of k
+    q, qf = _peel_scale(gm, qa)
+    kT, kf1 = _peel_scale(gm, kb)
+    k_transposed = True
+    if _is(kT, TRANSPOSE) and {kT.args[1], kT.args[2]} in ({-1, -2}, {rank - 1, rank - 2}):
+        k, kf2 = _peel_scale(gm, kT.args[0])
+        k_transposed = False
+    else:
+        k, kf2 = kT, []
+    factors = [("mul", f) for f in qf + kf1 + kf2] + scale_factors
+
+    # --- GQA expansions of k and v
+    k, gk = _peel_gqa(gm, k)
+    v, gv = _peel_gqa(gm, v)
+    if gk != gv:
+        k, v = _peel_gqa_undo(k, gk), _peel_gqa_undo(v, gv)
+        gk = gv = 1
+    groups = gk
+
+    site = Site(anchor=av, name="", pattern="", q=q, k=k, v=v, rank=rank, k_transposed=k_transposed,
+                groups=groups, biases=biases, dropout=dropout, dropout_node=dropout_node, notes=notes)
+    # --- masks
+    for cond, is_allowed in exclusions_raw:
+        if _causal_buffer(gm, cond, is_allowed, s_shape):
+            site.causal = True
+            continue
+        site.allowed.append(cond if is_allowed else ("not", cond))
+    site.scale = _resolve_scale(gm, factors, site)
+    # --- convexity: nothing inside the region is used outside it; no input depends on it
+    _check_convex(gm, qk, av, site)
+    bits = ["matmul-softmax-matmul"]
+    if site.scale is None or factors:
+        bits.append("scale on " + "/".join(sorted(set(
+            ["q"] * bool(qf) + ["k"] * bool(kf1 or kf2) + ["scores"] * bool(scale_factors)))) if factors else "")
+    if site.biases:
+        bits.append("additive mask")
+    if site.allowed:
+        bits.append("bool mask")
+    if site.causal:
+        bits.append("causal buffer")
+    if dropout_node is not None:
+        bits.append("dropout")
+    if groups > 1:
+        bits.append(f"gqa x{groups}")
+    if rank == 3:
+        bits.append("3-D")
+    site.pattern = ", ".join(b for b in bits if b)
+    return site
+
+
+def _reaches_matmul(n, depth: int = 0) -> bool:
+    """Whether ``n`` is (through the ops allowed between QK^T and softmax) a matmul."""
+    if not isinstance(n, fx.Node) or depth > 64:
+        return False
+    if _is(n, MATMUL):
+        return True
+    if is_cast(n):
+        return _reaches_matmul(n.args[0], depth + 1)
+    if _is(n, MUL) or _is(n, DIV) or _is(n, ADD):
+        return any(_reaches_matmul(a, depth + 1) for a in n.args[:2])
+    if _is(n, WHERE):
+        return any(_reaches_matmul(a, depth + 1) for a in n.args[1:3])
+    return False
+
+
+def _is_constant(gm: fx.GraphModule, n) -> bool:
+    """True if ``n`` depends on no placeholder (only parameters, buffers and constants)."""
+    return isinstance(n, fx.Node) and not _depends_on_input(n)
+
+
+def _depends_on_input(n) -> bool:
+    if not isinstance(n, fx.Node):
+        return False
+    seen, stack = set(), [n]
+    params = _param_placeholders(n.graph)
+    while stack:
+        m = stack.pop()
+        if m in seen:
+            continue
+        seen.add(m)
+        if m.op == "placeholder" and m not in params:
+            return True
+        stack.extend(m.all_input_nodes)
+    return False
+
+
+def _param_placeholders(graph: fx.Graph):
+    """Placeholders that carry parameters/buffers (dynamo lifts them as inputs)."""
+    out = set()
+    for n in graph.nodes:
+        if n.op == "placeholder":
+            src = n.meta.get("grapharg")
+            if src is not None and getattr(getattr(src, "source", None), "guard_source", None) is not None:
+                try:
+                    if src.source.guard_source().is_specialized_nn_module() or "parameters" in n.name \
+                            or "buffers" in n.name:
+                        out.add(n)
+                except Exception:
+                    pass
+            elif "_parameters_" in n.name or "_buffers_" in n.name:
+                out.add(n)
+    return out
+
+
+def _peel_scale(gm, n) -> Tuple[fx.Node, List[object]]:
+    """Strip multiplications/divisions by scalars (and dtype casts between them) off ``n``."""
+    factors: List[object] = []
+    while isinstance(n, fx.Node):
+        if _is(n, MUL):
+            a, b = n.args[0], n.args[1]
+            if _is_scalar(gm, b):
+                factors.append(b)
+                n = a
+                continue
+            if _is_scalar(gm, a):
+                factors.append(a)
+                n = b
+                continue
+        if _is(n, DIV) and _is_scalar(gm, n.args[1]):
+            factors.append(("recip", n.args[1]))
+            n = n.args[0]
+            continue
+        break
+    return n, factors
+
+
+def _is_scalar(gm, x) -> bool:
+    if isinstance(x, bool):
+        return False
+    if isinstance(x, (int, float)):
+        return True
+    if not isinstance(x, fx.Node):
+        return False
+    if scalar_value(gm, x) is not UNKNOWN:
+        return True
+    shp = meta_shape(x)
+    if shp is not None:
+        return len(shp) == 0
+    # fx graphs without shapes: a size()-based Python expression is a scalar
+    return "example_value" not in x.meta and _is_size_expr(x)
+
+
+def _is_size_expr(n, depth=0) -> bool:
+    if isinstance(n, (int, float)):
+        return True
+    if not isinstance(n, fx.Node) or depth > 10:
+        return False
+    if n.op == "call_method" and n.target in ("size", "dim"):
+        return True
+    if n.op == "call_function" and n.target in (getattr, operator.getitem) and isinstance(n.args[0], fx.Node) \
+            and (n.args[0].target == "shape" or n.target is getattr and n.args[1] == "shape"):
+        return True
+    if n.op == "call_function" and n.target in (operator.pow, operator.mul, operator.truediv, math.sqrt,
+                                                operator.getitem, torch.sym_sqrt if hasattr(torch, "sym_sqrt") else None):
+        return all(_is_size_expr(a, depth + 1) for a in n.args)
+    if n.op == "call_function" and n.target is aten.sym_size.int:
+        return True
+    return False
+
+
+def _head_dim_leaf(site_q, site_k):
+    """Leaf evaluator: size(-1)/shape[-1] of q or k is the head dim (a free variable D)."""
+    def leaf_for(D):
+        def leaf(n):
+            if n.op == "call_method" and n.target == "size" and len(n.args) == 2 and n.args[1] in (-1, 3) \
+                    and n.args[0] in (site_q, site_k):
+                return float(D)
+            if n.op == "call_function" and n.target is aten.sym_size.int and n.args[0] in (site_q, site_k) \
+                    and n.args[1] in (-1, 3):
+                return float(D)
+            if n.op == "call_function" and n.target is operator.getitem and isinstance(n.args[0], fx.Node):
+                sh = n.args[0]
+                if sh.op == "call_function" and sh.target is getattr and sh.args[1] == "shape" \
+                        and sh.args[0] in (site_q, site_k) and n.args[1] in (-1, 3):
+                    return float(D)
+            return UNKNOWN
+        return leaf
+    return leaf_for
+
+
+def _resolve_scale(gm, factors, site: Site):
+    """Combine the scale factors: a float, ``None`` when it is exactly ``1/sqrt(D)``, or a node."""
+    if not factors:
+        return 1.0
+    leaf_for = _head_dim_leaf(site.q, site.k)
+
+    def value(D):
+        total = 1.0
+        for kind, f in factors:
+            if isinstance(f, tuple) and f[0] == "recip":
+                kind, f = "div", f[1]
+            val = scalar_value(gm, f, leaf_for(D))
+            if val is UNKNOWN:
+                return UNKNOWN
+            total = total / val if kind == "div" else total * val
+        return total
+
+    consts = [value(D) for D in (64.0, 80.0, 128.0)]
+    if all(c is not UNKNOWN for c in consts):
+        if consts[0] == consts[1] == consts[2]:
+            return float(consts[0])
+        if all(math.isclose(c, D ** -0.5, rel_tol=1e-12) for c, D in zip(consts, (64.0, 80.0, 128.0))):
+            return None
+        # a head-dim expression that is not 1/sqrt(D): evaluate at the site's D if it is static
+        d = _static_head_dim(site)
+        if d is not None:
+            return float(value(float(d)))
+    # a run-time scalar: multiply q by it
+    site.notes.append("scale computed at run time: applied to q")
+    return ("runtime", factors)
+
+
+def _static_head_dim(site: Site) -> Optional[int]:
+    shp = meta_shape(site.q)
+    return static_int(shp[-1]) if shp else None
+
+
+def _peel_gqa(gm, n) -> Tuple[fx.Node, int]:
+    """Undo ``repeat_interleave(x, g, dim=1)`` or ``x[:, :, None].expand(B, Hk, g, N, D).reshape(B, Hk*g, N, D)``."""
+    if not isinstance(n, fx.Node):
+        return n, 1
+    if (n.op == "call_method" and n.target == "repeat_interleave") or \
+            (n.op == "call_function" and n.target in (torch.repeat_interleave, aten.repeat_interleave.self_int)):
+        x = n.args[0]
+        reps = n.args[1] if len(n.args) > 1 else n.kwargs.get("repeats")
+        dim = n.args[2] if len(n.args) > 2 else n.kwargs.get("dim")
+        shp = meta_shape(x)
+        if isinstance(reps, int) and reps >= 1 and shp is not None and len(shp) == 4 and dim in (1, -3):
+            return x, reps
+        return n, 1
+    is_reshape = (n.op == "call_method" and n.target in ("reshape", "view")) or \
+        (n.op == "call_function" and n.target in (torch.reshape, aten.reshape.default, aten.view.default,
+                                                  aten._unsafe_view.default))
+    if not is_reshape:
+        return n, 1
+    e = n.args[0]
+    is_expand = isinstance(e, fx.Node) and ((e.op == "call_method" and e.target == "expand") or
+                                            (e.op == "call_function" and e.target is aten.expand.default))
+    if not is_expand:
+        return n, 1
+    src = e.args[0]
+    src_shape, e_shape, out_shape = meta_shape(src), meta_shape(e), meta_shape(n)
+    if src_shape is None or e_shape is None or out_shape is None or len(e_shape) != 5 or len(out_shape) != 4:
+        return n, 1
+    if not (static_int(src_shape[2]) == 1 and len(src_shape) == 5):
+        return n, 1
+    g = static_int(e_shape[2])
+    if g is None:
+        return n, 1
+    # src is x[:, :, None] (B, Hk, 1, N, D); find x (B, Hk, N, D)
+    x = src.args[0] if isinstance(src, fx.Node) else None
+    x_shape = meta_shape(x)
+    unsq = isinstance(src, fx.Node) and (
+        (src.op == "call_method" and src.target == "unsqueeze" and src.args[1] in (2, -3)) or
+        (src.op == "call_function" and src.target is aten.unsqueeze.default and src.args[1] in (2, -3)))
+    if not unsq:
+        # x[:, :, None, :, :] indexing
+        if isinstance(src, fx.Node) and src.op == "call_function" and src.target is operator.getitem:
+            idx = src.args[1]
+            if isinstance(idx, tuple) and len(idx) >= 3 and idx[2] is None and all(
+                    isinstance(i, slice) and i == slice(None) for i in idx[:2] + idx[3:]):
+                unsq = True
+    if not unsq or x_shape is None or len(x_shape) != 4:
+        return n, 1
+    if not all(same_dim(a, b) for a, b in zip(
+            (x_shape[0], x_shape[2], x_shape[3]), (out_shape[0], out_shape[2], out_shape[3]))):
+        return n, 1
+    return x, g
+
+
+def _peel_gqa_undo(n, g):
+    return n
+
+
+def _causal_buffer(gm, cond, is_allowed: bool, s_shape) -> bool:
+    """Whether ``cond`` selects exactly the causal (j <= i) entries, from a sliced tril buffer."""
+    pol = is_allowed
+    n = cond
+    for _ in range(8):
+        if not isinstance(n, fx.Node):
+            return False
+        if n.op == "call_method" and n.target in ("bool", "to") or (n.op == "call_method" and n.target == "to"):
+            n = n.args[0]
+            continue
+        if n.op == "call_function" and n.target in (aten._to_copy.default,):
+            n = n.args[0]
+            continue
+        if (n.op == "call_function" and n.target in (operator.invert, torch.logical_not, aten.logical_not.default,
+                                                      aten.bitwise_not.default)) or \
+                (n.op == "call_method" and n.target in ("logical_not", "__invert__", "bitwise_not")):
+            pol = not pol
+            n = n.args[0]
+            continue
+        if (n.op == "call_function" and n.target in (operator.eq, torch.eq, aten.eq.Scalar)) or \
+                (n.op == "call_method" and n.target == "eq"):
+            if n.args[1] != 0:
+                return False
+            pol = not pol
+            n = n.args[0]
+            continue
+        if (n.op == "call_function" and n.target in (operator.ne, torch.ne, aten.ne.Scalar)) or \
+                (n.op == "call_method" and n.target == "ne"):
+            if n.args[1] != 0:
+                return False
+            n = n.args[0]
+            continue
+        break
+    # slicing chain down to a get_attr buffer
+    slices = {}
+    while isinstance(n, fx.Node) and n.op == "call_function":
+        if n.target is operator.getitem and isinstance(n.args[1], tuple):
+            for d, sl in enumerate(n.args[1]):
+                if sl is Ellipsis:
+                    return False
+                if isinstance(sl, slice):
+                    slices[d] = (sl.start, sl.step)
+                elif sl is not None:
+                    return False
+            n = n.args[0]
+            continue
+        if n.target is aten.slice.Tensor:
+            d = n.args[1] if len(n.args) > 1 else 0
+            start = n.args[2] if len(n.args) > 2 else None
+            step = n.args[4] if len(n.args) > 4 else 1
+            slices[d] = (start, step)
+            n = n.args[0]
+            continue
+        break
+    if not isinstance(n, fx.Node) or n.op != "get_attr":
+        return False
+    buf = get_attr_value(gm, n)
+    if not isinstance(buf, torch.Tensor) or buf.dim() < 2 or buf.shape[-1] != buf.shape[-2]:
+        return False
+    nd = buf.dim()
+    for d, (start, step) in slices.items():
+        d = d % nd
+        if start not in (None, 0) or step not in (None, 1):
+            return False
+    mask = buf != 0
+    tril = torch.ones(buf.shape[-2:], dtype=torch.bool, device=buf.device).tril()
+    want = tril if pol else ~tril
+    if not bool((mask == want).all()):
+        return False
+    # the sliced mask must cover the logits' last two dims exactly (a size-1 slice would broadcast)
+    cshape = meta_shape(cond)
+    if s_shape is None or cshape is None or len(cshape) < 2:
+        return False
+    return same_dim(cshape[-1], s_shape[-1]) and same_dim(cshape[-2], s_shape[-2])
+
+
+def _match_sdpa(gm: fx.GraphModule, n: fx.Node) -> Site:
+    q, k, v = n.args[0], n.args[1], n.args[2]
+    kw = n.kwargs
+    mask, p, causal = kw.get("attn_mask"), kw.get("dropout_p", 0.0), kw.get("is_causal", False)
+    scale, gqa = kw.get("scale"), kw.get("enable_gqa", False)
+    if not isinstance(p, (int, float)) or not isinstance(causal, bool):
+        raise NoMatch("dropout_p or is_causal is not a constant")
+    if causal and mask is not None:
+        raise NoMatch("is_causal together with attn_mask (SDPA rejects it)")
+    shp = meta_shape(q)
+    rank = len(shp) if shp is not None else 4
+    if rank not in (3, 4):
+        raise NoMatch(f"{rank}-D inputs; attention sites are 3-D or 4-D")
+    if scale is not None and not isinstance(scale, (int, float)):
+        sv = scalar_value(gm, scale)
+        if sv is UNKNOWN:
+            raise NoMatch("scale is not a constant")
+        scale = sv
+    kk, gk = _peel_gqa(gm, k)
+    vv, gv = _peel_gqa(gm, v)
+    if gk == gv and gk > 1:
+        k, v = kk, vv
+    site = Site(anchor=n, name="", pattern="sdpa", q=q, k=k, v=v, rank=rank, causal=causal,
+                scale=None if scale is None else float(scale), mask=mask, dropout=float(p),
+                groups=gk if gk == gv else 1)
+    if gqa:
+        site.pattern += ", enable_gqa"
+    if site.groups > 1:
+        site.pattern += f", gqa x{site.groups}"
+    if mask is not None:
+        site.pattern += ", mask"
+    if causal:
+        site.pattern += ", causal"
+    return site
+
+
+def _check_convex(gm, qk: fx.Node, av: fx.Node, site: Site) -> None:
+    g = to_networkx(gm.graph)
+    region = (nx.descendants(g, qk) & nx.ancestors(g, av)) | {qk, av}
+    for node in region:
+        if node is av:
+            continue
+        outside = [u for u in node.users if u not in region]
+        if outside:
+            raise NoMatch(f"{node.name} inside the attention site is also used outside it by "
+                          f"{', '.join(u.name for u in outside)} (e.g. attention weights returned)")
+    inputs = [site.q, site.k, site.v] + [b for b in site.biases if isinstance(b, fx.Node)] + \
+        [c[1] if isinstance(c, tuple) else c for c in site.allowed]
+    if isinstance(site.scale, tuple):
+        inputs += [f[1] if isinstance(f, tuple) else f for _, f in site.scale[1]]
+    desc = nx.descendants(g, qk) | {qk}
+    for i in inputs:
+        if isinstance(i, fx.Node) and i in desc:
+            raise NoMatch(f"{i.name} feeds the site but depends on its logits (data-dependent mask)")
+
+
+# ---------------------------------------------------------------------------------------------
+# Rewriting
+
+
+def _rewrite(gm: fx.GraphModule, site: Site, ctx: CompileContext) -> None:
+    g = gm.graph
+    anchor = site.anchor
+    with g.inserting_before(anchor):
+        q, k, v = site.q, site.k, site.v
+        scale = site.scale
+        if isinstance(scale, tuple):
+            for kind, f in scale[1]:
+                if isinstance(f, tuple) and f[0] == "recip":
+                    q = g.call_function(DIV, (q, f[1]))
+                elif kind == "div":
+                    q = g.call_function(DIV, (q, f))
+                else:
+                    q = g.call_function(MUL, (q, f))
+            scale = 1.0
+        if site.k_transposed:
+            k = g.call_function(TRANSPOSE, (k, -1, -2))
+        mask = site.mask
+        if site.mask is None and (site.biases or site.allowed):
+            mask = _combine_masks(g, site)
+        if site.rank == 3:
+            q, k, v = (g.call_method("unsqueeze", (t, 1)) for t in (q, k, v))
+            if mask is not None:
+                mshape = meta_shape(mask)
+                if mshape is None or len(mshape) == 3:
+                    mask = g.call_method("unsqueeze", (mask, 1))
+        dt = meta_dtype(site.q) or meta_dtype(anchor)
+        qshape = meta_shape(site.q)
+        head_dim = static_int(qshape[-1]) if qshape else None
+        mask_kind = "none"
+        if mask is not None:
+            md = meta_dtype(site.mask) if site.mask is not None else (torch.float32 if site.biases else torch.bool)
+            mask_kind = "bool" if md == torch.bool else "float"
+            if md is None:
+                mask_kind = "float"  # refined at run time: backends check the tensor's dtype
+        spec = AttentionSpec(causal=site.causal, mask_kind=mask_kind, scale=scale, dropout_p=site.dropout,
+                             dtype=dtype_name(dt) if dt in (torch.float16, torch.bfloat16, torch.float32,
+                                                            torch.float64) else None,
+                             head_dim=head_dim, gqa_groups=site.groups, policy=Dense(),
+                             backend=ctx.backend)
+        p_arg = g.call_function(ops.site_dropout, (site.dropout,)) if site.dropout else 0.0
+        seed_arg = g.call_function(ops.next_seed, (0,)) if site.dropout else 0
+        attn = g.call_function(torch.ops.attncomp.attention.default,
+                               (q, k, v, mask, None, None, None, spec.to_json(), p_arg, seed_arg))
+        out = g.call_function(operator.getitem, (attn, 0))
+        if site.rank == 3:
+            out = g.call_method("squeeze", (out, 1))
+    out.meta.update({k: v for k, v in anchor.meta.items() if k in ("nn_module_stack", "stack_trace")})
+    if "val" in anchor.meta:
+        out.meta["val"] = anchor.meta["val"]
+    if "tensor_meta" in anchor.meta:
+        out.meta["tensor_meta"] = anchor.meta["tensor_meta"]
+    attn.meta["nn_module_stack"] = anchor.meta.get("nn_module_stack")
+    anchor.replace_all_uses_with(out)
+    report = SiteReport(name=site.name, rewritten=True, policy="dense", pattern=site.pattern,
+                        rewrites=["attention -> attncomp::attention"], spec=spec.describe(),
+                        details={"notes": site.notes} if site.notes else {})
+    attn.meta[SITE_META] = report
+    ctx.sites.append(report)
+    if site.dropout_node is not None and "attncomp_module_dropout" in site.dropout_node.meta:
+        report.details["dropout_module"] = site.dropout_node.meta["attncomp_module_dropout"]
+
+
+def _combine_masks(g: fx.Graph, site: Site) -> fx.Node:
+    """One mask from the site's exclusions and biases: bool if only exclusions, else an additive float."""
+    allowed = None
+    for a in site.allowed:
+        node = g.call_function(torch.logical_not, (a[1],)) if isinstance(a, tuple) else a
+        if meta_dtype(node if not isinstance(a, tuple) else a[1]) not in (torch.bool, None):
+            node = g.call_method("to", (node, torch.bool))
+        allowed = node if allowed is None else g.call_function(torch.logical_and, (allowed, node))
+    bias = None
+    for b in site.biases:
+        bias = b if bias is None else g.call_function(ADD, (bias, b))
+    if bias is None:
+        return allowed
+    if allowed is not None:
+        neg = g.call_function(torch.where, (allowed, 0.0, float("-inf")))
+        bias = g.call_function(ADD, (bias, neg))
+    return bias
