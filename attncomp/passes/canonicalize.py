@@ -20,6 +20,7 @@ Guarantees (same values, canonical spelling, as ``call_function`` nodes):
   scale=, enable_gqa=)``: from aten;
 * casts ``x.to(dtype)`` (``call_method`` ``to`` with one dtype argument): from ``float()``, ``half()``,
   ``bfloat16()``, ``type(dtype)``, aten ``to``/``_to_copy``;
+* export's ``_assert_tensor_metadata`` checks are dropped (they only re-check dtypes the graph fixes);
 * in-place ``masked_fill_``/``add_``/``mul_``/``div_`` on a value become out-of-place, and later readers
   of the mutated value read the new node (functionalisation of those four).
 """
@@ -160,6 +161,11 @@ def _functionalize_inplace(gm: fx.GraphModule, ctx: CompileContext) -> int:
 
 def canonicalize(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
     modified = _functionalize_inplace(gm, ctx) > 0
+    # export's dtype/device assertions read values without using them; they would pin matched regions
+    for n in list(gm.graph.nodes):
+        if n.op == "call_function" and n.target is aten._assert_tensor_metadata.default:
+            gm.graph.erase_node(n)
+            modified = True
     modules = dict(gm.named_modules())
     for n in list(gm.graph.nodes):
         new = _canon_node(gm, n, modules)

@@ -621,9 +621,12 @@ def _match_sdpa(gm: fx.GraphModule, n: fx.Node) -> Site:
     vv, gv = _peel_gqa(gm, v)
     if gk == gv and gk > 1:
         k, v = kk, vv
+    groups = gk if gk == gv else 1
+    qs, ks = meta_shape(q), meta_shape(k)
+    if groups == 1 and rank == 4 and qs is not None and ks is not None and static_int(qs[-3]) and static_int(ks[-3]):
+        groups = static_int(qs[-3]) // static_int(ks[-3])
     site = Site(anchor=n, name="", pattern="sdpa", q=q, k=k, v=v, rank=rank, causal=causal,
-                scale=None if scale is None else float(scale), mask=mask, dropout=float(p),
-                groups=gk if gk == gv else 1)
+                scale=None if scale is None else float(scale), mask=mask, dropout=float(p), groups=groups)
     if gqa:
         site.pattern += ", enable_gqa"
     if site.groups > 1:

@@ -1,0 +1,206 @@
+"""match_attention: every spelling of an attention site becomes one op; negative twins stay unchanged.
+
+Each case is a few-line module whose forward takes q, k, v (B, H, N, D) and optional masks. The pass
+runs on the fx capture (canonicalize then match) and the result is compared with the eager module in
+float64 on fresh random inputs.
+"""
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from attncomp import ops
+from attncomp.passes import canonicalize, match_attention
+from attncomp.passes.base import CompileContext
+from attncomp.passes.capture import capture
+from attncomp.passes.pipeline import run_passes
+from attncomp.spec import AttentionSpec
+
+B, H, N, D = 2, 4, 11, 16
+PASSES = [("canonicalize", canonicalize.canonicalize), ("match_attention", match_attention.match_attention)]
+
+
+class Site(nn.Module):
+    def __init__(self, fn, n_max=32):
+        super().__init__()
+        self.fn = fn
+        self.sm = nn.Softmax(dim=-1)
+        self.drop = nn.Dropout(0.0)
+        self.register_buffer("tril", torch.tril(torch.ones(n_max, n_max)).view(1, 1, n_max, n_max))
+        self.register_buffer("tril_bool", torch.tril(torch.ones(n_max, n_max, dtype=torch.bool)))
+        self.w = nn.Parameter(torch.randn(D, N, dtype=torch.float64))
+
+    def forward(self, q, k, v, m=None):
+        return self.fn(self, q, k, v, m)
+
+
+def sd(x):
+    return x.size(-1) ** 0.5
+
+
+CASES = {
+    # QK^T spellings
+    "matmul_transpose": lambda s, q, k, v, m: torch.softmax(torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(D), -1) @ v,
+    "at_mT": lambda s, q, k, v, m: (q @ k.mT * D ** -0.5).softmax(-1) @ v,
+    "permute": lambda s, q, k, v, m: F.softmax(q @ k.permute(0, 1, 3, 2) * 0.3, dim=-1) @ v,
+    "pretransposed": lambda s, q, k, v, m: torch.softmax(q @ k * 0.25, dim=-1) @ v,  # k given as (B,H,D,N)
+    "bmm": lambda s, q, k, v, m: torch.bmm(torch.softmax(torch.bmm(q.flatten(0, 1), k.flatten(0, 1).transpose(1, 2)) / sd(q), -1), v.flatten(0, 1)).view(q.shape),
+    "einsum": lambda s, q, k, v, m: torch.einsum("bhij,bhjd->bhid", torch.einsum("bhid,bhjd->bhij", q, k).mul(0.2).softmax(-1), v),
+    # scales
+    "scale_div_sqrt_expr": lambda s, q, k, v, m: torch.softmax(q @ k.transpose(-1, -2) / sd(k), -1) @ v,
+    "scale_on_q": lambda s, q, k, v, m: torch.softmax((q * D ** -0.5) @ k.transpose(-1, -2), -1) @ v,
+    "scale_on_k": lambda s, q, k, v, m: torch.softmax(q @ (k / 3.0).transpose(-1, -2), -1) @ v,
+    "scale_on_both": lambda s, q, k, v, m: torch.softmax((q * q.size(-1) ** -0.25) @ (k * k.size(-1) ** -0.25).transpose(-1, -2), -1) @ v,
+    "no_scale": lambda s, q, k, v, m: torch.softmax(q @ k.transpose(-1, -2), -1) @ v,
+    # masks
+    "additive_float": lambda s, q, k, v, m: torch.softmax(q @ k.transpose(-1, -2) * 0.25 + m, -1) @ v,
+    "finfo_min_padding": lambda s, q, k, v, m: torch.softmax(q @ k.transpose(-1, -2) * 0.25 + (1.0 - m) * torch.finfo(torch.float64).min, -1) @ v,
+    "masked_fill_bool": lambda s, q, k, v, m: torch.softmax((q @ k.transpose(-1, -2)).masked_fill(~m, float("-inf")), -1) @ v,
+    "where_bool": lambda s, q, k, v, m: torch.softmax(torch.where(m, q @ k.transpose(-1, -2), torch.tensor(-1e9, dtype=q.dtype)), -1) @ v,
+    "causal_buffer": lambda s, q, k, v, m: s.drop(s.sm((q @ k.transpose(-2, -1)).masked_fill(s.tril[:, :, :q.size(2), :q.size(2)] == 0, float("-inf")))) @ v,
+    "relative_bias_no_scale": lambda s, q, k, v, m: torch.softmax((q @ k.transpose(-1, -2)) + m.float().to(q.dtype), -1, dtype=torch.float32).to(q.dtype) @ v,
+    "softmax_upcast_to": lambda s, q, k, v, m: F.softmax(q @ k.transpose(-1, -2) * 0.25, dim=-1, dtype=torch.float32).type_as(q) @ v,
+    "dropout_eval": lambda s, q, k, v, m: F.dropout(torch.softmax(q @ k.transpose(-1, -2), -1), 0.1, training=False) @ v,
+    # GQA
+    "gqa_repeat_interleave": lambda s, q, k, v, m: torch.softmax(q @ k.repeat_interleave(2, dim=1).transpose(-1, -2), -1) @ v.repeat_interleave(2, dim=1),
+    "gqa_expand_reshape": lambda s, q, k, v, m: torch.softmax(q @ k[:, :, None].expand(B, H // 2, 2, k.shape[2], D).reshape(B, H, k.shape[2], D).transpose(-1, -2), -1) @ v[:, :, None].expand(B, H // 2, 2, k.shape[2], D).reshape(B, H, k.shape[2], D),
+    # SDPA calls
+    "sdpa_plain": lambda s, q, k, v, m: F.scaled_dot_product_attention(q, k, v),
+    "sdpa_causal_scale": lambda s, q, k, v, m: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3),
+    "sdpa_mask": lambda s, q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m),
+    "sdpa_gqa": lambda s, q, k, v, m: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+}
+
+FP32_ROUNDING = {"relative_bias_no_scale", "softmax_upcast_to"}
+
+NEGATIVE = {
+    "softmax_over_queries": lambda s, q, k, v, m: torch.softmax(q @ k.transpose(-1, -2), dim=-2) @ v,
+    "keys_are_parameters": lambda s, q, k, v, m: torch.softmax(q @ s.w, dim=-1) @ v[:, :, :N],
+    "probabilities_escape": lambda s, q, k, v, m: (lambda p: (p @ v, p))(torch.softmax(q @ k.transpose(-1, -2), -1)),
+    "data_dependent_mask": lambda s, q, k, v, m: (lambda a: torch.softmax(a.masked_fill(a > 1.0, float("-inf")), -1) @ v)(q @ k.transpose(-1, -2)),
+    "fill_not_a_mask": lambda s, q, k, v, m: torch.softmax((q @ k.transpose(-1, -2)).masked_fill(~m, 0.5), -1) @ v,
+}
+
+
+def inputs(name, nq=N, nk=N):
+    q = torch.randn(B, H, nq, D, dtype=torch.float64)
+    hk = H // 2 if "gqa" in name else H
+    k = torch.randn(B, hk, nk, D, dtype=torch.float64)
+    v = torch.randn(B, hk, nk, D, dtype=torch.float64)
+    if name == "pretransposed":
+        k = k.transpose(-1, -2).contiguous()
+    m = None
+    if name in ("additive_float", "relative_bias_no_scale"):
+        m = torch.randn(1, H, nq, nk, dtype=torch.float64)
+    if name == "finfo_min_padding":
+        m = torch.ones(B, 1, 1, nk, dtype=torch.float64)
+        m[0, ..., nk - 3:] = 0
+    if name in ("masked_fill_bool", "where_bool", "sdpa_mask", "fill_not_a_mask"):
+        m = torch.rand(B, 1, nq, nk) > 0.3
+        m[..., 0] = True
+    return (q, k, v, m)
+
+
+def compile_site(fn, example):
+    ctx = CompileContext()
+    gm = capture(Site(fn).double(), example, ctx)
+    gm = run_passes(gm, ctx, PASSES)
+    return gm, ctx
+
+
+def op_nodes(gm):
+    return [n for n in gm.graph.nodes if ops.is_attention_node(n)]
+
+
+def _out(x):
+    return x[0] if isinstance(x, tuple) else x
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_site_is_rewritten_and_exact(name):
+    fn = CASES[name]
+    ex = inputs(name)
+    gm, ctx = compile_site(fn, ex)
+    found = op_nodes(gm)
+    assert len(found) == 1, f"{name}: {[(s.rewritten, s.reason) for s in ctx.sites]}\n{gm.graph}"
+    assert ctx.sites and ctx.sites[0].rewritten
+    # the original softmax is gone: the site is one op
+    assert not any(n.target is torch.softmax for n in gm.graph.nodes if n.op == "call_function")
+    ref_mod = Site(fn).double()
+    ref_mod.load_state_dict(gm.state_dict(), strict=False)
+    # sites that round through float32 in the model itself are compared at float32 precision
+    tol = dict(rtol=1e-4, atol=1e-6) if name in FP32_ROUNDING else dict(rtol=1e-6, atol=1e-8)
+    for nq in (N, 7):  # also a new sequence length: no re-tracing
+        x = inputs(name, nq, nq)
+        exp = _out(ref_mod(*x))
+        got = _out(gm(*x))
+        torch.testing.assert_close(got, exp, **tol)
+
+
+@pytest.mark.parametrize("name", sorted(NEGATIVE))
+def test_negative_twin_is_left_alone(name):
+    fn = NEGATIVE[name]
+    ex = inputs(name)
+    gm, ctx = compile_site(fn, ex)
+    assert op_nodes(gm) == []
+    if name != "keys_are_parameters":
+        assert ctx.sites and not ctx.sites[0].rewritten and ctx.sites[0].reason
+    got = _out(gm(*ex))
+    ref = Site(fn).double()
+    ref.load_state_dict(gm.state_dict(), strict=False)
+    torch.testing.assert_close(got, _out(ref(*ex)))
+
+
+def _spec(gm):
+    return AttentionSpec.from_json(op_nodes(gm)[0].args[7])
+
+
+def test_causal_buffer_becomes_causal_spec():
+    gm, _ = compile_site(CASES["causal_buffer"], inputs("causal_buffer"))
+    spec = _spec(gm)
+    assert spec.causal and op_nodes(gm)[0].args[3] is None
+
+
+def test_scales_fold_into_spec():
+    assert _spec(compile_site(CASES["scale_on_both"], inputs("scale_on_both"))[0]).scale is None  # 1/sqrt(D)
+    assert _spec(compile_site(CASES["no_scale"], inputs("no_scale"))[0]).scale == 1.0
+    assert _spec(compile_site(CASES["scale_on_k"], inputs("scale_on_k"))[0]).scale == pytest.approx(1 / 3)
+    assert _spec(compile_site(CASES["permute"], inputs("permute"))[0]).scale == pytest.approx(0.3)
+
+
+def test_gqa_expansion_is_undone():
+    for name in ("gqa_repeat_interleave", "gqa_expand_reshape", "sdpa_gqa"):
+        gm, _ = compile_site(CASES[name], inputs(name))
+        node = op_nodes(gm)[0]
+        assert _spec(gm).gqa_groups == 2, name
+        assert node.args[1].meta.get("tensor_meta").shape[1] == H // 2, name
+
+
+def test_cross_attention_nq_ne_nk():
+    fn = CASES["additive_float"]
+    gm, _ = compile_site(fn, inputs("additive_float", 5, 9))
+    x = inputs("additive_float", 6, 13)
+    torch.testing.assert_close(gm(*x), Site(fn).double()(*x))
+
+
+def test_dropout_in_training_keeps_rate_and_follows_mode():
+    fn = lambda s, q, k, v, m: F.dropout(torch.softmax(q @ k.transpose(-1, -2), -1), 0.4, training=True) @ v  # noqa: E731
+    gm, ctx = compile_site(fn, inputs("x"))
+    spec = _spec(gm)
+    assert spec.dropout_p == pytest.approx(0.4)
+    x = inputs("x")
+    with ops.training_mode(False):
+        torch.testing.assert_close(gm(*x), F.scaled_dot_product_attention(*x[:3], scale=1.0))
+    with ops.training_mode(True):
+        out = gm(*x)
+    assert not torch.allclose(out, F.scaled_dot_product_attention(*x[:3], scale=1.0))
+
+
+def test_counters_count_rewrites():
+    ctx_before = CompileContext()
+    gm, ctx = compile_site(CASES["no_scale"], inputs("no_scale"))
+    assert ctx.counters["match_attention"]["rewritten"] == 1
+    assert ctx_before.counters["match_attention"]["rewritten"] == 0
