@@ -42,19 +42,29 @@ class Report:
         return sum(s.rewritten for s in self.sites)
 
     def __str__(self) -> str:
-        head = (f"attncomp report: policy={self.policy} backend={self.backend} capture={self.capture}\n"
-                f"{len(self.sites)} attention site(s), {self.rewritten} rewritten")
-        rows = [("site", "pattern", "policy", "rewrites", "reason / notes")]
-        for s in self.sites:
-            notes = s.reason if not s.rewritten else "; ".join(
-                f"{k}: {v}" for k, v in s.details.items() if k != "notes") or ""
-            rows.append((s.name, s.pattern or "-", s.policy, ", ".join(s.rewrites) or "-",
-                         ("NOT REWRITTEN: " + (s.reason or "")) if not s.rewritten else notes))
-        widths = [min(48, max(len(str(r[i])) for r in rows)) for i in range(4)]
-        lines = [head, ""]
+        lines = [f"attncomp report: policy={self.policy}, backend={self.backend}",
+                 f"capture: {self.capture}",
+                 f"{len(self.sites)} attention site(s), {self.rewritten} rewritten", ""]
+        rows = [("site", "rewritten", "policy", "pattern")]
+        rows += [(s.name, "yes" if s.rewritten else "NO", s.policy, s.pattern or "-") for s in self.sites]
+        widths = [max(len(r[i]) for r in rows) for i in range(3)]
         for r in rows:
-            cells = [str(c)[:w].ljust(w) for c, w in zip(r[:4], widths)]
-            lines.append("  ".join(cells + [str(r[4])]).rstrip())
+            lines.append("  ".join(c.ljust(w) for c, w in zip(r[:3], widths)) + "  " + r[3])
+        for s in self.sites:
+            lines.append("")
+            lines.append(f"[{s.name}]")
+            if not s.rewritten:
+                lines.append(f"  not rewritten: {s.reason}")
+                continue
+            if s.spec:
+                lines.append(f"  spec: {s.spec}")
+            lines.append(f"  rewrites: {', '.join(s.rewrites) or '-'}")
+            for k, v in s.details.items():
+                if k == "notes":
+                    for note in v:
+                        lines.append(f"  note: {note}")
+                else:
+                    lines.append(f"  {k}: {v}")
         if self.notes:
             lines.append("")
             lines.extend(f"note: {n}" for n in self.notes)
