@@ -14,8 +14,9 @@ Guarantees (same values, canonical spelling, as ``call_function`` nodes):
   division by a Python number becomes multiplication by its reciprocal;
 * ``torch.where(cond, a, b)``: from ``masked_fill`` (``where(mask, value, x)``);
 * ``torch.softmax(x, dim, dtype=...)``: from ``F.softmax``, methods, ``nn.Softmax`` modules, aten;
-* ``torch.nn.functional.dropout(x, p, training)``: from ``nn.Dropout`` modules (marked in
-  ``node.meta["attncomp_module_dropout"]``: their rate follows the module's mode at run time) and aten;
+* ``torch.nn.functional.dropout(x, p, training)``: from aten and keyword spellings; ``nn.Dropout``
+  module calls stay module calls (their mode decides at run time) with the rate recorded in
+  ``node.meta["attncomp_module_dropout"]``;
 * ``torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal,
   scale=, enable_gqa=)``: from aten;
 * casts ``x.to(dtype)`` (``call_method`` ``to`` with one dtype argument): from ``float()``, ``half()``,
@@ -182,9 +183,9 @@ def _canon_node(gm: fx.GraphModule, n: fx.Node, modules) -> Optional[fx.Node]:
         if isinstance(mod, nn.Softmax):
             return _replace(gm, n, SOFTMAX, (a[0], mod.dim if mod.dim is not None else -1))
         if isinstance(mod, nn.Dropout) and type(mod) is nn.Dropout:
-            new = _replace(gm, n, DROPOUT, (a[0], float(mod.p), True))
-            new.meta["attncomp_module_dropout"] = t
-            return new
+            # stays a module call (its mode decides at run time); the matcher reads the rate here
+            if n.meta.get("attncomp_module_dropout") != float(mod.p):
+                n.meta["attncomp_module_dropout"] = float(mod.p)
         return None
     if op == "call_method":
         if t in _METHOD_MAP:

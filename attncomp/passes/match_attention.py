@@ -207,12 +207,15 @@ def _match_softmax(gm: fx.GraphModule, sm: fx.Node) -> Optional[Site]:
             cur = u
             chain.append(u)
             continue
-        if _is(u, DROPOUT):
-            p = u.args[1] if len(u.args) > 1 else u.kwargs.get("p", 0.5)
-            train = u.args[2] if len(u.args) > 2 else u.kwargs.get("training", True)
+        if _is(u, DROPOUT) or (u.op == "call_module" and "attncomp_module_dropout" in u.meta):
+            if u.op == "call_module":
+                p, train = u.meta["attncomp_module_dropout"], True
+            else:
+                p = u.args[1] if len(u.args) > 1 else u.kwargs.get("p", 0.5)
+                train = u.args[2] if len(u.args) > 2 else u.kwargs.get("training", True)
             if not isinstance(p, (int, float)):
                 raise NoMatch("dropout rate is not a constant")
-            if train is True or "attncomp_module_dropout" in u.meta:
+            if train is True:
                 dropout = float(p)
             elif train is not False:
                 raise NoMatch("dropout training flag is not a constant")
@@ -721,8 +724,9 @@ def _rewrite(gm: fx.GraphModule, site: Site, ctx: CompileContext) -> None:
                         details={"notes": site.notes} if site.notes else {})
     attn.meta[SITE_META] = report
     ctx.sites.append(report)
-    if site.dropout_node is not None and "attncomp_module_dropout" in site.dropout_node.meta:
-        report.details["dropout_module"] = site.dropout_node.meta["attncomp_module_dropout"]
+    if site.dropout_node is not None and site.dropout_node.op == "call_module":
+        report.details["dropout"] = (f"rate {site.dropout} from module {site.dropout_node.target}, "
+                                     "active in training mode only")
 
 
 def _combine_masks(g: fx.Graph, site: Site) -> fx.Node:

@@ -1,0 +1,104 @@
+"""canonicalize: each spelling becomes the canonical call_function, with the same values."""
+
+import operator
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+from attncomp.passes import canonicalize as C
+from attncomp.passes.base import CompileContext
+
+
+class Wrap(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+        self.sm = nn.Softmax(dim=-1)
+        self.dp = nn.Dropout(0.25)
+
+    def forward(self, a, b):
+        return self.fn(self, a, b)
+
+
+SPELLINGS = {
+    "matmul": [lambda s, a, b: a @ b, lambda s, a, b: torch.bmm(a, b), lambda s, a, b: a.matmul(b),
+               lambda s, a, b: torch.einsum("bij,bjk->bik", a, b)],
+    "transpose": [lambda s, a, b: a.mT, lambda s, a, b: a.transpose(-1, -2), lambda s, a, b: torch.swapaxes(a, 1, 2)],
+    "mul": [lambda s, a, b: a * 0.5, lambda s, a, b: a / 2.0, lambda s, a, b: a.div(2.0), lambda s, a, b: a.mul(0.5)],
+    "add": [lambda s, a, b: a + b, lambda s, a, b: a.add(b), lambda s, a, b: torch.add(a, b)],
+    "where": [lambda s, a, b: a.masked_fill(b > 0, float("-inf")), lambda s, a, b: torch.masked_fill(a, b > 0, -1e9)],
+    "softmax": [lambda s, a, b: a.softmax(-1), lambda s, a, b: F.softmax(a, dim=-1), lambda s, a, b: s.sm(a),
+                lambda s, a, b: torch.nn.functional.softmax(a, -1, dtype=torch.float64)],
+    "cast": [lambda s, a, b: a.float(), lambda s, a, b: a.double()],
+    "dropout": [lambda s, a, b: F.dropout(a, 0.25, False), lambda s, a, b: torch.dropout(a, 0.25, False)],
+}
+TARGET = {"matmul": C.MATMUL, "transpose": C.TRANSPOSE, "mul": C.MUL, "add": C.ADD, "where": C.WHERE,
+          "softmax": C.SOFTMAX, "dropout": C.DROPOUT}
+
+
+@pytest.mark.parametrize("kind,idx", [(k, i) for k, fns in SPELLINGS.items() for i in range(len(fns))])
+def test_spelling_becomes_canonical(kind, idx):
+    fn = SPELLINGS[kind][idx]
+    mod = Wrap(fn).eval()
+    gm = fx.symbolic_trace(mod)
+    a, b = torch.randn(2, 5, 5), torch.randn(2, 5, 5)
+    expected = mod(a, b)
+    res = C.canonicalize(gm, CompileContext())
+    res.graph_module.recompile()
+    nodes = [n for n in res.graph_module.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
+    if kind == "cast":
+        assert any(C.is_cast(n) for n in nodes)
+    else:
+        assert any(n.op == "call_function" and n.target is TARGET[kind] for n in nodes), res.graph_module.graph
+        assert not any(n.op in ("call_method", "call_module") for n in nodes if n.target not in ("size",)), \
+            res.graph_module.graph
+    torch.testing.assert_close(res.graph_module(a, b), expected)
+
+
+def test_inplace_masked_fill_is_functionalised():
+    def fn(s, a, b):
+        a = a * 1.0
+        a.masked_fill_(b > 0, float("-inf"))
+        return a.softmax(-1)
+
+    mod = Wrap(fn)
+    gm = fx.symbolic_trace(mod)
+    a, b = torch.randn(2, 5, 5), torch.randn(2, 5, 5)
+    b[..., 0] = -1.0
+    res = C.canonicalize(gm, CompileContext()).graph_module
+    res.recompile()
+    assert not any(n.op == "call_method" and n.target.endswith("_") for n in res.graph.nodes)
+    sm = next(n for n in res.graph.nodes if n.target is C.SOFTMAX)
+    assert sm.args[0].target is C.WHERE  # the softmax reads the filled value, not the pre-fill one
+    torch.testing.assert_close(res(a, b), mod(a, b))
+
+
+def test_dropout_module_stays_a_module_call():
+    mod = Wrap(lambda s, a, b: s.dp(a)).eval()
+    gm = C.canonicalize(fx.symbolic_trace(mod), CompileContext()).graph_module
+    node = next(n for n in gm.graph.nodes if n.op == "call_module")
+    assert node.meta["attncomp_module_dropout"] == 0.25
+    a = torch.randn(3, 4)
+    torch.testing.assert_close(gm(a, a), a)  # eval mode: identity
+
+
+def test_non_matmul_einsum_is_kept():
+    gm = fx.symbolic_trace(Wrap(lambda s, a, b: torch.einsum("bij,bij->bi", a, b)))
+    res = C.canonicalize(gm, CompileContext()).graph_module
+    assert any(n.target is torch.einsum for n in res.graph.nodes if n.op == "call_function")
+    assert not any(n.target is C.MATMUL for n in res.graph.nodes if n.op == "call_function")
+
+
+def test_aten_graph_from_export_is_canonicalised():
+    mod = Wrap(lambda s, a, b: F.softmax(a @ b.transpose(-1, -2) / 4.0, dim=-1) @ b).eval()
+    a, b = torch.randn(2, 5, 5), torch.randn(2, 5, 5)
+    gm = torch.export.export(mod, (a, b), strict=False).module()
+    res = C.canonicalize(gm, CompileContext()).graph_module
+    res.recompile()
+    targets = {n.target for n in res.graph.nodes if n.op == "call_function"}
+    assert {C.MATMUL, C.TRANSPOSE, C.MUL, C.SOFTMAX} <= targets
+    assert torch.ops.aten.matmul.default not in targets
+    torch.testing.assert_close(res(a, b), mod(a, b))
