@@ -37,8 +37,9 @@ log = logging.getLogger(__name__)
 # ---------------------------------------------------------------------------------------------
 # Input validation (shared by the functional API and the op).
 
-def _shape(t) -> Tuple[int, ...]:
-    return tuple(int(s) for s in t.shape)
+def _shape(t) -> Tuple:
+    # keep symbolic sizes symbolic: int() would fix batch/sequence to constants under torch.export
+    return tuple(t.shape)
 
 
 def check_inputs(spec: AttentionSpec, q, k, v, attn_mask=None, q_aux=None, k_aux=None,
