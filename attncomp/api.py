@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import inspect
 import logging
 import threading
 import warnings
@@ -11,6 +13,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch.utils._pytree import tree_flatten
 
 from . import ops
 from .passes.base import CompileContext, SiteReport
@@ -94,9 +97,11 @@ def _frozen(model: nn.Module) -> bool:
 class CompiledModule(nn.Module):
     """The compiled model: same call signature and outputs as the original.
 
-    Holds the rewritten graph module (which shares the original's parameters, plus any folded copies
-    the rewrites made). ``train()``/``eval()`` switch dropout and per-step draws of the sites. If no
-    example inputs were given, the model is captured on its first call.
+    One graph is captured per training mode and per call structure (which arguments are given, which
+    are ``None``, the values of non-tensor arguments, which tracing bakes in); shapes stay symbolic, so
+    new batch sizes and sequence lengths reuse the graph. Graphs share the original's parameters (plus
+    any folded copies rewrites made); each is traced from a structural copy of the model, so switching
+    ``train()``/``eval()`` here never changes the user's module.
     """
 
     def __init__(self, model: nn.Module, policy: Policy, backend: str, example_inputs, inference: Optional[bool],
@@ -104,38 +109,109 @@ class CompiledModule(nn.Module):
         super().__init__()
         self._policy, self._backend, self._fallback = policy, backend, fallback
         self._inference, self._options = inference, options
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._report: Optional[Report] = None
-        self.graph_module: Optional[fx.GraphModule] = None
+        self._example = None
+        self._eager = False
+        self.graphs = nn.ModuleDict()
+        self._keys: Dict[Any, str] = {}
+        self._static: Dict[Any, bool] = {}
         object.__setattr__(self, "_original", model)  # not a submodule: parameters are not listed twice
-        self.train(model.training)
+        self.training = model.training
         if example_inputs is not None:
-            self._build(example_inputs)
+            args, kwargs = split_inputs(example_inputs)
+            self._example = (args, kwargs)
+            self._graph_for(args, kwargs)
 
     @property
     def original(self) -> nn.Module:
         return self._original
 
-    def _build(self, example_inputs) -> None:
-        model = self._original
-        inference = _frozen(model) if self._inference is None else bool(self._inference)
+    @property
+    def graph_module(self) -> Optional[fx.GraphModule]:
+        """The graph of the most recent capture (``None`` before the first)."""
+        if not len(self.graphs):
+            return None
+        return self.graphs[list(self.graphs.keys())[-1]]
+
+    def train(self, mode: bool = True):
+        # graphs are per mode; exported graphs refuse train(), and module flags must not leak to the user
+        self.training = bool(mode)
+        return self
+
+    def _structure(self, args, kwargs):
+        """Keyword form of a call and the key of its structure."""
+        sig = inspect.signature(self._original.forward)
+        try:
+            bound = sig.bind(*args, **kwargs)
+        except TypeError as e:
+            raise TypeError(f"compiled {type(self._original).__name__}: {e}") from None
+        call = {}
+        for name, val in bound.arguments.items():
+            kind = sig.parameters[name].kind
+            if kind is inspect.Parameter.VAR_KEYWORD:
+                call.update(val)
+            elif kind is inspect.Parameter.VAR_POSITIONAL:
+                return None, None  # *args: keep the positional form
+            else:
+                call[name] = val
+        leaves, spec = tree_flatten(call)
+        kinds = tuple("T" if isinstance(x, torch.Tensor) else repr(x) for x in leaves)
+        return call, (self.training, str(spec), kinds)
+
+    def _graph_for(self, args, kwargs):
+        call, key = self._structure(args, kwargs)
+        if call is None:
+            call, key = None, (self.training, "positional", tuple(
+                "T" if isinstance(a, torch.Tensor) else repr(a) for a in args))
+        shape_key = key + (tuple(tuple(t.shape) for t in tree_flatten((args, kwargs))[0]
+                                 if isinstance(t, torch.Tensor)),)
+        name = self._keys.get(shape_key) or self._keys.get(key)
+        if name is None:
+            with self._lock:
+                name = self._capture(call, args, kwargs, key, shape_key)
+        return self.graphs[name], call
+
+    def _capture(self, call, args, kwargs, key, shape_key) -> str:
+        model = _structural_copy(self._original)
+        model.train(self.training)
+        inference = (not self.training and not any(p.requires_grad for p in model.parameters())) \
+            if self._inference is None else bool(self._inference)
         ctx = CompileContext(policy=self._policy, backend=self._backend, inference=inference,
                              options=dict(self._options))
-        gm = capture(model, example_inputs, ctx)
+        example = call if call is not None else args
+        gm = capture(model, example, ctx)
         gm = run_passes(gm, ctx)
-        self.graph_module = gm
+        static = "static shapes" in ctx.capture
+        name = f"g{len(self.graphs)}"
+        self.graphs[name] = gm
+        self._keys[shape_key if static else key] = name
+        if static:
+            ctx.notes.append("captured with static shapes: each new input shape is captured again")
         self._report = _make_report(ctx)
         if not self._report.sites:
             self._report.notes.append("no attention site found: the model runs unchanged")
         log.info("%s", self._report)
+        return name
 
     def forward(self, *args, **kwargs):
-        if self.graph_module is None:
-            with self._lock:
-                if self.graph_module is None:
-                    self._build(kwargs if (kwargs and not args) else (args if not kwargs else _merge(self._original, args, kwargs)))
+        if self._eager:
+            return self._original(*args, **kwargs)
+        try:
+            gm, call = self._graph_for(args, kwargs)
+        except CaptureError as e:
+            if self._fallback != "eager":
+                raise
+            warnings.warn(f"attncomp: running the original module: {e}", RuntimeWarning, stacklevel=2)
+            self._eager = True
+            return self._original(*args, **kwargs)
         with ops.training_mode(self.training):
-            return self.graph_module(*args, **kwargs)
+            if call is None:
+                return gm(*args)
+            positional = gm.meta.get("attncomp_positional")
+            if positional is not None:  # captured with its non-tensor arguments fixed
+                return gm(*(call[n] for n in positional))
+            return gm(**call)
 
     def report(self) -> Report:
         if self._report is None:
@@ -144,11 +220,10 @@ class CompiledModule(nn.Module):
         return self._report
 
 
-def _merge(model, args, kwargs):
-    import inspect
-
-    bound = inspect.signature(model.forward).bind(*args, **kwargs)
-    return dict(bound.arguments)
+def _structural_copy(model: nn.Module) -> nn.Module:
+    """A copy of the module tree that shares every parameter and buffer with ``model``."""
+    memo = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
+    return copy.deepcopy(model, memo)
 
 
 def compile(model: nn.Module, policy: Union[str, Policy] = "dense", *, example_inputs=None, backend: str = "auto",
@@ -215,8 +290,14 @@ class _DynamoBackend:
 
     def report(self) -> Report:
         ctx = CompileContext(policy=self.policy, backend=self.backend, capture="torch.compile (dynamo)")
+        seen = set()
         for c in self.contexts:
-            ctx.sites.extend(c.sites)
+            # dynamo recompiles a graph for new shapes: list each site once
+            for site in c.sites:
+                key = (site.name, site.pattern, site.spec, site.rewritten, site.reason)
+                if key not in seen:
+                    seen.add(key)
+                    ctx.sites.append(site)
             ctx.notes.extend(c.notes)
             for k, v in c.counters.items():
                 ctx.counters[k].update(v)
@@ -233,38 +314,56 @@ def _propagate_fake(gm: fx.GraphModule, example_inputs) -> None:
 
 def backend(policy: Union[str, Policy] = "dense", *, backend: str = "auto", inference: Optional[bool] = None):
     """A backend for ``torch.compile(model, backend=attncomp.backend(policy=...))``; the same passes as
-    :func:`compile`. ``attncomp.report(the_backend)`` lists the sites of every graph it compiled."""
+    :func:`compile`. ``attncomp.report(the_backend)`` lists the sites of every graph it compiled (a site
+    recompiled by dynamo for new shapes is listed once)."""
     pol = _check_options(policy, backend, "error")
     return _DynamoBackend(pol, backend, inference)
 
 
 def export(compiled: nn.Module, path: str, example_inputs=None) -> str:
-    """Export a compiled module ahead of time to ``path`` (see :mod:`attncomp.runtime.package`)."""
+    """Export a compiled module ahead of time to ``path`` (see :mod:`attncomp.runtime.package`).
+
+    The eval-mode graph is exported with every input dim dynamic; ``example_inputs`` default to those
+    given to :func:`compile`.
+    """
+    from .passes.capture import dynamic_shapes_for
     from .runtime import package
 
     if not isinstance(compiled, CompiledModule):
         raise TypeError("attncomp.export expects a module returned by attncomp.compile")
-    if compiled.graph_module is None:
-        if example_inputs is None:
-            raise ValueError("the module was never called: pass example_inputs to export it")
-        compiled._build(example_inputs)
     if example_inputs is None:
-        raise ValueError("attncomp.export needs example_inputs (a tuple of arguments or a dict of keyword arguments)")
-    args, kwargs = split_inputs(example_inputs)
-    from .passes.capture import _dynamic_shapes
-
-    dyn_args, dyn_kwargs = _dynamic_shapes(args, kwargs)
-    dynamic = dyn_kwargs if (kwargs and not args) else dyn_args
-    gm = compiled.graph_module
+        if compiled._example is None:
+            raise ValueError("attncomp.export needs example_inputs (a tuple of arguments or a dict of keyword "
+                             "arguments)")
+        args, kwargs = compiled._example
+    else:
+        args, kwargs = split_inputs(example_inputs)
+    was_training = compiled.training
+    compiled.train(False)
+    try:
+        gm, call = compiled._graph_for(args, kwargs)
+    finally:
+        compiled.train(was_training)
+    positional = gm.meta.get("attncomp_positional")
+    if positional is not None:
+        args, kwargs = tuple(call[n] for n in positional), {}
+    elif call is not None:
+        args, kwargs = (), call
     with ops.training_mode(False), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            ep = torch.export.export(gm, args, kwargs, dynamic_shapes=dynamic, strict=False)
-        except Exception:
+            ep = torch.export.export(gm, args, kwargs, dynamic_shapes=dynamic_shapes_for(gm.forward, args, kwargs),
+                                     strict=False)
+        except Exception as e:
+            log.warning("attncomp.export: dynamic-shape export failed (%s); exporting with static shapes", e)
             ep = torch.export.export(gm, args, kwargs, strict=False)
     rep = compiled.report()
+    params = [p.name for p in inspect.signature(compiled.original.forward).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     meta = {"report": {"policy": rep.policy, "backend": rep.backend, "capture": rep.capture,
-                       "sites": [s.as_dict() for s in rep.sites], "notes": rep.notes}}
+                       "sites": [s.as_dict() for s in rep.sites], "notes": rep.notes},
+            "call": {"keywords": call is not None and positional is None, "parameters": params,
+                     "positional": positional}}
     package.save_package(path, ep, meta)
     return path
 
@@ -275,6 +374,10 @@ class LoadedModule(nn.Module):
     def __init__(self, ep, meta: Dict[str, Any]):
         super().__init__()
         self.program = ep.module()
+        call = meta.get("call", {})
+        self._keywords = bool(call.get("keywords"))
+        self._params = list(call.get("parameters", []))
+        self._positional = call.get("positional")
         r = meta.get("report", {})
         self._attncomp_report = Report(sites=[SiteReport(**s) for s in r.get("sites", [])],
                                        policy=r.get("policy", ""), backend=r.get("backend", ""),
@@ -282,8 +385,22 @@ class LoadedModule(nn.Module):
                                        notes=list(r.get("notes", [])))
 
     def forward(self, *args, **kwargs):
+        if self._positional is not None and kwargs:  # exported with its non-tensor arguments fixed
+            bound = {**dict(zip(self._params, args)), **kwargs}
+            args, kwargs = tuple(bound[n] for n in self._positional), {}
+        if self._keywords and args:
+            if len(args) > len(self._params):
+                raise TypeError(f"expected at most {len(self._params)} positional arguments, got {len(args)}")
+            kwargs = {**dict(zip(self._params, args)), **kwargs}
+            args = ()
         with ops.training_mode(False):
             return self.program(*args, **kwargs)
+
+    def train(self, mode: bool = True):
+        if mode:
+            raise RuntimeError("a loaded attncomp package runs inference only; compile the model to train it")
+        self.training = False
+        return self
 
 
 def load(path: str) -> nn.Module:

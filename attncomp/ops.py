@@ -171,10 +171,10 @@ def materialize_aux(spec: AttentionSpec, q, k, q_aux=None, k_aux=None, seed: Opt
 # ---------------------------------------------------------------------------------------------
 # The op.
 
-def _backend_for(spec: AttentionSpec, q: Tensor):
+def _backend_for(spec: AttentionSpec, q: Tensor, k: Tensor, v: Tensor):
     from .runtime.dispatch import select_backend
 
-    return select_backend(spec, q)
+    return select_backend(spec, q, k, v)
 
 
 def _resolve(s: AttentionSpec, q: Tensor) -> AttentionSpec:
@@ -189,7 +189,7 @@ def _attention_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], 
                   k_aux: Optional[Tensor], block_pattern: Optional[Tensor], spec: str, dropout_p: float,
                   seed: int) -> Tuple[Tensor, Tensor]:
     s = _resolve(AttentionSpec.from_json(spec), q)
-    be = _backend_for(s, q)
+    be = _backend_for(s, q, k, v)
     out, lse = be.forward(s, q, k, v, attn_mask, q_aux, k_aux, block_pattern, dropout_p, seed)
     return out, lse
 
@@ -208,7 +208,7 @@ def _attention_backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, at
                            out: Tensor, lse: Tensor, spec: str, dropout_p: float, seed: int,
                            need_mask_grad: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     s = _resolve(AttentionSpec.from_json(spec), q)
-    be = _backend_for(s, q)
+    be = _backend_for(s, q, k, v)
     dq, dk, dv, dm = be.backward(s, q, k, v, attn_mask, q_aux, k_aux, block_pattern, dropout_p, seed,
                                  out, lse, grad_out, need_mask_grad=need_mask_grad)
     if need_mask_grad and dm is None:

@@ -48,8 +48,15 @@ def split_inputs(example_inputs) -> Tuple[Tuple, Dict[str, Any]]:
                      f"or a single tensor, got {type(example_inputs).__name__}")
 
 
+class _Tracer(fx.Tracer):
+    # buffers (e.g. GPT-2's causal ``bias``) become get_attr nodes, so slicing them by a traced length works
+    proxy_buffer_attributes = True
+
+
 def _fx_capture(model: nn.Module, args, kwargs) -> fx.GraphModule:
-    gm = fx.symbolic_trace(model)
+    tracer = _Tracer()
+    graph = tracer.trace(model)
+    gm = fx.GraphModule(tracer.root, graph, model.__class__.__name__)
     if args or kwargs:
         sig = inspect.signature(model.forward)
         bound = sig.bind(*args, **kwargs)
@@ -97,18 +104,50 @@ def _dynamic_shapes(args, kwargs):
     return tree_map(spec, args), tree_map(spec, kwargs)
 
 
+def dynamic_shapes_for(fn, args, kwargs):
+    """``dynamic_shapes`` for torch.export with every dim of every tensor input dynamic, keyed the way
+    export wants it (by the signature's parameter names when keyword arguments are given)."""
+    params = list(inspect.signature(fn).parameters.values())
+    if not kwargs and len(params) == 1 and params[0].kind is inspect.Parameter.VAR_POSITIONAL:
+        return {params[0].name: _dynamic_shapes(args, kwargs)[0]}
+    if not kwargs:
+        return _dynamic_shapes(args, kwargs)[0]
+    bound = inspect.signature(fn).bind(*args, **kwargs)
+    return {k: _dynamic_shapes((v,), {})[0][0] for k, v in bound.arguments.items()}
+
+
+class _WithConstants(nn.Module):
+    """Calls ``model`` with tensor arguments by position and the non-tensor keyword arguments fixed
+    (torch.export cannot take dynamic shapes next to non-tensor ``**kwargs`` values)."""
+
+    def __init__(self, model: nn.Module, names, constants):
+        super().__init__()
+        self.model = model
+        self.names = list(names)
+        self.constants = dict(constants)
+
+    def forward(self, *tensors):
+        return self.model(**dict(zip(self.names, tensors)), **self.constants)
+
+
+def _has_tensor(x) -> bool:
+    return any(isinstance(t, torch.Tensor) for t in tree_flatten(x)[0])
+
+
 def _export_capture(model: nn.Module, args, kwargs) -> Tuple[fx.GraphModule, str]:
-    dyn_args, dyn_kwargs = _dynamic_shapes(args, kwargs)
-    dynamic: Any
-    if kwargs and not args:
-        dynamic = dyn_kwargs
-    elif args and not kwargs:
-        dynamic = dyn_args
-    else:
-        sig = inspect.signature(model.forward)
-        bound = sig.bind(*args, **kwargs)
-        dynamic = {k: tree_map(lambda t: {i: torch.export.Dim.AUTO for i in range(t.dim())}
-                               if isinstance(t, torch.Tensor) else None, v) for k, v in bound.arguments.items()}
+    if kwargs and not args and not all(_has_tensor(v) for v in kwargs.values()):
+        names = [k for k, v in kwargs.items() if _has_tensor(v)]
+        consts = {k: v for k, v in kwargs.items() if not _has_tensor(v)}
+        gm, note = _export_capture(_WithConstants(model, names, consts), tuple(kwargs[k] for k in names), {})
+        gm.meta["attncomp_positional"] = names
+        for n in gm.graph.nodes:  # report paths as in the user's model, not the wrapper's
+            stack = n.meta.get("nn_module_stack")
+            if stack:
+                n.meta["nn_module_stack"] = {k: (v[0][len("model."):] if isinstance(v[0], str) and
+                                                 v[0].startswith("model.") else v[0], v[1])
+                                             for k, v in stack.items()}
+        return gm, note + f"; fixed arguments {sorted(consts)}"
+    dynamic = dynamic_shapes_for(model.forward, args, kwargs)
     note = "dynamic shapes"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -36,6 +36,7 @@ from typing import List, Optional, Tuple
 import networkx as nx
 import torch
 import torch.fx as fx
+import torch.nn as nn
 
 from .. import ops
 from ..policy import Dense
@@ -246,6 +247,10 @@ def _match_softmax(gm: fx.GraphModule, sm: fx.Node) -> Optional[Site]:
             raise NoMatch(f"softmax over dim {dim}, not over the keys (last dim of {rank}-D logits)")
         if rank not in (3, 4):
             raise NoMatch(f"{rank}-D logits; attention sites are 3-D or 4-D")
+        for nm, t in (("query", qa), ("keys", kb), ("values", v)):
+            ts = meta_shape(t)
+            if ts is not None and len(ts) != rank:
+                raise NoMatch(f"{nm} are {len(ts)}-D but the logits are {rank}-D (broadcast batch dims)")
     # a matmul-softmax-matmul whose "keys" are constants (a learned matrix) is not attention
     if _is_constant(gm, kb) or _is_constant(gm, v):
         raise NoMatch("key or value side is a constant (parameter or buffer), not an attention site")
@@ -339,20 +344,23 @@ def _depends_on_input(n) -> bool:
 
 
 def _param_placeholders(graph: fx.Graph):
-    """Placeholders that carry parameters/buffers (dynamo lifts them as inputs)."""
+    """Placeholders that carry parameters/buffers (dynamo lifts them as graph inputs)."""
     out = set()
     for n in graph.nodes:
-        if n.op == "placeholder":
-            src = n.meta.get("grapharg")
-            if src is not None and getattr(getattr(src, "source", None), "guard_source", None) is not None:
-                try:
-                    if src.source.guard_source().is_specialized_nn_module() or "parameters" in n.name \
-                            or "buffers" in n.name:
-                        out.add(n)
-                except Exception:
-                    pass
-            elif "_parameters_" in n.name or "_buffers_" in n.name:
-                out.add(n)
+        if n.op != "placeholder":
+            continue
+        ga = n.meta.get("grapharg")
+        example = getattr(ga, "_example", None) if ga is not None else None
+        if callable(example):  # a weakref in some versions
+            example = example()
+        if isinstance(example, nn.Parameter) or "_parameters_" in n.name or "_buffers_" in n.name:
+            out.add(n)
+            continue
+        src = getattr(ga, "source", None)
+        gs = getattr(src, "guard_source", None)
+        gs = gs() if callable(gs) else gs
+        if gs is not None and getattr(gs, "is_specialized_nn_module", lambda: False)():
+            out.add(n)
     return out
 
 
@@ -487,12 +495,12 @@ def _peel_gqa(gm, n) -> Tuple[fx.Node, int]:
                                                   aten._unsafe_view.default))
     if not is_reshape:
         return n, 1
-    e = n.args[0]
+    e = _skip_noop_slices(n.args[0])
     is_expand = isinstance(e, fx.Node) and ((e.op == "call_method" and e.target == "expand") or
                                             (e.op == "call_function" and e.target is aten.expand.default))
     if not is_expand:
         return n, 1
-    src = e.args[0]
+    src = _skip_noop_slices(e.args[0])
     src_shape, e_shape, out_shape = meta_shape(src), meta_shape(e), meta_shape(n)
     if src_shape is None or e_shape is None or out_shape is None or len(e_shape) != 5 or len(out_shape) != 4:
         return n, 1
@@ -502,7 +510,7 @@ def _peel_gqa(gm, n) -> Tuple[fx.Node, int]:
     if g is None:
         return n, 1
     # src is x[:, :, None] (B, Hk, 1, N, D); find x (B, Hk, N, D)
-    x = src.args[0] if isinstance(src, fx.Node) else None
+    x = _skip_noop_slices(src.args[0]) if isinstance(src, fx.Node) else None
     x_shape = meta_shape(x)
     unsq = isinstance(src, fx.Node) and (
         (src.op == "call_method" and src.target == "unsqueeze" and src.args[1] in (2, -3)) or
@@ -520,6 +528,23 @@ def _peel_gqa(gm, n) -> Tuple[fx.Node, int]:
             (x_shape[0], x_shape[2], x_shape[3]), (out_shape[0], out_shape[2], out_shape[3]))):
         return n, 1
     return x, g
+
+
+def _skip_noop_slices(n):
+    """Skip ``aten.slice(x, d, 0|None, end)`` nodes that keep the whole dim (export spells ``x[:, :]`` so)."""
+    while isinstance(n, fx.Node) and n.op == "call_function" and n.target is aten.slice.Tensor:
+        start = n.args[2] if len(n.args) > 2 else None
+        end = n.args[3] if len(n.args) > 3 else None
+        step = n.args[4] if len(n.args) > 4 else 1
+        src = n.args[0]
+        ss, ns = meta_shape(src), meta_shape(n)
+        full = end is None or (isinstance(end, int) and end >= 2 ** 62) or (
+            ss is not None and ns is not None and all(same_dim(a, b) for a, b in zip(ss, ns)))
+        if start in (None, 0) and step in (None, 1) and full:
+            n = src
+            continue
+        break
+    return n
 
 
 def _peel_gqa_undo(n, g):

@@ -345,7 +345,7 @@ def _manifest(zf: zipfile.ZipFile, path: str) -> Tuple[dict, bytes]:
 # Checks on the graph JSON: the strings torch's deserialiser evaluates.
 
 _OP_NAMESPACES = ("aten", "prims", "higher_order", "attncomp")
-_OP_TARGET = re.compile(r"^torch\.ops\.(%s)\.[A-Za-z][A-Za-z0-9_]*(\.[A-Za-z][A-Za-z0-9_]*)?$"
+_OP_TARGET = re.compile(r"^torch\.ops\.(%s)\.[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)?$"
                         % "|".join(_OP_NAMESPACES))
 _SYM_TARGETS = {f"_operator.{n}" for n in ("getitem", "eq", "ne", "le", "ge", "lt", "gt", "neg", "pos", "mul", "add",
                                             "sub", "floordiv", "mod", "pow", "truediv", "and_", "or_", "lshift",
@@ -465,6 +465,26 @@ def _check_program(obj: Any, path: str = "program.json") -> None:
                     stack.append((v, f"{where}/{k}"))
         elif isinstance(o, list):
             stack.extend((v, where) for v in o)
+
+
+#: libraries whose output classes (pytree nodes such as Hugging Face ``ModelOutput``) may be imported
+#: by name on load; nothing from the package itself is ever imported or run
+_OUTPUT_TYPE_LIBRARIES = ("transformers.",)
+_TYPE_NAME = re.compile(r"(?<![A-Za-z0-9_.])((?:%s)[A-Za-z0-9_.]+)\.[A-Za-z_][A-Za-z0-9_]*" %
+                        "|".join(re.escape(p) for p in _OUTPUT_TYPE_LIBRARIES))
+
+
+def _import_output_types(program_json: bytes) -> None:
+    """Import the installed library modules that define the exported program's input/output classes,
+    so their pytree registrations exist in a fresh process."""
+    import importlib
+
+    text = program_json.decode("utf-8", errors="replace")
+    for mod in sorted(set(_TYPE_NAME.findall(text))):
+        try:
+            importlib.import_module(mod)
+        except Exception:  # not a module (e.g. a class path prefix) or not installed: deserialising will say
+            continue
 
 
 def _check_operators_exist(program: dict) -> None:
@@ -612,6 +632,7 @@ def load_package(path: Union[str, os.PathLike], *, map_location: Optional[Union[
 
     from torch._export.serde.serialize import SerializedArtifact, deserialize
 
+    _import_output_types(entries[PROGRAM])
     artifact = SerializedArtifact(json.dumps(program).encode(), state_dict, constants, examples)
     try:
         ep = deserialize(artifact)
