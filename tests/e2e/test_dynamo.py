@@ -1,0 +1,169 @@
+"""End to end: the torch.compile route, ``torch.compile(model, backend=attncomp.backend(...))``.
+
+Dynamo hands its graphs (parameters lifted as inputs, ``example_value`` metadata) to the same passes
+as ``attncomp.compile``: the same sites must be found and rewritten and the outputs must equal eager.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+import attncomp
+from tests.utils import rel_err
+
+TOL = 1e-4
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+class MHA(nn.Module):
+    def __init__(self, d=32, h=4):
+        super().__init__()
+        self.h, self.dh = h, d // h
+        self.qkv = nn.Linear(d, 3 * d)
+        self.o = nn.Linear(d, d)
+
+    def forward(self, x, keep):
+        B, N, C = x.shape
+        q, k, v = self.qkv(x).view(B, N, 3, self.h, self.dh).permute(2, 0, 3, 1, 4)
+        s = torch.einsum("bhid,bhjd->bhij", q, k) / math.sqrt(self.dh)
+        s = s.masked_fill(~keep[:, None, None, :], float("-inf"))
+        p = s.softmax(dim=-1)
+        return self.o((p @ v).transpose(1, 2).reshape(B, N, C))
+
+
+class Stack(nn.Module):
+    def __init__(self, n=2):
+        super().__init__()
+        self.layers = nn.ModuleList([MHA() for _ in range(n)])
+        self.norm = nn.LayerNorm(32)
+
+    def forward(self, x, keep):
+        for layer in self.layers:
+            x = x + layer(self.norm(x), keep)
+        return x
+
+
+def _keep(b, n):
+    keep = torch.ones(b, n, dtype=torch.bool)
+    keep[1:, int(torch.randint(n // 2, n, (1,))):] = False
+    return keep
+
+
+def _bert():
+    T = pytest.importorskip("transformers")
+    return T.BertModel(T.BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                    intermediate_size=128, vocab_size=100, max_position_embeddings=32,
+                                    attn_implementation="eager"))
+
+
+def test_toy_matches_eager_and_reports_sites():
+    model = Stack().eval()
+    x, keep = torch.randn(2, 9, 32), _keep(2, 9)
+    be = attncomp.backend(policy="dense")
+    compiled = torch.compile(model, backend=be)
+    with torch.no_grad():
+        got = compiled(x, keep)
+        want = model(x, keep)
+    assert rel_err(got, want) < TOL
+    assert be.contexts, "torch.compile never called the attncomp backend"
+    rep = attncomp.report(be)
+    direct = attncomp.report(attncomp.compile(model, example_inputs=(x, keep)))
+    assert rep.rewritten == len(rep.sites) == direct.rewritten == 2, f"{rep}\n{direct}"
+    assert [s.name for s in rep.sites] == [s.name for s in direct.sites]
+    assert "dynamo" in rep.capture
+    assert all("bool mask" in s.spec for s in rep.sites), [s.spec for s in rep.sites]
+
+
+def test_toy_backward_matches_eager():
+    model = Stack().train()
+    x, keep = torch.randn(2, 7, 32), _keep(2, 7)
+    w = torch.randn(2, 7, 32)
+    compiled = torch.compile(model, backend=attncomp.backend(policy="dense"))
+    (compiled(x, keep) * w).sum().backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    (model(x, keep) * w).sum().backward()
+    for n, p in model.named_parameters():
+        assert rel_err(got[n], p.grad) < TOL, n
+
+
+def test_policy_through_dynamo_equals_attncomp_compile():
+    """The dynamo route runs the same passes: dfss gives what attncomp.compile(policy="dfss") gives."""
+    model = Stack().eval()
+    x, keep = torch.randn(2, 12, 32), _keep(2, 12)
+    be = attncomp.backend(policy="dfss")
+    with torch.no_grad():
+        got = torch.compile(model, backend=be)(x, keep)
+        want = attncomp.compile(model, policy="dfss", example_inputs=(x, keep))(x, keep)
+        dense = model(x, keep)
+    assert all(s.policy == "dfss" for s in attncomp.report(be).sites)
+    assert rel_err(got, want) < TOL
+    assert rel_err(got, dense) > 1e-4
+
+
+def test_bert_eager_through_dynamo():
+    model = _bert().eval()
+    ids = torch.randint(3, 100, (2, 12))
+    am = torch.ones(2, 12, dtype=torch.long)
+    am[1, 7:] = 0
+    be = attncomp.backend(policy="dense")
+    compiled = torch.compile(model, backend=be)
+    with torch.no_grad():
+        got = compiled(input_ids=ids, attention_mask=am)
+        want = model(input_ids=ids, attention_mask=am)
+    assert rel_err(got.last_hidden_state, want.last_hidden_state) < TOL
+    assert rel_err(got.pooler_output, want.pooler_output) < TOL
+    rep = attncomp.report(be)
+    assert rep.rewritten == len(rep.sites) == 2, str(rep)
+    assert [s.name for s in rep.sites] == ["encoder.layer.0.attention.self", "encoder.layer.1.attention.self"]
+
+
+def test_report_counts_sites_once_after_recompilation():
+    """A new shape makes dynamo compile again; the report still describes a model with 2 sites."""
+    model = Stack().eval()
+    be = attncomp.backend(policy="dense")
+    compiled = torch.compile(model, backend=be)
+    with torch.no_grad():
+        for b, n in ((2, 9), (3, 13), (1, 4)):
+            x, keep = torch.randn(b, n, 32), _keep(b, n)
+            assert rel_err(compiled(x, keep), model(x, keep)) < TOL
+    rep = attncomp.report(be)
+    assert len(rep.sites) == 2, f"{len(be.contexts)} graphs compiled, the report lists {len(rep.sites)} sites:\n{rep}"
+
+
+class MemoryLookup(nn.Module):
+    """softmax(q @ M^T) @ M against a learned matrix M: not attention (DESIGN.md: left alone)."""
+
+    def __init__(self, d=32):
+        super().__init__()
+        self.q = nn.Linear(d, d)
+        self.memory = nn.Parameter(torch.randn(6, d))
+
+    def forward(self, x):
+        p = torch.softmax(self.q(x) @ self.memory.t() * 0.2, dim=-1)
+        return p @ self.memory
+
+
+def test_parameter_keys_left_alone_under_dynamo():
+    """Dynamo lifts parameters to graph inputs; they must still count as constants, not as keys."""
+    model = MemoryLookup().eval()
+    x = torch.randn(2, 7, 32)
+    be = attncomp.backend(policy="dense")
+    with torch.no_grad():
+        got = torch.compile(model, backend=be)(x)
+        want = model(x)
+    rep = attncomp.report(be)
+    assert rep.rewritten == 0, str(rep)
+    assert rel_err(got, want) < TOL
+    direct = attncomp.report(attncomp.compile(model, example_inputs=(x,)))
+    assert direct.rewritten == 0
