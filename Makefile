@@ -24,5 +24,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -n $(JOBS) --durations=10 tests
 
+# On a GPU machine, with its own Python (torch and triton installed there): the GPU tests in their own
+# process (the CPU kernel tests switch Triton to its interpreter when imported).
+test-gpu:
+	python3 -m pytest -q -m gpu tests/codegen/test_triton_gpu.py tests/codegen/test_scfa_gpu.py
+
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,233 @@
+"""Triton building blocks shared by the forward and backward attention kernels.
+
+The softmax runs in log2 units, ``exp2(q·k * scale * log2(e) + bias * log2(e) - m)``, so that the
+scale costs one fused multiply-add per logit (without a float mask the tiles hold raw ``q·k`` and
+the scale is applied inside that multiply-add). A logit that is not kept (disallowed by the causal
+rule or the mask, out of bounds, or dropped by the policy) is ``-inf``. :func:`_score_tile` is the single place where masks and the policy's rule are applied, so
+the forward, dK/dV and dQ kernels keep exactly the same entries; a new policy adds its branch there
+(and, if it needs per-token tensors, their pointers to the kernels' signatures).
+
+The DFSS selection (:func:`_nm_select`) runs on the logits tile in registers, right after the
+``QK^T`` product and before the online softmax, as the epilogue the DFSS paper describes: nothing
+is written to memory. To keep the ``M`` members of a group in one thread's registers, key tiles are
+loaded in the order given by :func:`_key_order` (see there); softmax and ``P @ V`` do not depend on
+the order of keys inside a tile, as long as K and V rows are loaded in the same order.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+__all__ = [
+    "POLICY_DENSE",
+    "POLICY_DFSS",
+    "MASK_NONE",
+    "MASK_BOOL",
+    "MASK_FLOAT",
+    "LOG2E",
+]
+
+# Policy and mask kinds as kernel constants (``tl.constexpr``): one compiled variant per kind.
+POLICY_DENSE = 0
+POLICY_DFSS = 1
+MASK_NONE = 0
+MASK_BOOL = 1
+MASK_FLOAT = 2
+
+LOG2E = 1.4426950408889634
+
+# Triton's CPU interpreter multiplies bfloat16 tiles as raw 16-bit integers; it gets float32 copies
+# (exact: products of bfloat16 values are exact in float32, as on the tensor cores).
+_INTERPRET_UPCAST = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
+@triton.jit
+def _dot(a, b, acc):
+    """``acc + a @ b`` with float32 accumulation."""
+    if _INTERPRET_UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _key_order(BLOCK_N: tl.constexpr, NM_M: tl.constexpr):
+    """Key offsets (within a tile) of the tile's ``BLOCK_N`` columns, for N:M groups of ``NM_M``.
+
+    Column ``c`` is read as ``(u, h, t, e)`` with ``c = ((u * NM_M/2 + h) * 4 + t) * 2 + e`` and holds
+    key ``(4u + t) * NM_M + 2h + e``: member ``2h + e`` of group ``4u + t``. On NVIDIA tensor cores the
+    accumulator gives each thread pairs of adjacent columns ``(e)`` from every eighth column
+    ``(h, u)``, with the four threads of a quad covering ``t``; so the members of one group
+    (varying ``h`` and ``e``) sit in one thread and the selection needs no data exchange. For
+    ``NM_M == 2`` (and for policies without groups) this is the identity.
+    """
+    c = tl.arange(0, BLOCK_N)
+    if NM_M <= 2:
+        return c
+    else:
+        H: tl.constexpr = NM_M // 2
+        e = c % 2
+        t = (c // 2) % 4
+        h = (c // 8) % H
+        u = c // (8 * H)
+        return (u * 4 + t) * NM_M + h * 2 + e
+
+
+@triton.jit
+def _nm_select(s, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NM_N: tl.constexpr, NM_M: tl.constexpr):
+    """Keep, per row of ``s`` (``BLOCK_M x BLOCK_N``, columns in :func:`_key_order`), the ``NM_N``
+    largest logits of every group of ``NM_M`` keys; the others become ``-inf``.
+
+    Member ``a`` beats member ``b`` if its logit is larger, or equal with a lower key index; a
+    member is kept when fewer than ``NM_N`` members beat it. ``-inf`` (not allowed) members are
+    never kept in effect: they lose to every allowed member and a kept ``-inf`` weighs 0.
+
+    The tile is viewed as ``(BLOCK_M, groups, NM_M)`` with the member axis in one thread's
+    registers, so splitting it into per-member tensors moves no data. ``M = 2`` needs one compare
+    per group and ``M = 4`` a handful of min/max and compares; larger groups count the members
+    that beat each one.
+    """
+    H: tl.constexpr = NM_M // 2
+    G: tl.constexpr = BLOCK_N // NM_M
+    NEG: tl.constexpr = float("-inf")
+    x = tl.reshape(s, (BLOCK_M, BLOCK_N // (4 * NM_M), H, 4, 2))
+    x = tl.permute(x, (0, 1, 3, 2, 4))
+    x = tl.reshape(x, (BLOCK_M, G, NM_M))
+    if NM_M == 2:
+        x0, x1 = tl.split(x)
+        c01 = x0 >= x1  # member 0 beats member 1 (ties go to the lower index)
+        y = tl.join(tl.where(c01, x0, NEG), tl.where(c01, NEG, x1))
+    elif NM_M == 4:
+        xe0, xe1 = tl.split(tl.reshape(x, (BLOCK_M, G, 2, 2)))
+        x0, x2 = tl.split(xe0)
+        x1, x3 = tl.split(xe1)
+        # Member r is kept iff fewer than N members beat it (j beats r: x_j > x_r, or x_j == x_r
+        # and j < r). Each condition below is that count written with min/max of the others, so
+        # a group costs a few min/max and compares and no predicate juggling.
+        hi01 = tl.maximum(x0, x1)
+        lo01 = tl.minimum(x0, x1)
+        hi23 = tl.maximum(x2, x3)
+        lo23 = tl.minimum(x2, x3)
+        if NM_N == 1:  # nobody beats it
+            k0 = tl.maximum(x1, hi23) <= x0
+            k1 = (x0 < x1) & (hi23 <= x1)
+            k2 = (hi01 < x2) & (x3 <= x2)
+            k3 = tl.maximum(hi01, x2) < x3
+        elif NM_N == 2:  # at most one member beats it
+            k0 = tl.maximum(lo23, tl.minimum(x1, hi23)) <= x0  # second largest of x1, x2, x3
+            k1 = tl.where(x0 >= x1, hi23, lo23) <= x1
+            k2 = tl.where(x3 > x2, hi01, lo01) < x2
+            k3 = tl.maximum(lo01, tl.minimum(hi01, x2)) < x3  # second largest of x0, x1, x2
+        else:  # N == 3: not all three beat it
+            k0 = tl.minimum(x1, lo23) <= x0
+            k1 = (x0 < x1) | (lo23 <= x1)
+            k2 = (lo01 < x2) | (x3 <= x2)
+            k3 = tl.minimum(lo01, x2) < x3
+        y0 = tl.where(k0, x0, NEG)
+        y1 = tl.where(k1, x1, NEG)
+        y2 = tl.where(k2, x2, NEG)
+        y3 = tl.where(k3, x3, NEG)
+        y = tl.reshape(tl.join(tl.join(y0, y2), tl.join(y1, y3)), (BLOCK_M, G, NM_M))
+    else:
+        # count the members that beat each member; the member axis is extracted with a masked
+        # sum over registers (x + -0.0 == x exactly, -inf included)
+        lane = tl.arange(0, NM_M)[None, None, :]
+        rank = tl.zeros((BLOCK_M, G, NM_M), dtype=tl.int32)
+        for t in tl.static_range(NM_M):
+            xt = tl.sum(tl.where(lane == t, x, -0.0), axis=2)[:, :, None]
+            beats = (xt > x) | ((xt == x) & (lane > t))
+            rank += beats.to(tl.int32)
+        y = tl.where(rank < NM_N, x, NEG)
+    y = tl.reshape(y, (BLOCK_M, BLOCK_N // (4 * NM_M), 4, H, 2))
+    y = tl.permute(y, (0, 1, 3, 2, 4))
+    keep = tl.reshape(y, (BLOCK_M, BLOCK_N)) != NEG
+    # apply the decision to the input tile (not the reshaped copy): the result keeps the layout of
+    # the matrix product, so nothing downstream is converted or computed twice
+    return tl.where(keep, s, NEG)
+
+
+@triton.jit
+def _uniform_hash(seed, idx):
+    """Uniform float32 in [0, 1) from ``(seed, idx)``: bit for bit ``attncomp.policy.uniform_hash``.
+
+    ``seed`` is the host's pre-mixed 32-bit seed, ``idx`` the uint32 low bits of the element index;
+    products wrap modulo 2**32 as in the reference's masked int64 arithmetic.
+    """
+    x = idx ^ seed.to(tl.uint32)
+    x = x * tl.full(idx.shape, 0x85EBCA6B, tl.uint32)
+    x = x ^ (x >> 13)
+    x = x * tl.full(idx.shape, 0xC2B2AE35, tl.uint32)
+    x = x ^ (x >> 16)
+    x = x * tl.full(idx.shape, 0x27D4EB2F, tl.uint32)
+    x = x ^ (x >> 15)
+    return (x >> 8).to(tl.float32) * (1.0 / 16777216.0)
+
+
+@triton.jit
+def _dropout_scale(seed, row_base, kj, dropout_p, inv_keep):
+    """``1/(1-p)`` where the probability survives dropout, 0 where it is dropped.
+
+    ``row_base`` is ``((b*Hq + h)*Nq + i) * Nk`` as uint32 (broadcast along the query axis),
+    ``kj`` the key index; the element index is their sum modulo 2**32.
+    """
+    idx = row_base + kj.to(tl.uint32)
+    u = _uniform_hash(seed, idx)
+    return tl.where(u >= dropout_p, inv_keep, 0.0)
+
+
+@triton.jit
+def _score_tile(
+    qk, qi, kj, mask_ptrs, Nq, Nk, qk_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, CHECK_Q: tl.constexpr, CHECK_K: tl.constexpr,
+    POLICY: tl.constexpr, NM_N: tl.constexpr, NM_M: tl.constexpr, TRANSPOSED: tl.constexpr,
+    PRESCALE: tl.constexpr,
+):
+    """Logits of one tile with every rule of DESIGN.md §4 applied; ``-inf`` = not kept.
+
+    ``qk`` is the raw ``q·k`` tile: ``BLOCK_M x BLOCK_N`` (queries by keys), or its transpose when
+    ``TRANSPOSED`` (the dK/dV kernel). ``qi``/``kj`` are the query/key indices broadcastable to the
+    tile, ``mask_ptrs`` the attention-mask element pointers (ignored without a mask).
+    ``CHECK_Q``/``CHECK_K`` add bounds checks for the last partial tiles.
+
+    With ``PRESCALE`` (a float mask, or a scale <= 0) the result is in log2 units,
+    ``qk * qk_scale + bias * log2(e)``. Without it the tile stays in raw ``q·k`` units and the
+    caller applies ``qk_scale`` inside the fused multiply-add that feeds ``exp2`` (one multiply per
+    element less); ranking raw products also matches the reference's ties exactly.
+    """
+    if PRESCALE:
+        s = qk * qk_scale
+    else:
+        s = qk
+    if MASK_KIND != 0:
+        if CHECK_Q and CHECK_K:
+            inb = (qi < Nq) & (kj < Nk)
+        elif CHECK_Q:
+            inb = qi < Nq
+        elif CHECK_K:
+            inb = kj < Nk
+        if MASK_KIND == 1:
+            if CHECK_Q or CHECK_K:
+                am = tl.load(mask_ptrs, mask=inb, other=0)
+            else:
+                am = tl.load(mask_ptrs)
+            s = tl.where(am != 0, s, float("-inf"))
+        else:
+            if CHECK_Q or CHECK_K:
+                bias = tl.load(mask_ptrs, mask=inb, other=0.0)
+            else:
+                bias = tl.load(mask_ptrs)
+            s = s + bias.to(tl.float32) * 1.4426950408889634
+    if CAUSAL:
+        s = tl.where(kj <= qi, s, float("-inf"))
+    if CHECK_K:
+        s = tl.where(kj < Nk, s, float("-inf"))
+    if POLICY == 1:
+        if TRANSPOSED:
+            s = tl.trans(_nm_select(tl.trans(s), BLOCK_M, BLOCK_N, NM_N, NM_M))
+        else:
+            s = _nm_select(s, BLOCK_M, BLOCK_N, NM_N, NM_M)
+    return s

@@ -1,0 +1,147 @@
+"""Launch configurations (tile shapes, warps, pipeline depth) of the Triton attention kernels.
+
+Candidates are plain module-level lists, filtered per call by head dim, dtype and the N:M group
+size (a key tile must hold whole groups, laid out as :func:`common._key_order` expects: a multiple
+of ``4 * M`` keys). On CUDA, when the persistent tuning store ``attncomp.runtime.autotune`` is
+installed, it picks among the candidates by timing them once per key and remembers the choice on
+disk; otherwise (and with ``ATTNCOMP_TRITON_TUNE=0``) the first candidate, a default measured on an
+H200, is used. Under ``TRITON_INTERPRET=1`` (CPU tests) one small configuration is used and nothing
+is timed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+log = logging.getLogger(__name__)
+
+__all__ = ["fwd_candidates", "bwd_candidates", "choose", "interpret_mode"]
+
+Config = Dict[str, int]
+
+
+def interpret_mode() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def tuning_enabled() -> bool:
+    """Whether :func:`choose` may time candidates (``ATTNCOMP_TRITON_TUNE=0`` turns it off), and
+    which tuning store it would use."""
+    return os.environ.get("ATTNCOMP_TRITON_TUNE", "1") != "0", os.environ.get("ATTNCOMP_CACHE_DIR", "")
+
+
+def _cfg(bm, bn, warps, stages) -> Config:
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
+
+
+# Candidates per head-dim tier (padded head dim <= 64, <= 128, <= 256), the default first; the
+# defaults and orders come from timing every candidate on an H200 (bf16, B=4, H=16, N=4096).
+# Forward: (query tile, key tile, warps, stages). Shapes that spill registers on sm_90 are left out.
+FWD_CONFIGS: Dict[int, List[Config]] = {
+    64: [_cfg(128, 64, 8, 3), _cfg(128, 64, 4, 3), _cfg(64, 64, 4, 3), _cfg(128, 64, 8, 4), _cfg(128, 128, 8, 4)],
+    128: [_cfg(128, 128, 8, 3), _cfg(128, 64, 8, 3), _cfg(64, 64, 4, 3), _cfg(128, 64, 8, 4), _cfg(128, 128, 8, 2)],
+    256: [_cfg(128, 64, 8, 2), _cfg(64, 64, 4, 2), _cfg(128, 32, 8, 2), _cfg(64, 32, 4, 2)],
+}
+# With an N:M selection (more registers per logit) smaller query tiles win.
+FWD_CONFIGS_NM: Dict[int, List[Config]] = {
+    64: [_cfg(128, 64, 4, 3), _cfg(64, 64, 4, 3), _cfg(128, 64, 8, 3), _cfg(64, 64, 4, 4), _cfg(128, 64, 8, 4)],
+    128: [_cfg(64, 64, 4, 3), _cfg(128, 128, 8, 3), _cfg(128, 64, 8, 3), _cfg(64, 64, 4, 4), _cfg(128, 64, 8, 4)],
+    256: [_cfg(64, 64, 4, 2), _cfg(128, 64, 8, 2), _cfg(64, 32, 4, 2)],
+}
+# Backward: BLOCK_M/BLOCK_N are the query/key tiles of the dK/dV kernel. The dQ kernel takes
+# ``DQ`` = (query tile, key tile, warps, stages) when given, else the dK/dV pair transposed.
+# ``NATURAL`` picks the orientation of the dK/dV tiles (see backward._dkdv_tiles; default:
+# queries by keys for an N:M selection, keys by queries otherwise).
+BWD_CONFIGS: Dict[int, List[Config]] = {
+    64: [_cfg(64, 64, 4, 3), _cfg(64, 128, 8, 3), _cfg(32, 64, 4, 2), dict(_cfg(64, 128, 8, 3), DQ=(128, 64, 8, 3))],
+    128: [dict(_cfg(64, 128, 8, 2), DQ=(128, 64, 8, 3)), _cfg(64, 128, 8, 2),
+          dict(_cfg(32, 128, 8, 3), DQ=(128, 64, 8, 3)), dict(_cfg(32, 128, 8, 2), DQ=(128, 64, 8, 2))],
+    256: [_cfg(64, 64, 8, 2), _cfg(32, 64, 4, 2), _cfg(32, 32, 4, 2)],
+}
+BWD_CONFIGS_NM: Dict[int, List[Config]] = {
+    64: [_cfg(64, 64, 4, 3), dict(_cfg(64, 128, 8, 2), DQ=(128, 64, 8, 3)),
+         dict(_cfg(128, 64, 8, 2), DQ=(128, 64, 8, 3)), dict(_cfg(64, 64, 4, 3), NATURAL=0),
+         dict(_cfg(64, 128, 8, 3), NATURAL=0, DQ=(128, 64, 8, 3))],
+    128: [dict(_cfg(128, 64, 8, 2), DQ=(128, 64, 8, 2)), dict(_cfg(64, 128, 8, 2), NATURAL=0, DQ=(128, 64, 8, 2)),
+          dict(_cfg(64, 64, 8, 3), DQ=(128, 64, 8, 2)), dict(_cfg(32, 64, 4, 2), NATURAL=0)],
+    256: [_cfg(64, 64, 8, 2), _cfg(32, 64, 4, 2), _cfg(32, 32, 4, 2)],
+}
+
+
+def _tier(d: int, dv: int) -> int:
+    b = max(d, dv)
+    return 64 if b <= 64 else (128 if b <= 128 else 256)
+
+
+def _keys_ok(block_n: int, nm_m: int) -> bool:
+    return block_n % max(8, 4 * nm_m) == 0
+
+
+def _smem_ok(cfg: Config, d: int, dv: int, itemsize: int, limit: int = 227 * 1024) -> bool:
+    # K and V tiles of every pipeline stage plus the query tile (Hopper: 227 KiB per block)
+    bm, bn, st = cfg["BLOCK_M"], cfg["BLOCK_N"], max(1, cfg["num_stages"])
+    return (st * bn * (d + dv) + bm * max(d, dv)) * itemsize <= limit
+
+
+def interpret_config(nm_m: int) -> Config:
+    """The one configuration used under the interpreter: small tiles that still hold whole groups."""
+    b = max(16, 4 * nm_m)
+    return _cfg(b, b, 1, 1)
+
+
+def fwd_candidates(d: int, dv: int, dtype: torch.dtype, nm_m: int) -> List[Config]:
+    """Forward configurations for head dims ``d``/``dv`` and N:M group size ``nm_m`` (1: none)."""
+    if interpret_mode():
+        return [interpret_config(nm_m)]
+    pool = (FWD_CONFIGS_NM if nm_m > 1 else FWD_CONFIGS)[_tier(d, dv)]
+    item = torch.tensor([], dtype=dtype).element_size()
+    out = [c for c in pool if _keys_ok(c["BLOCK_N"], nm_m) and _smem_ok(c, d, dv, item)]
+    if not out:  # large groups (M = 16) need 64-key tiles even at large head dims
+        out = [_cfg(64, max(64, 4 * nm_m), 4, 1)]
+    if dtype == torch.float32:  # 4-byte tiles: halve the key tile
+        out = [c for c in out if c["BLOCK_N"] <= 64 and c["BLOCK_M"] <= 128] or out
+    return out
+
+
+def bwd_candidates(d: int, dv: int, dtype: torch.dtype, nm_m: int) -> List[Config]:
+    if interpret_mode():
+        return [interpret_config(nm_m)]
+    pool = (BWD_CONFIGS_NM if nm_m > 1 else BWD_CONFIGS)[_tier(d, dv)]
+    # key tiles: BLOCK_N of the dK/dV kernel, and the dQ kernel's (its DQ entry, else BLOCK_M)
+    out = [c for c in pool if _keys_ok(c["BLOCK_N"], nm_m) and _keys_ok((c.get("DQ") or (0, c["BLOCK_M"]))[1], nm_m)]
+    if not out:
+        out = [_cfg(max(64, 4 * nm_m), max(64, 4 * nm_m), 4, 1)]
+    if dtype == torch.float32:
+        out = [c for c in out if c["BLOCK_N"] <= 64] or out
+    return out
+
+
+# choices made in this process: a call after the first costs one dict lookup, not a store lookup
+_chosen: Dict[str, Config] = {}
+
+
+def choose(name: str, key: dict, candidates: List[Config], bench: Optional[Callable[[Config], float]]) -> Config:
+    """Pick a configuration: through the persistent tuning store when it exists and tuning is on."""
+    if len(candidates) == 1 or bench is None or interpret_mode():
+        return candidates[0]
+    if not tuning_enabled()[0]:
+        return candidates[0]
+    memo = json.dumps([name, key, candidates, os.environ.get("ATTNCOMP_CACHE_DIR", "")], sort_keys=True, default=str)
+    if memo in _chosen:
+        return _chosen[memo]
+    try:
+        from ...runtime.autotune import tune
+    except ImportError:
+        return candidates[0]
+    try:
+        best = dict(tune(name, key, candidates, bench))
+    except Exception as e:  # a broken store must not break attention: fall back to the default
+        log.warning("autotuning %s failed (%s); using the default configuration", name, e)
+        return candidates[0]
+    _chosen[memo] = best
+    return best
