@@ -46,11 +46,15 @@ def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = Non
         others = (q_buckets, k_buckets, q_keep, k_keep)
     if any(t is not None for t in others):
         raise ValueError(f"policy {pol.name!r} does not take the bucket/keep tensors given")
+    if attn_mask is not None and not isinstance(attn_mask, Tensor):
+        raise ValueError(f"attn_mask must be a tensor or None, got {type(attn_mask).__name__}")
     mask_kind = "none" if attn_mask is None else ("bool" if attn_mask.dtype == torch.bool else "float")
     spec = AttentionSpec(causal=bool(is_causal), mask_kind=mask_kind, scale=None if scale is None else float(scale),
                          dropout_p=float(dropout_p), dtype=dtype_name(q.dtype), head_dim=int(q.shape[-1]),
                          gqa_groups=int(q.shape[1]) // max(1, int(k.shape[1])), policy=pol.resolved(q.dtype),
                          backend=backend)
+    # shapes first, so that deriving buckets or keep masks never runs on inputs that do not fit
+    ops.check_inputs(spec, q, k, v, attn_mask, enable_gqa=enable_gqa, policy_tensors=False)
     q_aux, k_aux = ops.materialize_aux(spec, q, k, q_aux, k_aux)
     ops.check_inputs(spec, q, k, v, attn_mask, q_aux, k_aux, block_pattern, enable_gqa=enable_gqa)
     if dropout_p > 0 and seed is None:

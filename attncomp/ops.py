@@ -43,8 +43,9 @@ def _shape(t) -> Tuple:
 
 
 def check_inputs(spec: AttentionSpec, q, k, v, attn_mask=None, q_aux=None, k_aux=None,
-                 block_pattern=None, enable_gqa: bool = True) -> None:
-    """Raise ``ValueError`` naming the expected shape/dtype for any input that does not fit."""
+                 block_pattern=None, enable_gqa: bool = True, policy_tensors: bool = True) -> None:
+    """Raise ``ValueError`` naming the expected shape/dtype for any input that does not fit
+    (``policy_tensors=False``: only q, k, v and the mask)."""
     for nm, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
             raise ValueError(f"{nm} must be a torch.Tensor, got {type(t).__name__}")
@@ -75,8 +76,9 @@ def check_inputs(spec: AttentionSpec, q, k, v, attn_mask=None, q_aux=None, k_aux
         ms = _shape(attn_mask)
         if len(ms) > 4 or any(a not in (1, b) for a, b in zip(ms[::-1], full[::-1])):
             raise ValueError(f"attn_mask of shape {ms} does not broadcast to (B, Hq, Nq, Nk) = {full}")
+    if not policy_tensors:
+        return
     pol = spec.policy
-    given = {"q_aux": q_aux, "k_aux": k_aux, "block_pattern": block_pattern}
     if isinstance(pol, Hash):
         _check_token(q_aux, "q_buckets", (B, Hq, Nq), "integer")
         _check_token(k_aux, "k_buckets", (B, Hk, Nk), "integer")
@@ -100,14 +102,15 @@ def check_inputs(spec: AttentionSpec, q, k, v, attn_mask=None, q_aux=None, k_aux
             raise ValueError(f"block_pattern must be bool, got {block_pattern.dtype}")
     elif block_pattern is not None:
         raise ValueError(f"policy {pol.name!r} takes no block_pattern")
-    del given
 
 
 def _check_token(t, name: str, shape, kind: str) -> None:
     if t is None:
         raise ValueError(f"{name} is required: expected a {kind} tensor of shape {shape}")
+    if not isinstance(t, Tensor):
+        raise ValueError(f"{name} must be a {kind} tensor of shape {tuple(shape)}, got {type(t).__name__}")
     ok = (t.dtype == torch.bool) if kind == "bool" else (not t.is_floating_point() and t.dtype != torch.bool)
-    if not isinstance(t, Tensor) or not ok:
+    if not ok:
         raise ValueError(f"{name} must be a {kind} tensor of shape {shape}, got dtype {getattr(t, 'dtype', type(t))}")
     if _shape(t) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {_shape(t)}")

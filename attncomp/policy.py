@@ -160,7 +160,8 @@ class SPION(Policy):
             raise ValueError(f"SPION block_size must be one of {_VALID_BLOCK}, got {self.block_size!r}")
         if not isinstance(self.filter_size, int) or self.filter_size < 1 or self.filter_size % 2 == 0:
             raise ValueError(f"SPION filter_size must be a positive odd int, got {self.filter_size!r}")
-        if not 0.0 < float(self.threshold) < 1.0:
+        if not isinstance(self.threshold, (int, float)) or isinstance(self.threshold, bool) \
+                or not 0.0 < float(self.threshold) < 1.0:
             raise ValueError(f"SPION threshold must be in (0, 1), got {self.threshold!r}")
 
 
@@ -191,9 +192,13 @@ def get_policy(policy: Union[str, Policy, None] = "dense", **params) -> Policy:
     if policy is None:
         policy = "dense"
     if isinstance(policy, Policy):
-        if params:
+        if not params:
+            return policy
+        try:
             return dataclasses.replace(policy, **params)
-        return policy
+        except TypeError as e:
+            fields = [f.name for f in dataclasses.fields(policy)]
+            raise ValueError(f"bad parameters for policy {policy.name!r}: {e}; valid parameters: {fields}") from None
     if not isinstance(policy, str) or policy.lower() not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; valid policies: {', '.join(sorted(POLICIES))}")
     cls = POLICIES[policy.lower()]
@@ -240,8 +245,13 @@ def keep_mask(shape: Tuple[int, int, int], rate: float, seed: int, stream: int, 
     """
     B, H, N = shape
     idx = torch.arange(B * H * N, device=device, dtype=torch.int64).view(B, H, N)
-    u = uniform_hash(seed * 2 + stream, idx)
+    # keep draws use their own stream of seeds (odd multipliers), disjoint from dropout's plain seeds
+    u = uniform_hash(_stream_seed(seed, stream), idx)
     return u >= rate
+
+
+def _stream_seed(seed: int, stream: int) -> int:
+    return (int(seed) * 0x2545F491 + 0x6A09E667 * (stream + 1)) & 0xFFFFFFFF
 
 
 def _rotation(head_dim: int, n_buckets: int, n_heads: int, seed: int, device, dtype) -> torch.Tensor:
