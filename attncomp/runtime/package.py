@@ -345,8 +345,12 @@ def _manifest(zf: zipfile.ZipFile, path: str) -> Tuple[dict, bytes]:
 # Checks on the graph JSON: the strings torch's deserialiser evaluates.
 
 _OP_NAMESPACES = ("aten", "prims", "higher_order", "attncomp")
-_OP_TARGET = re.compile(r"^torch\.ops\.(%s)\.[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)?$"
-                        % "|".join(_OP_NAMESPACES))
+# operator names: identifiers (``_to_copy``, ``_softmax``), or one of aten's dunder operators; other
+# dunders (``__init__``) would reach Python attributes of the op namespace, not operators
+_DUNDER_OPS = "|".join(f"__{n}__" for n in ("and", "or", "xor", "lshift", "rshift", "iand", "ior", "ixor",
+                                              "ilshift", "irshift"))
+_OP_TARGET = re.compile(r"^torch\.ops\.(%s)\.(?:(?!__)[A-Za-z_][A-Za-z0-9_]*|%s)(\.[A-Za-z_][A-Za-z0-9_]*)?$"
+                        % ("|".join(_OP_NAMESPACES), _DUNDER_OPS))
 _SYM_TARGETS = {f"_operator.{n}" for n in ("getitem", "eq", "ne", "le", "ge", "lt", "gt", "neg", "pos", "mul", "add",
                                             "sub", "floordiv", "mod", "pow", "truediv", "and_", "or_", "lshift",
                                             "rshift", "not_", "abs")} | \
