@@ -259,13 +259,21 @@ def _bencher(launch):
     return bench
 
 
+_SCFA_POLICIES = ("hash", "drop")
+
+
 class TritonBackend:
-    """Fused Triton kernels (forward and backward) for ``dense``, ``et`` and ``dfss``."""
+    """Fused Triton kernels (forward and backward) for ``dense``, ``et`` and ``dfss`` (flash-style, N:M
+    selection in registers) and for ``hash``/``drop`` (sorted or compacted layouts, :mod:`.scfa`)."""
 
     name = "triton"
 
     def supports(self, spec: AttentionSpec, q: torch.Tensor) -> Optional[str]:
         pol = spec.policy.name
+        if pol in _SCFA_POLICIES:
+            from . import scfa
+
+            return scfa.supports(spec, q)
         if pol not in _POLICIES:
             return (f"policy {pol!r} has no Triton kernel yet (Triton runs: {', '.join(sorted(_POLICIES))})")
         if not (q.is_cuda or configs.interpret_mode()):
@@ -282,12 +290,21 @@ class TritonBackend:
 
     def forward(self, spec, q, k, v, attn_mask, q_aux, k_aux, block_pattern, dropout_p, seed):
         self._check(spec, q, k, v)
+        if spec.policy.name in _SCFA_POLICIES:
+            from . import scfa
+
+            return scfa.scfa_forward(spec, q, k, v, attn_mask, q_aux, k_aux, dropout_p, seed)
         return attention_forward(spec, q, k, v, attn_mask, dropout_p, seed)
 
     def backward(self, spec, q, k, v, attn_mask, q_aux, k_aux, block_pattern, dropout_p, seed,
                  out, lse, grad_out, need_mask_grad=False):
         # the mask gradient (a full B x H x Nq x Nk tensor) is left to the caller's fallback
         self._check(spec, q, k, v)
+        if spec.policy.name in _SCFA_POLICIES:
+            from . import scfa
+
+            return scfa.scfa_backward(spec, q, k, v, attn_mask, q_aux, k_aux, dropout_p, seed, out, lse, grad_out,
+                                      need_mask_grad)
         dq, dk, dv = attention_backward(spec, q, k, v, attn_mask, out, lse, grad_out, dropout_p, seed)
         return dq, dk, dv, None
 

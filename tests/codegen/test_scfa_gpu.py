@@ -1,0 +1,104 @@
+"""SCFA ``hash``/``drop`` kernels on a CUDA GPU at realistic sizes, against the reference.
+
+Run in a process of their own (``pytest -m gpu tests/codegen/test_scfa_gpu.py``): a test module
+that sets ``TRITON_INTERPRET=1`` makes every Triton kernel of its process interpreted.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") == "1",
+                       reason="Triton kernels are interpreted in this process; run GPU tests on their own"),
+]
+
+from tests.utils import assert_close, poison, qkv  # noqa: E402
+
+
+@pytest.fixture
+def scfa(monkeypatch):
+    pytest.importorskip("triton")
+    from attncomp.codegen.triton import scfa as mod
+
+    monkeypatch.setattr(mod, "_empty", lambda shape, dtype, device: poison(torch.empty(shape, dtype=dtype, device=device)))
+    return mod
+
+
+def _grads_close(got, ref, dtype):
+    for name, a, b in zip(("dq", "dk", "dv"), got, ref):
+        assert not torch.isnan(a).any(), name
+        scale = max(1.0, b.abs().max().item())
+        atol = {torch.float32: 5e-3, torch.float16: 2e-2, torch.bfloat16: 5e-2}[dtype]
+        torch.testing.assert_close(a.float(), b.float(), atol=atol * scale, rtol=atol, msg=lambda m: f"{name}\n{m}")
+
+
+def _run(scfa, spec, q, k, v, qa, ka, mask=None, p=0.0, seed=0):
+    from attncomp.codegen import reference as R
+
+    name = spec.policy.name
+    fwd = getattr(scfa, f"{name}_attention_forward")
+    bwd = getattr(scfa, f"{name}_attention_backward")
+    out, lse = fwd(spec, q, k, v, mask, qa, ka, p, seed)
+    f = torch.float32
+    ro, rl = R.attention(q.to(f), k.to(f), v.to(f), mask, spec=spec, q_aux=qa, k_aux=ka, dropout_p=p, seed=seed)
+    assert_close(out, ro, q.dtype, "out")
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(rl))
+    go = torch.randn_like(out)
+    got = bwd(spec, q, k, v, mask, qa, ka, p, seed, out, lse, go)[:3]
+    ref = R.attention_backward(q.to(f), k.to(f), v.to(f), mask, go.to(f), spec=spec, q_aux=qa, k_aux=ka,
+                               dropout_p=p, seed=seed)[:3]
+    _grads_close(got, ref, q.dtype)
+
+
+def test_hash_causal_bf16_16_buckets(scfa):
+    from attncomp.policy import Hash
+    from attncomp.spec import AttentionSpec
+
+    q, k, v = qkv(2, 4, 2047, 64, dtype=torch.bfloat16, device="cuda")
+    qb = torch.randint(0, 16, (2, 4, 2047), device="cuda", dtype=torch.int32)
+    kb = torch.randint(0, 16, (2, 4, 2047), device="cuda", dtype=torch.int32)
+    _run(scfa, AttentionSpec(causal=True, policy=Hash(n_buckets=16)), q, k, v, qb, kb)
+
+
+def test_drop_gqa_cross_dropout_fp16_d128(scfa):
+    from attncomp.policy import Drop
+    from attncomp.spec import AttentionSpec
+
+    q, k, v = qkv(2, 8, 1500, 128, Hk=2, Nk=1800, dtype=torch.float16, device="cuda")
+    qk_ = torch.rand(2, 8, 1500, device="cuda") >= 0.5
+    kk_ = torch.rand(2, 2, 1800, device="cuda") >= 0.5
+    spec = AttentionSpec(causal=True, dropout_p=0.1, policy=Drop())
+    _run(scfa, spec, q, k, v, qk_, kk_, p=0.1, seed=1234)
+
+
+def test_hash_exclude_self_padding_mask_fp32_d96(scfa):
+    from attncomp.policy import Hash
+    from attncomp.spec import AttentionSpec
+
+    B, H, N = 2, 4, 1000
+    q, k, v = qkv(B, H, N, 96, dtype=torch.float32, device="cuda")
+    lens = torch.tensor([N, 777], device="cuda")
+    mask = (torch.arange(N, device="cuda")[None, :] < lens[:, None])[:, None, None, :]
+    qb = torch.randint(0, 8, (B, H, N), device="cuda", dtype=torch.int32)
+    kb = torch.randint(0, 8, (B, H, N), device="cuda", dtype=torch.int32)
+    spec = AttentionSpec(mask_kind="bool", policy=Hash(n_buckets=8, exclude_self=True))
+    _run(scfa, spec, q, k, v, qb, kb, mask=mask)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_counting_sort_layout_equals_torch_sort(scfa, causal):
+    """The Triton counting-sort layout and the torch.sort/searchsorted one agree exactly (GQA, Nq != Nk)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    qb = torch.randint(0, 16, (2, 8, 16384), device="cuda", dtype=torch.int32, generator=g)
+    kb = torch.randint(0, 16, (2, 2, 9000), device="cuda", dtype=torch.int32, generator=g)
+    a = scfa.build_layout(qb, kb, causal, method="count")
+    b = scfa.build_layout(qb, kb, causal, method="sort")
+    for name in ("q_perm", "k_perm", "lo", "hi"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    for x, y in zip(a.backward_intervals(), b.backward_intervals()):
+        assert torch.equal(x, y)

@@ -1,0 +1,251 @@
+"""SCFA ``hash``/``drop`` Triton kernels against the reference, on CPU through Triton's interpreter.
+
+Fresh random inputs every test, outputs poisoned with NaN before each call (every element must be
+written), forward and gradients compared with ``attncomp/codegen/reference.py`` in float64.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere in this process
+
+import pytest
+import torch
+
+pytest.importorskip("numpy")
+pytest.importorskip("triton")
+
+from attncomp.codegen import reference as R  # noqa: E402
+from attncomp.codegen.triton import scfa  # noqa: E402
+from attncomp.policy import Drop, Hash  # noqa: E402
+from attncomp.spec import AttentionSpec  # noqa: E402
+from tests.utils import TOL, assert_close, poison, qkv  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _poisoned_outputs(monkeypatch):
+    def empty(shape, dtype, device):
+        return poison(torch.empty(shape, dtype=dtype, device=device))
+
+    monkeypatch.setattr(scfa, "_empty", empty)
+
+
+def _buckets(g, shape, nb, kind="uniform"):
+    if kind == "uniform":
+        return torch.randint(0, nb, shape, generator=g, dtype=torch.int32)
+    if kind == "skewed":
+        return (nb * torch.rand(shape, generator=g) ** 4).floor().to(torch.int32)
+    if kind == "single":
+        return torch.zeros(shape, dtype=torch.int32)
+    if kind == "distinct":
+        n = shape[-1]
+        return torch.stack([torch.randperm(n, generator=g) for _ in range(shape[0] * shape[1])]).view(shape).int()
+    raise AssertionError(kind)
+
+
+def _check(spec, q, k, v, q_aux, k_aux, *, attn_mask=None, dropout_p=0.0, seed=0, grad=True):
+    fwd = scfa.hash_attention_forward if spec.policy.name == "hash" else scfa.drop_attention_forward
+    bwd = scfa.hash_attention_backward if spec.policy.name == "hash" else scfa.drop_attention_backward
+    out, lse = fwd(spec, q, k, v, attn_mask, q_aux, k_aux, dropout_p, seed)
+    d = torch.float64
+    ref_out, ref_lse = R.attention(q.to(d), k.to(d), v.to(d), attn_mask, spec=spec, q_aux=q_aux, k_aux=k_aux,
+                                   dropout_p=dropout_p, seed=seed)
+    assert_close(out, ref_out, q.dtype, "out")
+    assert not torch.isnan(lse).any()
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)), "rows without kept keys differ"
+    fin = torch.isfinite(ref_lse)
+    torch.testing.assert_close(lse[fin].double(), ref_lse[fin].double(), atol=1e-3, rtol=1e-3)
+    if not grad:
+        return out, lse
+    go = torch.randn(out.shape, dtype=torch.float32).to(q.dtype)
+    dq, dk, dv, dm = bwd(spec, q, k, v, attn_mask, q_aux, k_aux, dropout_p, seed, out, lse, go)
+    assert dm is None
+    rq, rk, rv, _ = R.attention_backward(q.to(d), k.to(d), v.to(d), attn_mask, go.to(d), spec=spec, q_aux=q_aux,
+                                         k_aux=k_aux, dropout_p=dropout_p, seed=seed)
+    # gradients sum many rounded products: compare relative to their own scale
+    for name, a, b in (("dq", dq, rq), ("dk", dk, rk), ("dv", dv, rv)):
+        atol, rtol = TOL[q.dtype]
+        scale = max(1.0, b.abs().max().item())
+        assert not torch.isnan(a).any(), f"NaN in {name}"
+        torch.testing.assert_close(a.double(), b, atol=atol * scale, rtol=rtol, msg=lambda m: f"{name}\n{m}")
+    return out, lse
+
+
+# ---------------------------------------------------------------------------------------------
+# hash
+
+
+@pytest.mark.parametrize("draw", range(20))
+def test_hash_forward_random_buckets(draw):
+    """Every collision pattern of a bucket draw is computed exactly: 20 draws over bucket counts 2..64,
+    skewed sizes, one bucket, all distinct; causal and not; odd lengths."""
+    g = torch.Generator().manual_seed(draw)
+    nb = [2, 4, 8, 16, 32, 64][draw % 6]
+    kind = ["uniform", "skewed", "uniform", "single", "distinct"][draw % 5]
+    N = 37 + 11 * (draw % 4)
+    causal = draw % 2 == 0
+    q, k, v = qkv(1, 2, N, 32)
+    spec = AttentionSpec(causal=causal, policy=Hash(n_buckets=max(2, nb)))
+    _check(spec, q, k, v, _buckets(g, (1, 2, N), nb, kind), _buckets(g, (1, 2, N), nb, kind), grad=False)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("kind", ["uniform", "skewed"])
+def test_hash_gradients(causal, kind):
+    g = torch.Generator().manual_seed(7)
+    q, k, v = qkv(2, 2, 45, 32)
+    spec = AttentionSpec(causal=causal, policy=Hash(n_buckets=4))
+    _check(spec, q, k, v, _buckets(g, (2, 2, 45), 4, kind), _buckets(g, (2, 2, 45), 4, kind))
+
+
+@pytest.mark.parametrize("dtype,D", [(torch.float16, 64), (torch.bfloat16, 128), (torch.bfloat16, 48)])
+def test_hash_half_precision_head_dims(dtype, D):
+    g = torch.Generator().manual_seed(D)
+    q, k, v = qkv(1, 2, 40, D, dtype=dtype)
+    spec = AttentionSpec(causal=True, policy=Hash(n_buckets=2))
+    _check(spec, q, k, v, _buckets(g, (1, 2, 40), 2), _buckets(g, (1, 2, 40), 2))
+
+
+def test_hash_gqa_cross_attention_exclude_self():
+    """Nq != Nk with separate bucket tensors; 4 query heads on 2 KV heads; no query attends to its own position."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = qkv(2, 4, 50, 32, Hk=2, Nk=33, Dv=16)
+    spec = AttentionSpec(causal=True, policy=Hash(n_buckets=4, exclude_self=True))
+    _check(spec, q, k, v, _buckets(g, (2, 4, 50), 3), _buckets(g, (2, 2, 33), 3))
+
+
+@pytest.mark.parametrize("mask_kind", ["bool", "float"])
+def test_hash_attn_mask_broadcast(mask_kind):
+    g = torch.Generator().manual_seed(11)
+    B, H, N = 2, 2, 40
+    q, k, v = qkv(B, H, N, 32)
+    if mask_kind == "bool":  # padding mask: (B, 1, 1, Nk)
+        lens = torch.tensor([N, 29])
+        mask = (torch.arange(N)[None, :] < lens[:, None])[:, None, None, :]
+    else:  # additive bias (1, H, N, N) with some -inf
+        mask = torch.randn(1, H, N, N, generator=g)
+        mask[mask < -1.2] = float("-inf")
+    spec = AttentionSpec(causal=False, mask_kind=mask_kind, policy=Hash(n_buckets=4))
+    _check(spec, q, k, v, _buckets(g, (B, H, N), 3), _buckets(g, (B, H, N), 3), attn_mask=mask)
+
+
+def test_hash_dropout_matches_reference_mask():
+    g = torch.Generator().manual_seed(5)
+    q, k, v = qkv(1, 2, 40, 32, Nk=36)
+    spec = AttentionSpec(causal=True, dropout_p=0.3, policy=Hash(n_buckets=2))
+    _check(spec, q, k, v, _buckets(g, (1, 2, 40), 2), _buckets(g, (1, 2, 36), 2), dropout_p=0.3, seed=987654321)
+
+
+def test_hash_rows_without_keys_are_zero():
+    """Queries whose bucket holds no key (and, under causality, no earlier key) give 0 and lse=-inf."""
+    q, k, v = qkv(1, 1, 33, 32)
+    qb = torch.zeros(1, 1, 33, dtype=torch.int32)
+    qb[..., ::3] = 5  # bucket 5 has no key
+    kb = torch.zeros(1, 1, 33, dtype=torch.int32)
+    kb[..., :10] = 1  # bucket 0 starts at key 10: queries 0..9 of bucket 0 are stranded under causality
+    spec = AttentionSpec(causal=True, policy=Hash(n_buckets=2))
+    out, lse = _check(spec, q, k, v, qb, kb)
+    assert (out[0, 0, ::3] == 0).all() and torch.isneginf(lse[0, 0, ::3]).all()
+    assert (out[0, 0, 1:10] == 0).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# drop
+
+
+@pytest.mark.parametrize("rates,causal", [((0.5, 0.5), True), ((0.3, 0.7), False), ((0.8, 0.1), True),
+                                          ((0.0, 0.0), True)])
+def test_drop_forward_and_gradients(rates, causal):
+    g = torch.Generator().manual_seed(int(rates[0] * 10 + rates[1] * 100))
+    q, k, v = qkv(2, 2, 53, 32)
+    q_keep = torch.rand(2, 2, 53, generator=g) >= rates[0]
+    k_keep = torch.rand(2, 2, 53, generator=g) >= rates[1]
+    spec = AttentionSpec(causal=causal, policy=Drop(q_rate=rates[0], k_rate=rates[1]))
+    out, lse = _check(spec, q, k, v, q_keep, k_keep)
+    assert (out[~q_keep] == 0).all() and torch.isneginf(lse[~q_keep]).all()
+
+
+def test_drop_all_dropped_heads_and_stranded_queries():
+    """A head with every query dropped, a head with every key dropped, and kept queries that precede
+    every kept key (stranded): zeros, lse=-inf, zero gradients, never NaN (SCFA App. B)."""
+    q, k, v = qkv(1, 3, 40, 32)
+    q_keep = torch.ones(1, 3, 40, dtype=torch.bool)
+    k_keep = torch.ones(1, 3, 40, dtype=torch.bool)
+    q_keep[0, 0] = False
+    k_keep[0, 1] = False
+    k_keep[0, 2, :20] = False  # queries 0..19 of head 2 have no kept key at or before them
+    spec = AttentionSpec(causal=True, policy=Drop())
+    out, lse = _check(spec, q, k, v, q_keep, k_keep)
+    assert (out[0, :2] == 0).all() and torch.isneginf(lse[0, :2]).all()
+    assert (out[0, 2, :20] == 0).all() and torch.isneginf(lse[0, 2, :20]).all()
+
+
+def test_drop_gqa_cross_attention_dropout_fp16():
+    g = torch.Generator().manual_seed(9)
+    q, k, v = qkv(1, 4, 37, 64, Hk=2, Nk=51, dtype=torch.float16)
+    q_keep = torch.rand(1, 4, 37, generator=g) >= 0.4
+    k_keep = torch.rand(1, 2, 51, generator=g) >= 0.4
+    spec = AttentionSpec(causal=True, dropout_p=0.25, policy=Drop(q_rate=0.4, k_rate=0.4))
+    _check(spec, q, k, v, q_keep, k_keep, dropout_p=0.25, seed=2 ** 31 + 17)
+
+
+def test_drop_bool_mask_bf16():
+    g = torch.Generator().manual_seed(13)
+    q, k, v = qkv(2, 2, 40, 32, dtype=torch.bfloat16)
+    q_keep = torch.rand(2, 2, 40, generator=g) >= 0.5
+    k_keep = torch.rand(2, 2, 40, generator=g) >= 0.5
+    mask = torch.rand(40, 40, generator=g) >= 0.2  # (Nq, Nk), broadcast over batch and heads
+    spec = AttentionSpec(causal=False, mask_kind="bool", policy=Drop())
+    _check(spec, q, k, v, q_keep, k_keep, attn_mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# autograd glue
+
+
+@pytest.mark.parametrize("policy", ["hash", "drop"])
+def test_scfa_attention_autograd(policy):
+    g = torch.Generator().manual_seed(21)
+    q, k, v = qkv(1, 2, 40, 32, requires_grad=True)
+    if policy == "hash":
+        qa, ka = _buckets(g, (1, 2, 40), 3), _buckets(g, (1, 2, 40), 3)
+    else:
+        qa, ka = torch.rand(1, 2, 40, generator=g) >= 0.5, torch.rand(1, 2, 40, generator=g) >= 0.5
+    out = scfa.scfa_attention(q, k, v, qa, ka, policy=policy, is_causal=True)
+    go = torch.randn_like(out)
+    out.backward(go)
+    spec = AttentionSpec(causal=True, policy=Hash() if policy == "hash" else Drop())
+    rq, rk, rv, _ = R.attention_backward(q.detach().double(), k.detach().double(), v.detach().double(), None,
+                                         go.double(), spec=spec, q_aux=qa, k_aux=ka)
+    for a, b in ((q.grad, rq), (k.grad, rk), (v.grad, rv)):
+        assert_close(a, b, torch.float32)
+
+
+def test_wrong_policy_is_refused():
+    q, k, v = qkv(1, 1, 16, 32)
+    with pytest.raises(ValueError, match="hash"):
+        scfa.hash_attention_forward(AttentionSpec(policy=Drop()), q, k, v, None, None, None)
+    assert scfa.supports(AttentionSpec(policy=Hash()), q.double()) is not None
+    assert scfa.supports(AttentionSpec(policy=Hash()), q) is None
+
+
+def test_launch_falls_back_to_smaller_tiles(monkeypatch):
+    from triton.runtime.errors import OutOfResources
+
+    monkeypatch.setattr(scfa, "_config", lambda kind, d, itemsize=2: (128, 128, 8, 3))
+    tried = []
+
+    def launch(bm, bn, warps, stages):
+        tried.append((bm, bn, warps, stages))
+        if bm * bn > 64 * 64:
+            raise OutOfResources(300000, 232448, "shared memory")
+
+    scfa._launch(launch, "fwd", 128, 2)
+    assert tried[0] == (128, 128, 8, 3) and tried[-1][0] * tried[-1][1] <= 64 * 64
+
+
+def test_missing_policy_tensors_are_named():
+    q, k, v = qkv(1, 1, 16, 32)
+    with pytest.raises(ValueError, match="q_buckets and k_buckets"):
+        scfa.hash_attention_forward(AttentionSpec(policy=Hash()), q, k, v, None, None, None)
