@@ -45,13 +45,16 @@ def test_compiled_hf_model_on_gpu(name, impl):
     out = fast(**inputs).last_hidden_state
     ref = model(**inputs).last_hidden_state
     assert _rel(out, ref) < 5e-3  # the kernels' fp32 dot runs as tf32
-    # it trains: gradients reach the user's parameters and match eager's
-    out.float().pow(2).mean().backward()
+    # it trains: gradients reach the user's parameters and match eager's (a random projection as the
+    # loss: the mean square of a LayerNorm output is constant, so its gradients would be rounding noise)
+    w = torch.randn_like(ref)
+    (out.float() * w).sum().backward()
     got = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
-    ref.float().pow(2).mean().backward()
+    (ref.float() * w).sum().backward()
+    # key biases have an exactly-zero true gradient (softmax shift invariance): skip them
     errs = {n: _rel(got[n], p.grad) for n, p in model.named_parameters()
-            if p.grad is not None and p.grad.norm() > 0}
+            if p.grad is not None and p.grad.norm() > 0 and not n.endswith("key.bias")}
     bad = {n: e for n, e in errs.items() if e > 2e-2}
     assert not bad, f"gradients differ from eager: {bad}"
     # a new length runs without re-capturing
