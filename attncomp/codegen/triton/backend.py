@@ -20,6 +20,7 @@ from ...spec import AttentionSpec
 from . import configs
 from .backward import _bwd_dkdv, _bwd_dq, _bwd_preprocess
 from .common import LOG2E, MASK_BOOL, MASK_FLOAT, MASK_NONE, POLICY_DENSE, POLICY_DFSS
+from .common import cdiv as _cdiv, next_pow2 as _next_pow2, pow2_block as _pow2
 from .forward import _attn_fwd
 
 __all__ = ["TritonBackend", "attention_forward", "attention_backward"]
@@ -38,19 +39,6 @@ _config_memo: dict = {}
 def _empty(shape, dtype, device) -> torch.Tensor:
     """Every output and workspace buffer comes from here (tests swap it for a NaN-filling one)."""
     return torch.empty(shape, dtype=dtype, device=device)
-
-
-def _next_pow2(n: int) -> int:
-    # plain Python: triton.next_power_of_2/cdiv are JIT-callable wrappers, slow on the host path
-    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _pow2(n: int) -> int:
-    return max(16, _next_pow2(n))
 
 
 def _last_contiguous(x: torch.Tensor) -> torch.Tensor:

@@ -231,3 +231,19 @@ def _score_tile(
         else:
             s = _nm_select(s, BLOCK_M, BLOCK_N, NM_N, NM_M)
     return s
+
+
+# ---------------------------------------------------------------------------------------------
+# Host-side integer helpers (plain Python: triton.next_power_of_2/cdiv are slower JIT-callable wrappers)
+
+def next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def pow2_block(n: int) -> int:
+    """The power-of-two block (at least 16, the smallest tl.dot size) that covers ``n``."""
+    return max(16, next_pow2(n))

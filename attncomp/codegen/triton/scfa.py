@@ -41,6 +41,7 @@ from triton.runtime.errors import OutOfResources
 from ...policy import Drop, Hash
 from ...spec import AttentionSpec
 from . import scfa_kernels as K
+from .common import cdiv as _cdiv, next_pow2 as _next_pow2, pow2_block as _pow2
 
 __all__ = [
     "supports",
@@ -317,19 +318,6 @@ def _config(kind: str, d: int, itemsize: int = 2):
     if itemsize > 2:
         return _GPU_CONFIGS_FP32.get((kind, d), _GPU_CONFIGS_FP32[(kind, 128)])
     return _TUNED.get((kind, d), _GPU_CONFIGS[(kind, d)])
-
-
-def _next_pow2(n: int) -> int:
-    # plain Python on the host path (triton.next_power_of_2 / triton.cdiv are slower wrappers)
-    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _pow2(n: int) -> int:
-    return max(16, _next_pow2(n))
 
 
 def _mask_args(attn_mask: Optional[torch.Tensor], shape, dummy: torch.Tensor):
