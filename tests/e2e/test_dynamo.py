@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 
 import attncomp
+from tests.e2e.toys import Stack as _Stack, keep_mask, tiny_bert
 from tests.utils import rel_err
 
 TOL = 1e-4
@@ -41,29 +42,15 @@ class MHA(nn.Module):
         return self.o((p @ v).transpose(1, 2).reshape(B, N, C))
 
 
-class Stack(nn.Module):
-    def __init__(self, n=2):
-        super().__init__()
-        self.layers = nn.ModuleList([MHA() for _ in range(n)])
-        self.norm = nn.LayerNorm(32)
-
-    def forward(self, x, keep):
-        for layer in self.layers:
-            x = x + layer(self.norm(x), keep)
-        return x
+def Stack(n=2):
+    return _Stack(MHA, n)
 
 
-def _keep(b, n):
-    keep = torch.ones(b, n, dtype=torch.bool)
-    keep[1:, int(torch.randint(n // 2, n, (1,))):] = False
-    return keep
+_keep = keep_mask
 
 
 def _bert():
-    T = pytest.importorskip("transformers")
-    return T.BertModel(T.BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                    intermediate_size=128, vocab_size=100, max_position_embeddings=32,
-                                    attn_implementation="eager"))
+    return tiny_bert()
 
 
 def test_toy_matches_eager_and_reports_sites():
