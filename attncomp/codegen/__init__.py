@@ -12,7 +12,6 @@ __all__ = ["get_backend", "BACKEND_PATHS"]
 BACKEND_PATHS: Dict[str, str] = {
     "reference": "attncomp.codegen.reference:ReferenceBackend",
     "triton": "attncomp.codegen.triton:TritonBackend",
-    "sdpa": "attncomp.codegen.sdpa:SDPABackend",
 }
 
 _instances: Dict[str, object] = {}

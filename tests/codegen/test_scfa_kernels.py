@@ -99,7 +99,8 @@ def test_hash_gradients(causal, kind):
     _check(spec, q, k, v, _buckets(g, (2, 2, 45), 4, kind), _buckets(g, (2, 2, 45), 4, kind))
 
 
-@pytest.mark.parametrize("dtype,D", [(torch.float16, 64), (torch.bfloat16, 128), (torch.bfloat16, 48)])
+@pytest.mark.parametrize("dtype,D", [(torch.float16, 64), (torch.bfloat16, 128), (torch.bfloat16, 48),
+                                     (torch.float32, 80), (torch.float16, 96), (torch.bfloat16, 256)])
 def test_hash_half_precision_head_dims(dtype, D):
     g = torch.Generator().manual_seed(D)
     q, k, v = qkv(1, 2, 40, D, dtype=dtype)
@@ -164,6 +165,14 @@ def test_drop_forward_and_gradients(rates, causal):
     spec = AttentionSpec(causal=causal, policy=Drop(q_rate=rates[0], k_rate=rates[1]))
     out, lse = _check(spec, q, k, v, q_keep, k_keep)
     assert (out[~q_keep] == 0).all() and torch.isneginf(lse[~q_keep]).all()
+
+
+@pytest.mark.parametrize("dtype,D", [(torch.float32, 80), (torch.bfloat16, 256), (torch.float16, 32)])
+def test_drop_head_dims(dtype, D):
+    g = torch.Generator().manual_seed(D)
+    q, k, v = qkv(1, 2, 37, D, dtype=dtype)
+    spec = AttentionSpec(causal=True, policy=Drop(q_rate=0.3, k_rate=0.3))
+    _check(spec, q, k, v, torch.rand(1, 2, 37, generator=g) > 0.3, torch.rand(1, 2, 37, generator=g) > 0.3)
 
 
 def test_drop_all_dropped_heads_and_stranded_queries():
