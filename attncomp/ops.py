@@ -145,8 +145,10 @@ def site_dropout(p: float) -> float:
 
 @torch.fx.wrap
 def next_seed(base: int = 0) -> int:
-    """A fresh seed per training call; ``base`` in eval mode (reproducible inference)."""
-    if _training.get():
+    """A fresh seed per training call; ``base`` in eval mode (reproducible inference). Outside a
+    compiled module's call (the torch.compile route) the mode is unknown and counts as training,
+    as for :func:`site_dropout`."""
+    if _training.get() is not False:
         return (int(base) + 0x9E37 * next(_step)) & 0x7FFFFFFF
     return int(base)
 
