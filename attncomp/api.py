@@ -156,14 +156,12 @@ class CompiledModule(nn.Module):
             else:
                 call[name] = val
         leaves, spec = tree_flatten(call)
-        kinds = tuple("T" if isinstance(x, torch.Tensor) else repr(x) for x in leaves)
-        return call, (self.training, str(spec), kinds)
+        return call, (self.training, str(spec), tuple(_kind(x) for x in leaves))
 
     def _graph_for(self, args, kwargs):
         call, key = self._structure(args, kwargs)
         if call is None:
-            call, key = None, (self.training, "positional", tuple(
-                "T" if isinstance(a, torch.Tensor) else repr(a) for a in args))
+            call, key = None, (self.training, "positional", tuple(_kind(a) for a in args))
         shape_key = key + (tuple(tuple(t.shape) for t in tree_flatten((args, kwargs))[0]
                                  if isinstance(t, torch.Tensor)),)
         name = self._keys.get(shape_key) or self._keys.get(key)
@@ -218,6 +216,14 @@ class CompiledModule(nn.Module):
             return Report(policy=self._policy.describe(), backend=self._backend,
                           notes=["not captured yet: the model is compiled on its first call"])
         return self._report
+
+
+def _kind(x) -> str:
+    """What a traced graph is specialised on for one argument: a tensor's dtype and device (its shape
+    stays symbolic), or a non-tensor's value."""
+    if isinstance(x, torch.Tensor):
+        return f"T:{x.dtype}:{x.device.type}"
+    return repr(x)
 
 
 def _structural_copy(model: nn.Module) -> nn.Module:
