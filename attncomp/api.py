@@ -98,7 +98,8 @@ class CompiledModule(nn.Module):
     """The compiled model: same call signature and outputs as the original.
 
     One graph is captured per training mode and per call structure (which arguments are given, which
-    are ``None``, the values of non-tensor arguments, which tracing bakes in); shapes stay symbolic, so
+    are ``None``, tensor dtypes and devices, the values of non-tensor arguments: what tracing bakes
+    in); shapes stay symbolic, so
     new batch sizes and sequence lengths reuse the graph. Graphs share the original's parameters (plus
     any folded copies rewrites made); each is traced from a structural copy of the model, so switching
     ``train()``/``eval()`` here never changes the user's module.
