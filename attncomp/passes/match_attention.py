@@ -154,6 +154,8 @@ def _match_softmax(gm: fx.GraphModule, sm: fx.Node) -> Optional[Site]:
                 a, b = b, a
             if not _reaches_matmul(a):
                 raise NoMatch("not attention: no QK^T product before the softmax")
+            if not _is_scalar(gm, b):
+                raise NoMatch(f"logits are multiplied by a tensor ({getattr(b, 'name', b)}), not a scalar scale")
             scale_factors.append(("div" if _is(cur, DIV) else "mul", b))
             steps.append("scale on scores")
             cur = a
@@ -166,6 +168,8 @@ def _match_softmax(gm: fx.GraphModule, sm: fx.Node) -> Optional[Site]:
             if not (ra or rb):
                 raise NoMatch("not attention: no QK^T product before the softmax")
             chain, bias = (a, b) if ra else (b, a)
+            if meta_dtype(bias) == torch.bool:
+                raise NoMatch("a boolean tensor is added to the logits")
             if isinstance(bias, (int, float)):
                 steps.append("constant shift")
             else:

@@ -81,6 +81,7 @@ NEGATIVE = {
     "keys_are_parameters": lambda s, q, k, v, m: torch.softmax(q @ s.w, dim=-1) @ v[:, :, :N],
     "probabilities_escape": lambda s, q, k, v, m: (lambda p: (p @ v, p))(torch.softmax(q @ k.transpose(-1, -2), -1)),
     "data_dependent_mask": lambda s, q, k, v, m: (lambda a: torch.softmax(a.masked_fill(a > 1.0, float("-inf")), -1) @ v)(q @ k.transpose(-1, -2)),
+    "logits_times_tensor": lambda s, q, k, v, m: torch.softmax((q @ k.transpose(-1, -2)) * m.to(q.dtype), -1) @ v,
     "fill_not_a_mask": lambda s, q, k, v, m: torch.softmax((q @ k.transpose(-1, -2)).masked_fill(~m, 0.5), -1) @ v,
 }
 
@@ -98,7 +99,7 @@ def inputs(name, nq=N, nk=N):
     if name == "finfo_min_padding":
         m = torch.ones(B, 1, 1, nk, dtype=torch.float64)
         m[0, ..., nk - 3:] = 0
-    if name in ("masked_fill_bool", "where_bool", "sdpa_mask", "fill_not_a_mask"):
+    if name in ("masked_fill_bool", "where_bool", "sdpa_mask", "fill_not_a_mask", "logits_times_tensor"):
         m = torch.rand(B, 1, nq, nk) > 0.3
         m[..., 0] = True
     return (q, k, v, m)
