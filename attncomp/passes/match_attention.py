@@ -417,7 +417,8 @@ def _is_size_expr(n, depth=0) -> bool:
             and (n.args[0].target == "shape" or n.target is getattr and n.args[1] == "shape"):
         return True
     if n.op == "call_function" and n.target in (operator.pow, operator.mul, operator.truediv, math.sqrt,
-                                                operator.getitem, torch.sym_sqrt if hasattr(torch, "sym_sqrt") else None):
+                                                operator.getitem, MUL, DIV, torch.pow, torch.sqrt,
+                                                torch.sym_sqrt if hasattr(torch, "sym_sqrt") else None):
         return all(_is_size_expr(a, depth + 1) for a in n.args)
     if n.op == "call_function" and n.target is aten.sym_size.int:
         return True
