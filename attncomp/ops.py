@@ -21,12 +21,12 @@ from __future__ import annotations
 import contextvars
 import itertools
 import logging
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from .policy import DFSS, Drop, Hash, SPION, ceil_div, keep_mask, lsh_buckets
+from .policy import Drop, Hash, SPION, ceil_div, keep_mask, lsh_buckets
 from .spec import AttentionSpec
 
 __all__ = ["attention", "check_inputs", "materialize_aux", "site_dropout", "next_seed", "training_mode"]
@@ -273,12 +273,6 @@ def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = Non
     out, _ = torch.ops.attncomp.attention(q, k, v, attn_mask, q_aux, k_aux, block_pattern, spec.to_json(),
                                           float(dropout_p), int(seed))
     return out
-
-
-def op_inputs(node_args: Sequence) -> dict:
-    """Name the positional arguments of an ``attncomp::attention`` node (for passes and the report)."""
-    names = ("q", "k", "v", "attn_mask", "q_aux", "k_aux", "block_pattern", "spec", "dropout_p", "seed")
-    return dict(zip(names, node_args))
 
 
 def is_attention_node(node) -> bool:

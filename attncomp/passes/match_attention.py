@@ -83,8 +83,6 @@ def match_attention(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
     modified = False
     n_idx = 0
     for node in list(gm.graph.nodes):
-        if node.graph is not gm.graph or node not in _live(gm):
-            continue
         is_sm = node.op == "call_function" and node.target is SOFTMAX
         is_sdpa = node.op == "call_function" and node.target is SDPA
         if not (is_sm or is_sdpa):
@@ -112,10 +110,6 @@ def match_attention(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
     return PassResult(gm, modified)
 
 
-def _live(gm):
-    return set(gm.graph.nodes)
-
-
 # ---------------------------------------------------------------------------------------------
 # Matching
 
@@ -134,9 +128,7 @@ def _match_softmax(gm: fx.GraphModule, sm: fx.Node) -> Optional[Site]:
     # --- up: from the softmax input to the QK^T matmul
     scale_factors: List[object] = []
     biases: List[object] = []
-    allowed: List[fx.Node] = []
     exclusions_raw: List[Tuple[fx.Node, bool]] = []
-    steps: List[str] = []
     cur = x
     qk = None
     for _ in range(64):
@@ -157,7 +149,6 @@ def _match_softmax(gm: fx.GraphModule, sm: fx.Node) -> Optional[Site]:
             if not _is_scalar(gm, b):
                 raise NoMatch(f"logits are multiplied by a tensor ({getattr(b, 'name', b)}), not a scalar scale")
             scale_factors.append(("div" if _is(cur, DIV) else "mul", b))
-            steps.append("scale on scores")
             cur = a
             continue
         if _is(cur, ADD):
@@ -170,11 +161,8 @@ def _match_softmax(gm: fx.GraphModule, sm: fx.Node) -> Optional[Site]:
             chain, bias = (a, b) if ra else (b, a)
             if meta_dtype(bias) == torch.bool:
                 raise NoMatch("a boolean tensor is added to the logits")
-            if isinstance(bias, (int, float)):
-                steps.append("constant shift")
-            else:
+            if not isinstance(bias, (int, float)):  # a constant shift changes no softmax
                 biases.append(bias)
-                steps.append("additive mask/bias")
             cur = chain
             continue
         if _is(cur, WHERE):
@@ -188,7 +176,6 @@ def _match_softmax(gm: fx.GraphModule, sm: fx.Node) -> Optional[Site]:
                 raise NoMatch(f"where()/masked_fill fills logits with {fill!r}, not a masking value (<= -1e4)")
             # where(cond, fill, s): cond marks excluded entries; where(cond, s, fill): cond marks allowed
             exclusions_raw.append((cond, ra))
-            steps.append("boolean mask")
             cur = a if ra else b
             continue
         raise NoMatch("not attention: unsupported op between QK^T and softmax: "
@@ -273,11 +260,11 @@ def _match_softmax(gm: fx.GraphModule, sm: fx.Node) -> Optional[Site]:
     factors = [("mul", f) for f in qf + kf1 + kf2] + scale_factors
 
     # --- GQA expansions of k and v
+    k_full, v_full = k, v
     k, gk = _peel_gqa(gm, k)
     v, gv = _peel_gqa(gm, v)
-    if gk != gv:
-        k, v = _peel_gqa_undo(k, gk), _peel_gqa_undo(v, gv)
-        gk = gv = 1
+    if gk != gv:  # k and v expanded differently: run on the expanded heads
+        k, v, gk = k_full, v_full, 1
     groups = gk
 
     site = Site(anchor=av, name="", pattern="", q=q, k=k, v=v, rank=rank, k_transposed=k_transposed,
@@ -549,10 +536,6 @@ def _skip_noop_slices(n):
             n = src
             continue
         break
-    return n
-
-
-def _peel_gqa_undo(n, g):
     return n
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import operator
 
-import torch
 import torch.fx as fx
 
 from .. import ops

@@ -55,10 +55,6 @@ def triton_available() -> bool:
     return True
 
 
-def interpret_mode() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def seq_rule_key(policy: str, head_dim: int, dtype, arch: str) -> Dict[str, Any]:
     """The store key of a sequence-length rule (the store adds library versions and the GPU)."""
     dt = dtype if isinstance(dtype, str) or dtype is None else dtype_name(dtype)

@@ -205,3 +205,12 @@ def test_counters_count_rewrites():
     gm, ctx = compile_site(CASES["no_scale"], inputs("no_scale"))
     assert ctx.counters["match_attention"]["rewritten"] == 1
     assert ctx_before.counters["match_attention"]["rewritten"] == 0
+
+
+def test_gqa_expansion_on_keys_only_runs_on_expanded_heads():
+    fn = lambda s, q, k, v, m: torch.softmax(q @ k.repeat_interleave(2, dim=1).transpose(-1, -2), -1) @ v  # noqa: E731
+    ex = (torch.randn(B, H, N, D, dtype=torch.float64), torch.randn(B, H // 2, N, D, dtype=torch.float64),
+          torch.randn(B, H, N, D, dtype=torch.float64), None)
+    gm, _ = compile_site(fn, ex)
+    assert _spec(gm).gqa_groups == 1
+    torch.testing.assert_close(gm(*ex), Site(fn).double()(*ex))

@@ -12,7 +12,6 @@ import math
 from typing import Optional, Tuple
 
 import torch
-import triton
 from triton.runtime.errors import OutOfResources
 
 from ...policy import DFSS
@@ -135,19 +134,7 @@ def attention_forward(spec: AttentionSpec, q, k, v, attn_mask=None, dropout_p: f
             **plan.common_meta(bm, bn),
         )
 
-    if config is None:
-        sig = ("fwd", configs.tuning_enabled()) + plan.signature(q.device)
-        config = _config_memo.get(sig)
-        if config is not None:
-            launch(config)
-        else:
-            cands = configs.fwd_candidates(plan.D, plan.Dv, q.dtype, plan.nm_m)
-            config = configs.choose("triton_attention_fwd", plan.tune_key(q.device), cands,
-                                    _bencher(launch) if q.is_cuda else None)
-            config = _config_memo[sig] = _launch_with_fallback(launch, config, cands)
-    else:
-        launch(config)
-    last_configs["fwd"] = config
+    _run_tuned("fwd", plan, q, launch, configs.fwd_candidates, config)
     return out, lse
 
 
@@ -208,20 +195,25 @@ def attention_backward(spec: AttentionSpec, q, k, v, attn_mask, out, lse, grad_o
             BLOCK_M=qm, BLOCK_N=qn, num_warps=qw, num_stages=qs, **plan.common_meta(qm, qn),
         )
 
+    _run_tuned("bwd", plan, q, launch, configs.bwd_candidates, config)
+    return dq, dk, dv
+
+
+def _run_tuned(kind: str, plan, q, launch, candidates_fn, config: Optional[dict] = None) -> None:
+    """Launch with ``config``, or with the remembered/tuned one for this call signature."""
     if config is None:
-        sig = ("bwd", configs.tuning_enabled()) + plan.signature(q.device)
+        sig = (kind, configs.tuning_enabled()) + plan.signature(q.device)
         config = _config_memo.get(sig)
         if config is not None:
             launch(config)
         else:
-            cands = configs.bwd_candidates(plan.D, plan.Dv, q.dtype, plan.nm_m)
-            config = configs.choose("triton_attention_bwd", plan.tune_key(q.device), cands,
+            cands = candidates_fn(plan.D, plan.Dv, q.dtype, plan.nm_m)
+            config = configs.choose(f"triton_attention_{kind}", plan.tune_key(q.device), cands,
                                     _bencher(launch) if q.is_cuda else None)
             config = _config_memo[sig] = _launch_with_fallback(launch, config, cands)
     else:
         launch(config)
-    last_configs["bwd"] = config
-    return dq, dk, dv
+    last_configs[kind] = config
 
 
 def _launch_with_fallback(launch, config, candidates):

@@ -41,6 +41,7 @@ from triton.runtime.errors import OutOfResources
 from ...policy import Drop, Hash
 from ...spec import AttentionSpec
 from . import scfa_kernels as K
+from .configs import interpret_mode
 from .common import cdiv as _cdiv, next_pow2 as _next_pow2, pow2_block as _pow2
 
 __all__ = [
@@ -70,17 +71,13 @@ def _empty(shape, dtype, device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def _interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def supports(spec: AttentionSpec, q: torch.Tensor) -> Optional[str]:
     """``None`` when these kernels run ``spec`` on tensors like ``q``, else the reason."""
     if spec.policy.name not in ("hash", "drop"):
         return f"the SCFA kernels run the 'hash' and 'drop' policies, not {spec.policy.name!r}"
     if q.dtype not in _DTYPES:
         return f"dtype {q.dtype} is not supported (float16, bfloat16, float32)"
-    if not (q.is_cuda or _interpret()):
+    if not (q.is_cuda or interpret_mode()):
         return "needs CUDA tensors (or TRITON_INTERPRET=1)"
     if q.shape[-1] > 256:
         return f"head dim {q.shape[-1]} > 256"
@@ -132,7 +129,7 @@ def build_layout(q_groups: torch.Tensor, k_groups: torch.Tensor, causal: bool,
     ``"count"`` (Triton counting sort, ids spanning at most :data:`MAX_COUNTING_GROUPS`),
     ``"sort"`` (``torch.sort`` + ``searchsorted``, any ids) or ``"auto"``.
     """
-    triton_ok = _interpret() or q_groups.is_cuda
+    triton_ok = interpret_mode() or q_groups.is_cuda
     if method == "sort" or not triton_ok or q_groups.numel() == 0 or k_groups.numel() == 0:
         return _layout_by_sort(q_groups, k_groups, causal)
     if group_range is None:
@@ -309,7 +306,7 @@ def set_config(kind: str, head_dim: int, config: Optional[Tuple[int, int, int, i
 
 
 def _config(kind: str, d: int, itemsize: int = 2):
-    if _interpret():
+    if interpret_mode():
         return (16, 16, 4, 1)
     env = os.environ.get(f"{_CFG_ENV}_{kind.upper()}")
     if env:
@@ -425,7 +422,7 @@ def _backward(spec: AttentionSpec, q, k, v, attn_mask, q_aux, k_aux, dropout_p: 
     lse = lse.contiguous()
 
     delta = _empty((B, Hq, Nq), torch.float32, q.device)
-    PM = 16 if _interpret() else 64
+    PM = 16 if interpret_mode() else 64
     K.scfa_bwd_preprocess_kernel[(_cdiv(Nq, PM), B * Hq)](
         out, grad_out, delta, *out.stride(), *grad_out.stride(), Hq, Nq, DV,
         BLOCK_M=PM, BLOCK_DV=BDV)
