@@ -54,7 +54,7 @@ import torch.fx as fx
 
 from ..policy import ET
 from . import costmodel
-from ._projections import (
+from .node_info import (
     LinearInfo, attention_sites, describe, dtype_of, exclusive_chain, itemsize, match_linear, new_constant,
     only_getitem0, permutation, shape_of, site_report, spec_of, view_input, view_kind, weight_users,
 )

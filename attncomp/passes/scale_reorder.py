@@ -33,7 +33,7 @@ import torch
 import torch.fx as fx
 
 from ..policy import ET
-from ._projections import (
+from .node_info import (
     attention_sites, copy_shape_meta, exclusive_chain, head_dim, match_linear, new_constant,
     set_spec, site_report, spec_of,
 )

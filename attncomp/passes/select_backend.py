@@ -26,7 +26,7 @@ import torch
 import torch.fx as fx
 
 from ..runtime import dispatch
-from ._projections import attention_sites, device_of, dtype_of, head_dim, set_spec, site_report, spec_of
+from .node_info import attention_sites, device_of, dtype_of, head_dim, set_spec, site_report, spec_of
 from .base import CompileContext, PassResult
 
 __all__ = ["select_backend"]

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch.fx.passes.shape_prop import ShapeProp
 
 from attncomp import ops
-from attncomp.passes._projections import view_kind
+from attncomp.passes.node_info import view_kind
 from attncomp.passes.base import CompileContext, counters
 from attncomp.passes.scale_reorder import scale_reorder
 from attncomp.policy import ET, Dense

@@ -1,20 +1,27 @@
-"""Graph helpers for the E.T. rewrites: Linear projections, pure data-movement chains, shapes, sites.
+"""What passes ask about fx nodes: shapes, dtypes, devices, constants, data-movement chains, Linear
+projections and attention sites.
 
-Not a pass. ``scale_reorder`` and ``fold_wv_wo`` both need to see through the view/transpose
-chain between a Linear projection and an ``attncomp::attention`` argument, to read the Linear's
-frozen weights, and to register new constant tensors on the ``GraphModule`` without touching the
-user's modules; the shared parts live here.
+Not a pass. Every pass reads node metadata (``meta["val"]`` from dynamo/export captures,
+``meta["tensor_meta"]`` from ``ShapeProp``), evaluates constant scalars, walks pure data-movement
+chains (views, transposes, permutes) and finds the ``attncomp::attention`` sites and their specs; those
+answers live here once.
 
 A graph after ``canonicalize`` may spell one operation at three levels (``call_method`` on a
 tensor, a ``torch`` function, an ``aten`` overload); every predicate here accepts all three.
+
+Two shape views: :func:`meta_shape` keeps symbolic sizes (``SymInt``) as they are, for proofs
+(:func:`same_dim`, :func:`static_int`); :func:`shape_of` turns them into their hint (or name) for
+figures such as cost estimates.
 """
 
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
+import networkx as nx
 import torch
 import torch.fx as fx
 import torch.nn as nn
@@ -24,12 +31,162 @@ from ..spec import AttentionSpec
 from .base import CompileContext, SiteReport, SITE_META
 
 __all__ = [
-    "LinearInfo", "match_linear", "view_kind", "view_input", "permutation", "shape_of", "dtype_of", "device_of",
-    "resolve_attr", "weight_users", "exclusive_chain", "new_constant", "attention_sites", "spec_of", "set_spec",
-    "site_report", "only_getitem0", "head_dim", "itemsize", "copy_shape_meta", "describe",
+    # metadata
+    "meta_val", "meta_shape", "meta_dtype", "shape_of", "dtype_of", "device_of", "same_dim", "static_int",
+    "itemsize", "copy_shape_meta",
+    # constants
+    "resolve_attr", "get_attr_value", "scalar_value", "UNKNOWN",
+    # graph views and names
+    "to_networkx", "site_name", "describe",
+    # data movement and projections
+    "view_kind", "view_input", "permutation", "exclusive_chain", "LinearInfo", "match_linear", "weight_users",
+    "new_constant",
+    # attention sites
+    "attention_sites", "spec_index", "spec_of", "set_spec", "site_report", "only_getitem0", "head_dim",
 ]
 
-_aten = torch.ops.aten
+aten = torch.ops.aten
+_aten = aten
+
+
+class _Unknown:
+    def __repr__(self):
+        return "UNKNOWN"
+
+
+UNKNOWN = _Unknown()
+
+
+def meta_val(n: Any):
+    if not isinstance(n, fx.Node):
+        return None
+    v = n.meta.get("val")
+    if isinstance(v, torch.Tensor):
+        return v
+    return None
+
+
+def meta_shape(n: Any) -> Optional[Tuple]:
+    """The node's shape (ints or SymInts) if the capture recorded it."""
+    if not isinstance(n, fx.Node):
+        return None
+    v = meta_val(n)
+    if v is not None:
+        return tuple(v.shape)
+    tm = n.meta.get("tensor_meta")
+    if tm is not None and hasattr(tm, "shape"):
+        return tuple(tm.shape)
+    return None
+
+
+def same_dim(a, b) -> bool:
+    """True only when two (possibly symbolic) sizes are provably equal."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    try:
+        from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+        return bool(statically_known_true(a == b))
+    except Exception:
+        return False
+
+
+def static_int(x) -> Optional[int]:
+    if isinstance(x, int):
+        return x
+    try:
+        from torch.fx.experimental.symbolic_shapes import is_concrete_int
+
+        if is_concrete_int(x):
+            return int(x)
+    except Exception:
+        pass
+    return None
+
+
+_SCALAR_FNS: Dict[Any, Callable] = {
+    operator.mul: operator.mul, operator.truediv: operator.truediv, operator.pow: operator.pow,
+    operator.add: operator.add, operator.sub: operator.sub, operator.neg: operator.neg,
+    math.sqrt: math.sqrt, math.pow: math.pow, torch.sqrt: math.sqrt, torch.rsqrt: lambda x: x ** -0.5,
+    torch.mul: operator.mul, torch.div: operator.truediv, torch.pow: operator.pow,
+    aten.sqrt.default: math.sqrt, aten.rsqrt.default: lambda x: x ** -0.5,
+    aten.mul.Tensor: operator.mul, aten.div.Tensor: operator.truediv, aten.pow.Tensor_Scalar: operator.pow,
+    aten.reciprocal.default: lambda x: 1.0 / x, torch.reciprocal: lambda x: 1.0 / x,
+}
+
+
+def scalar_value(gm: fx.GraphModule, n: Any, leaf: Optional[Callable[[fx.Node], Any]] = None, depth: int = 0):
+    """Evaluate ``n`` as a Python number if it is one, or a 0-dim constant tensor, or built from such
+    values by scalar arithmetic (``sqrt``, ``**``, ``/``, ``full([], c)``...). ``leaf(node)`` may supply
+    values for other nodes (e.g. the head dim). Returns ``UNKNOWN`` otherwise."""
+    if isinstance(n, bool):
+        return UNKNOWN
+    if isinstance(n, (int, float)):
+        return float(n)
+    if not isinstance(n, fx.Node) or depth > 12:
+        return UNKNOWN
+    if leaf is not None:
+        v = leaf(n)
+        if v is not UNKNOWN:
+            return v
+    if n.op == "get_attr":
+        try:
+            t = get_attr_value(gm, n)
+        except AttributeError:
+            return UNKNOWN
+        if isinstance(t, torch.Tensor) and t.numel() == 1 and t.dim() == 0:
+            return float(t.item())
+        return UNKNOWN
+    if n.op == "call_method" and n.target in ("to", "type_as", "float", "half", "bfloat16", "double", "item",
+                                              "clone", "detach"):
+        return scalar_value(gm, n.args[0], leaf, depth + 1)
+    if n.op == "call_method" and n.target in ("sqrt", "rsqrt", "reciprocal", "__truediv__", "__mul__", "__pow__",
+                                              "mul", "div", "pow"):
+        fn = {"sqrt": math.sqrt, "rsqrt": lambda x: x ** -0.5, "reciprocal": lambda x: 1.0 / x,
+              "__truediv__": operator.truediv, "div": operator.truediv, "__mul__": operator.mul,
+              "mul": operator.mul, "__pow__": operator.pow, "pow": operator.pow}[n.target]
+        vals = [scalar_value(gm, a, leaf, depth + 1) for a in n.args]
+        return UNKNOWN if any(v is UNKNOWN for v in vals) else float(fn(*vals))
+    if n.op != "call_function":
+        return UNKNOWN
+    t = n.target
+    if t in (torch.full, aten.full.default) and list(n.args[0]) == []:
+        return scalar_value(gm, n.args[1], leaf, depth + 1)
+    if t in (torch.tensor, torch.scalar_tensor, torch.as_tensor, aten.scalar_tensor.default,
+             aten.lift_fresh_copy.default, aten._to_copy.default, aten.to.dtype, aten.clone.default,
+             aten.detach.default, torch.ops.aten.alias.default, aten.item.default):
+        return scalar_value(gm, n.args[0], leaf, depth + 1)
+    if t in _SCALAR_FNS:
+        vals = [scalar_value(gm, a, leaf, depth + 1) for a in n.args]
+        if any(v is UNKNOWN for v in vals):
+            return UNKNOWN
+        try:
+            return float(_SCALAR_FNS[t](*vals))
+        except (ValueError, ZeroDivisionError, OverflowError):
+            return UNKNOWN
+    return UNKNOWN
+
+
+def to_networkx(graph: fx.Graph) -> nx.DiGraph:
+    """Data-flow DiGraph of the fx graph (edge a -> b when b reads a)."""
+    g = nx.DiGraph()
+    for n in graph.nodes:
+        g.add_node(n)
+        for a in n.all_input_nodes:
+            g.add_edge(a, n)
+    return g
+
+
+def site_name(n: fx.Node, default: str) -> str:
+    """Dotted path of the innermost user module that produced ``n`` (``encoder.layer.0.attention.self``)."""
+    stack = n.meta.get("nn_module_stack")
+    if stack:
+        path, _ = list(stack.values())[-1]
+        path = path if isinstance(path, str) else str(path)
+        path = path.replace("L['self'].", "").replace("L__self___", "")
+        return path or default
+    return default
+
 
 # kind of each pure data-movement op, by (op, target); "reshape" covers every row-major reshape
 _VIEW_METHODS = {
@@ -128,6 +285,7 @@ def shape_of(node: Any) -> Optional[Tuple[Any, ...]]:
 
 
 def dtype_of(node: Any) -> Optional[torch.dtype]:
+    """The node's dtype if the capture recorded it."""
     if not isinstance(node, fx.Node):
         return None
     v = node.meta.get("val")
@@ -135,6 +293,9 @@ def dtype_of(node: Any) -> Optional[torch.dtype]:
         return v.dtype
     tm = node.meta.get("tensor_meta")
     return getattr(tm, "dtype", None)
+
+
+meta_dtype = dtype_of
 
 
 def device_of(node: Any) -> Optional[torch.device]:
@@ -147,10 +308,16 @@ def device_of(node: Any) -> Optional[torch.device]:
 
 
 def resolve_attr(gm: fx.GraphModule, target: str) -> Any:
+    """The object a dotted ``get_attr`` target names on ``gm``."""
     obj: Any = gm
     for part in target.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def get_attr_value(gm: fx.GraphModule, n: fx.Node) -> Any:
+    """The value a ``get_attr`` node reads."""
+    return resolve_attr(gm, n.target)
 
 
 @dataclass
@@ -276,12 +443,20 @@ def attention_sites(gm: fx.GraphModule) -> List[fx.Node]:
     return [n for n in gm.graph.nodes if is_attention_node(n)]
 
 
+def spec_index(node: fx.Node) -> int:
+    """Position of the ``spec`` string among an attention node's arguments (the first ``str``)."""
+    for i, a in enumerate(node.args):
+        if isinstance(a, str):
+            return i
+    raise ValueError(f"{node.name} has no spec argument")
+
+
 def spec_of(node: fx.Node) -> AttentionSpec:
-    return AttentionSpec.from_json(node.args[7])
+    return AttentionSpec.from_json(node.args[spec_index(node)])
 
 
 def set_spec(node: fx.Node, spec: AttentionSpec, report: Optional[SiteReport] = None) -> None:
-    node.update_arg(7, spec.to_json())
+    node.update_arg(spec_index(node), spec.to_json())
     if report is not None:
         report.spec = spec.describe()
 
