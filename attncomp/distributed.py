@@ -1,0 +1,453 @@
+"""Context-parallel (ring) attention over ``torch.distributed``.
+
+Each rank of a process group holds a shard of the sequence (dim 2 of q, k, v) and gets back its
+shard of the output. K/V shards rotate around the ring with point-to-point sends (started before
+the block that uses the current shard is computed, so transfer overlaps compute); every block is one
+call of ``attncomp::attention``, and the partial outputs of a query shard merge exactly by
+log-sum-exp (the op returns ``lse`` per query row)::
+
+    lse = logaddexp(lse_a, lse_b);  out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)
+
+The backward (:class:`_RingAttention`) rotates K/V once more, with the dK/dV accumulators of each
+K/V shard travelling with it (FlashAttention-2 style: every block's probabilities are recomputed
+from the *global* ``lse`` and ``delta = rowsum(dO * O)`` of the merged output), so no rank ever
+holds more than two K/V shards or anything ``N x N`` beyond one block.
+
+Layouts (``N`` total positions, ``W`` ranks, ``n = N / W`` per rank):
+
+* ``"contiguous"``: rank ``r`` holds positions ``[r n, (r+1) n)``;
+* ``"balanced"``: the sequence is cut into ``2W`` chunks of ``c = n / 2``; rank ``r`` holds chunk
+  ``r`` then chunk ``2W - 1 - r`` (head and tail), so that under ``is_causal`` every rank computes the
+  same number of blocks.
+
+Under ``is_causal`` blocks entirely above the diagonal are skipped: with ``"balanced"`` each rank
+computes one diagonal block and then ``W - 1`` half blocks.
+
+Policies: ``dense`` (and ``et``, dense attention), ``dfss`` (key groups of ``M`` start at key 0
+of the sequence; shards, or chunks for ``"balanced"``, must be multiples of ``M`` so that no group
+straddles a shard boundary), ``hash`` (buckets are per token: given shards, or angular LSH computed on
+the shard, which equals the global LSH; ``exclude_self`` applies to the block where a rank meets its
+own keys) and ``drop`` (keep masks are sharded like the sequence: given shards, or drawn from the
+policy's seed over the *global* sequence and sliced, so the draw equals a single-process call's).
+``spion`` is refused: its block pattern and diagonal rule are indexed by global tiles, which the per
+block op calls do not see.
+
+``torch.distributed.tensor.experimental.context_parallel`` cannot dispatch to ``attncomp::attention``:
+it monkey-patches ``torch.nn.functional.scaled_dot_product_attention`` to wrap q, k, v as sequence-sharded
+DTensors and handles only ATen's SDPA kernels (flash, efficient, cuDNN) in its DTensor dispatch table. A
+graph compiled by attncomp calls ``attncomp::attention`` on plain local tensors, so under that context
+manager the op would compute shard-local attention: call :func:`context_parallel_attention` instead
+(its output is the same function of the sequence as the op's).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .policy import DFSS, Drop, Hash, get_policy, keep_mask, lsh_buckets
+from .spec import AttentionSpec, dtype_name
+
+__all__ = ["context_parallel_attention", "shard_sequence", "gather_sequence", "sequence_positions", "LAYOUTS"]
+
+LAYOUTS = ("contiguous", "balanced")
+_POLICIES = ("dense", "et", "dfss", "hash", "drop")
+_POLICY_TENSORS = {"hash": ("q_buckets", "k_buckets"), "drop": ("q_keep", "k_keep")}
+
+
+# ---------------------------------------------------------------------------------------------
+# Layouts: which global positions a rank holds.
+
+def _check_layout(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; valid layouts: {', '.join(LAYOUTS)}")
+
+
+def _segments(n_local: int, rank: int, world: int, layout: str) -> List[Tuple[int, int]]:
+    """The ``(start, length)`` position ranges of rank ``rank``'s shard, in shard order."""
+    _check_layout(layout)
+    if layout == "contiguous":
+        return [(rank * n_local, n_local)]
+    if n_local % 2:
+        raise ValueError(f"layout 'balanced' needs an even shard length (two chunks per rank), got {n_local}")
+    c = n_local // 2
+    return [(rank * c, c), ((2 * world - 1 - rank) * c, c)]
+
+
+def sequence_positions(n_local: int, rank: int, world: int, layout: str = "contiguous", device=None) -> Tensor:
+    """Global positions (int64 ``(n_local,)``) of the tokens rank ``rank`` holds under ``layout``."""
+    return torch.cat([torch.arange(s, s + n, device=device) for s, n in _segments(n_local, rank, world, layout)])
+
+
+def shard_sequence(x: Tensor, rank: int, world: int, layout: str = "contiguous", dim: int = 2) -> Tensor:
+    """Rank ``rank``'s shard of the full tensor ``x`` along ``dim`` (length divisible by ``world``,
+    or by ``2 * world`` for ``"balanced"``)."""
+    _check_layout(layout)
+    n = x.shape[dim]
+    parts = world * (2 if layout == "balanced" else 1)
+    if n % parts:
+        raise ValueError(f"sequence length {n} must be divisible by {parts} for layout {layout!r} over {world} ranks")
+    segs = _segments(n // world, rank, world, layout)
+    return torch.cat([x.narrow(dim, s, m) for s, m in segs], dim=dim)
+
+
+def gather_sequence(x: Tensor, group=None, layout: str = "contiguous", dim: int = 2) -> Tensor:
+    """The full tensor from every rank's shard along ``dim`` (an all-gather, then positions put back
+    in order). Not differentiable."""
+    world, rank, _ = _group_info(group)
+    if world == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    n = x.shape[dim]
+    full = [None] * (world * (2 if layout == "balanced" else 1))
+    for r, p in enumerate(parts):
+        off = 0
+        for s, m in _segments(n, r, world, layout):
+            full[s // m] = p.narrow(dim, off, m)
+            off += m
+    return torch.cat(full, dim=dim)
+
+
+# ---------------------------------------------------------------------------------------------
+# Process group and ring communication.
+
+def _group_info(group) -> Tuple[int, int, List[int]]:
+    """``(world, rank, global ranks of the group's members)``; a single process without an
+    initialised default group counts as a group of one."""
+    if not dist.is_available() or not dist.is_initialized():
+        if group is not None:
+            raise ValueError("a process group was given but torch.distributed is not initialised")
+        return 1, 0, [0]
+    world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError("this process is not a member of the given process group")
+    members = [dist.get_global_rank(group, r) if group is not None else r for r in range(world)]
+    return world, rank, members
+
+
+class _Ring:
+    """Send tensors to the next rank and receive the previous rank's, asynchronously."""
+
+    def __init__(self, group, world: int, rank: int, members: List[int]):
+        self.group = group
+        self.next = members[(rank + 1) % world]
+        self.prev = members[(rank - 1) % world]
+
+    def start(self, tensors: List[Tensor]):
+        sends = [_wire(t) for t in tensors]
+        recvs = [torch.empty_like(s) for s in sends]
+        ops = [dist.P2POp(dist.isend, s, self.next, self.group) for s in sends]
+        ops += [dist.P2POp(dist.irecv, r, self.prev, self.group) for r in recvs]
+        reqs = dist.batch_isend_irecv(ops)
+        return _Pending(reqs, recvs, [t.dtype for t in tensors], sends)
+
+
+class _Pending:
+    def __init__(self, reqs, recvs, dtypes, sends):
+        self.reqs, self.recvs, self.dtypes = reqs, recvs, dtypes
+        self._sends = sends  # kept alive until the transfer completes
+
+    def wait(self) -> List[Tensor]:
+        for r in self.reqs:
+            r.wait()
+        self._sends = None
+        return [r.to(d) if r.dtype != d else r for r, d in zip(self.recvs, self.dtypes)]
+
+
+def _wire(t: Tensor) -> Tensor:
+    # bool tensors travel as uint8 (not every backend sends bool)
+    return (t.to(torch.uint8) if t.dtype == torch.bool else t).contiguous()
+
+
+# ---------------------------------------------------------------------------------------------
+# Block schedule.
+
+@dataclass(frozen=True)
+class _Block:
+    q: slice       # rows of the local query shard
+    k: slice       # rows of the K/V shard held at this step
+    causal: bool   # top-left causal inside the block (the local diagonal block)
+    same: bool     # the K/V shard is this rank's own (local index i == j means the same position)
+
+
+_ALL = slice(None)
+
+
+def _plan(rank: int, src: int, n: int, layout: str, causal: bool) -> List[_Block]:
+    """The op calls rank ``rank`` makes against the K/V shard of rank ``src``."""
+    same = src == rank
+    if not causal:
+        return [_Block(_ALL, _ALL, False, same)]
+    if same:
+        # positions increase along every shard in both layouts: local top-left causal is exact
+        return [_Block(_ALL, _ALL, True, True)]
+    if layout == "contiguous":
+        return [_Block(_ALL, _ALL, False, False)] if src < rank else []
+    h = n // 2
+    if src < rank:  # its head chunk precedes both of ours, its tail chunk follows both
+        return [_Block(_ALL, slice(0, h), False, False)]
+    return [_Block(slice(h, n), _ALL, False, False)]  # only our tail chunk sees its two chunks
+
+
+@dataclass(frozen=True)
+class _Config:
+    spec: AttentionSpec
+    layout: str
+    causal: bool
+    group: object
+    world: int
+    rank: int
+    members: Tuple[int, ...]
+
+    def block_spec(self, b: _Block) -> AttentionSpec:
+        s = self.spec.replace(causal=b.causal)
+        pol = s.policy
+        if isinstance(pol, Hash) and pol.exclude_self and not b.same:
+            s = s.replace(policy=get_policy(pol, exclude_self=False))
+        return s
+
+
+def _aux_slice(t: Optional[Tensor], sl: slice) -> Optional[Tensor]:
+    return None if t is None else t[:, :, sl]
+
+
+# ---------------------------------------------------------------------------------------------
+# One block: forward through the op, backward from the global lse.
+
+def _no_preds() -> tuple:
+    """``None`` for the op's optional predicate tensors (``q_pos`` ... ``k_valid``), as many as its
+    schema has: the blocks here need none (their causal structure is top-left or absent)."""
+    names = [a.name for a in torch.ops.attncomp.attention.default._schema.arguments]
+    return (None,) * sum(n in names for n in ("q_pos", "k_pos", "q_seg", "k_seg", "q_valid", "k_valid"))
+
+
+def _block_forward(spec: AttentionSpec, q, k, v, q_aux, k_aux):
+    return torch.ops.attncomp.attention(q, k, v, None, q_aux, k_aux, None, *_no_preds(), spec.to_json(), 0.0, 0)
+
+
+def _block_backward(spec: AttentionSpec, q, k, v, q_aux, k_aux, out, lse, dout):
+    """``(dq, dk, dv)`` of one block's share of the global attention: probabilities
+    ``exp(s - lse)`` with the global ``lse`` of each query row, ``delta = rowsum(dO * O)`` of the
+    merged output. Backends with a flash-style backward (which use ``out`` and ``lse`` exactly so) run
+    it through ``attncomp::attention_backward``; the reference backward recomputes a block-local
+    softmax, so for it the same formula runs here on the reference's logits and keep rule."""
+    from .runtime.dispatch import select_backend
+
+    be = select_backend(spec, q, k, v)
+    if getattr(be, "name", "reference") != "reference":
+        dq, dk, dv, _ = torch.ops.attncomp.attention_backward(
+            dout.contiguous(), q, k, v, None, q_aux, k_aux, None, *_no_preds(), out.contiguous(),
+            lse.float().contiguous(),
+            spec.to_json(), 0.0, 0, False)
+        return dq, dk, dv
+    from .codegen import reference as ref
+
+    Hq, Hk = q.shape[1], k.shape[1]
+    scale = spec.scale if spec.scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    s, allowed = ref.logits(spec, q, k, None)
+    keep = ref.keep_mask(spec, s, allowed, q_aux, k_aux, None)
+    ct = s.dtype
+    lse_c = lse.to(ct)[..., None]
+    live = keep & torch.isfinite(lse_c)
+    p = torch.where(live, torch.exp(s - torch.where(torch.isfinite(lse_c), lse_c, torch.zeros_like(lse_c))),
+                    torch.zeros_like(s))
+    do = dout.to(ct)
+    delta = (do * out.to(ct)).sum(-1, keepdim=True)
+    kk = k.repeat_interleave(Hq // Hk, dim=1).to(ct) if Hq != Hk else k.to(ct)
+    vv = v.repeat_interleave(Hq // Hk, dim=1).to(ct) if Hq != Hk else v.to(ct)
+    dv = torch.matmul(p.transpose(-1, -2), do)
+    ds = p * (torch.matmul(do, vv.transpose(-1, -2)) - delta)
+    dq = torch.matmul(ds, kk) * scale
+    dk = torch.matmul(ds.transpose(-1, -2), q.to(ct)) * scale
+    if Hq != Hk:
+        B, _, N, _ = dk.shape
+        dk = dk.view(B, Hk, Hq // Hk, N, -1).sum(2)
+        dv = dv.view(B, Hk, Hq // Hk, N, -1).sum(2)
+    return dq, dk, dv
+
+
+def _merge(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> Tuple[Tensor, Tensor]:
+    lse = torch.logaddexp(lse_a, lse_b)
+    ref = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+    wa = torch.exp(lse_a - ref)[..., None]
+    wb = torch.exp(lse_b - ref)[..., None]
+    return out_a * wa + out_b.to(out_a.dtype) * wb, lse
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# ---------------------------------------------------------------------------------------------
+# The ring.
+
+def _ring_forward(cfg: _Config, q, k, v, q_aux, k_aux):
+    B, Hq, n, _ = q.shape
+    at = _acc_dtype(q.dtype)
+    out = q.new_zeros((B, Hq, n, v.shape[-1]), dtype=at)
+    lse = torch.full((B, Hq, n), float("-inf"), dtype=at, device=q.device)
+    ring = _Ring(cfg.group, cfg.world, cfg.rank, list(cfg.members)) if cfg.world > 1 else None
+    kv = [k, v] + ([k_aux] if k_aux is not None else [])
+    for t in range(cfg.world):
+        src = (cfg.rank - t) % cfg.world
+        pending = ring.start(kv) if t < cfg.world - 1 else None
+        kb, vb = kv[0], kv[1]
+        kab = kv[2] if k_aux is not None else None
+        for b in _plan(cfg.rank, src, n, cfg.layout, cfg.causal):
+            o_b, l_b = _block_forward(cfg.block_spec(b), q[:, :, b.q], kb[:, :, b.k], vb[:, :, b.k],
+                                      _aux_slice(q_aux, b.q), _aux_slice(kab, b.k))
+            out[:, :, b.q], lse[:, :, b.q] = _merge(out[:, :, b.q], lse[:, :, b.q], o_b, l_b.to(at))
+        if pending is not None:
+            kv = pending.wait()
+    return out.to(q.dtype), lse
+
+
+def _ring_backward(cfg: _Config, q, k, v, q_aux, k_aux, out, lse, dout):
+    n = q.shape[2]
+    at = _acc_dtype(q.dtype)
+    dq = torch.zeros(q.shape, dtype=at, device=q.device)
+    dk = torch.zeros(k.shape, dtype=at, device=k.device)
+    dv = torch.zeros(v.shape, dtype=at, device=v.device)
+    ring = _Ring(cfg.group, cfg.world, cfg.rank, list(cfg.members)) if cfg.world > 1 else None
+    kv = [k, v] + ([k_aux] if k_aux is not None else [])
+    acc_pending = None
+    for t in range(cfg.world):
+        src = (cfg.rank - t) % cfg.world
+        pending = ring.start(kv) if t < cfg.world - 1 else None
+        kb, vb = kv[0], kv[1]
+        kab = kv[2] if k_aux is not None else None
+        contrib = []
+        for b in _plan(cfg.rank, src, n, cfg.layout, cfg.causal):
+            g = _block_backward(cfg.block_spec(b), q[:, :, b.q], kb[:, :, b.k], vb[:, :, b.k],
+                                _aux_slice(q_aux, b.q), _aux_slice(kab, b.k), out[:, :, b.q], lse[:, :, b.q],
+                                dout[:, :, b.q])
+            dq[:, :, b.q] += g[0].to(at)
+            contrib.append((b.k, g[1], g[2]))
+        if acc_pending is not None:  # the accumulators of the K/V shard held now, from the previous rank
+            dk, dv = acc_pending.wait()
+        for sl, gk, gv in contrib:
+            dk[:, :, sl] += gk.to(at)
+            dv[:, :, sl] += gv.to(at)
+        if ring is not None:
+            acc_pending = ring.start([dk, dv])
+        if pending is not None:
+            kv = pending.wait()
+    if acc_pending is not None:  # one last hop brings each shard's accumulators home
+        dk, dv = acc_pending.wait()
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, q_aux, k_aux, cfg: _Config):
+        with torch.no_grad():
+            out, lse = _ring_forward(cfg, q, k, v, q_aux, k_aux)
+        ctx.cfg = cfg
+        ctx.save_for_backward(q, k, v, q_aux, k_aux, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, q_aux, k_aux, out, lse = ctx.saved_tensors
+        with torch.no_grad():
+            dq, dk, dv = _ring_backward(ctx.cfg, q, k, v, q_aux, k_aux, out, lse, dout)
+        return dq, dk, dv, None, None, None
+
+
+# ---------------------------------------------------------------------------------------------
+# Public entry point.
+
+def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, is_causal: bool = False,
+                               policy="dense", layout: str = "contiguous", scale: Optional[float] = None,
+                               backend: str = "auto", **policy_tensors) -> Tensor:
+    """Attention over a sequence sharded across the ranks of ``group`` (default: the world).
+
+    ``q`` ``(B, Hq, n, D)``, ``k`` ``(B, Hk, n, D)``, ``v`` ``(B, Hk, n, Dv)`` are this rank's shard of
+    a sequence of ``N = n * world`` positions in ``layout`` (``"contiguous"`` or ``"balanced"``, see
+    the module docstring; :func:`shard_sequence` cuts a full tensor so). Returns this rank's shard of
+    ``attncomp.functional.attention(Q, K, V, is_causal=is_causal, policy=policy, scale=scale)`` on the
+    full sequence, differentiable with respect to q, k and v.
+
+    ``policy``: ``"dense"``, ``"et"``, ``"dfss"``, ``"hash"``, ``"drop"`` or a policy object.
+    ``policy_tensors``: ``q_buckets``/``k_buckets`` (hash) or ``q_keep``/``k_keep`` (drop), each
+    this rank's shard ``(B, H, n)`` in the same layout; without them hash buckets come from the
+    policy's LSH and keep masks from its seed (drawn over the global sequence, so every rank and a
+    single-process call agree).
+    """
+    pol = get_policy(policy)
+    if pol.name not in _POLICIES:
+        raise ValueError(f"policy {pol.name!r} is not supported by context-parallel attention "
+                         f"(its block pattern is indexed by global tiles); supported: {', '.join(_POLICIES)}")
+    _check_layout(layout)
+    allowed = _POLICY_TENSORS.get(pol.name, ())
+    extra = set(policy_tensors) - set(allowed)
+    if extra:
+        raise ValueError(f"policy {pol.name!r} takes {' and '.join(allowed) or 'no policy tensors'}, "
+                         f"got {', '.join(sorted(extra))}")
+    for nm, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor) or t.dim() != 4 or not t.is_floating_point():
+            raise ValueError(f"{nm} must be a floating-point tensor of shape (B, H, n, D)")
+    B, Hq, n, D = q.shape
+    if k.shape[0] != B or v.shape[0] != B or k.shape[2] != n or v.shape[2] != n or k.shape[3] != D \
+            or v.shape[1] != k.shape[1]:
+        raise ValueError(f"q, k, v shards must share batch and shard length: q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if Hq % k.shape[1]:
+        raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({k.shape[1]})")
+    world, rank, members = _group_info(group)
+    segs = _segments(n, rank, world, layout)
+    pol = pol.resolved(q.dtype)
+    if isinstance(pol, DFSS):
+        c = segs[0][1]
+        if c % pol.m:
+            what = "shard length" if layout == "contiguous" else "chunk length (half the shard)"
+            raise ValueError(f"policy dfss {pol.n}:{pol.m} needs the {what} to be a multiple of {pol.m} "
+                             f"so that no key group straddles a shard boundary, got {c}")
+    q_aux, k_aux = _policy_tensors(pol, q, k, n, rank, world, layout, policy_tensors)
+    spec = AttentionSpec(causal=False, scale=None if scale is None else float(scale), dtype=dtype_name(q.dtype),
+                         head_dim=int(D), gqa_groups=Hq // k.shape[1], policy=pol, backend=backend)
+    cfg = _Config(spec, layout, bool(is_causal), group, world, rank, tuple(members))
+    return _RingAttention.apply(q, k, v, q_aux, k_aux, cfg)
+
+
+def _policy_tensors(pol, q, k, n, rank, world, layout, given):
+    B, Hq, Hk = q.shape[0], q.shape[1], k.shape[1]
+    if isinstance(pol, Hash):
+        qa, ka = given.get("q_buckets"), given.get("k_buckets")
+        if (qa is None) != (ka is None):
+            raise ValueError("give both q_buckets and k_buckets, or neither")
+        if qa is None:
+            with torch.no_grad():
+                qa, ka = lsh_buckets(q.detach(), k.detach(), pol.n_buckets, pol.seed)
+        _check_aux(qa, "q_buckets", (B, Hq, n), integer=True)
+        _check_aux(ka, "k_buckets", (B, Hk, n), integer=True)
+        return qa.to(torch.int32), ka.to(torch.int32)
+    if isinstance(pol, Drop):
+        qa, ka = given.get("q_keep"), given.get("k_keep")
+        pos = None
+        if qa is None or ka is None:
+            pos = sequence_positions(n, rank, world, layout, device=q.device)
+        if qa is None:
+            qa = keep_mask((B, Hq, n * world), pol.q_rate, pol.seed, 0, q.device)[:, :, pos]
+        if ka is None:
+            ka = keep_mask((B, Hk, n * world), pol.k_rate, pol.seed, 1, q.device)[:, :, pos]
+        _check_aux(qa, "q_keep", (B, Hq, n), integer=False)
+        _check_aux(ka, "k_keep", (B, Hk, n), integer=False)
+        return qa.contiguous(), ka.contiguous()
+    return None, None
+
+
+def _check_aux(t, name, shape, integer: bool) -> None:
+    kind = "integer" if integer else "bool"
+    ok = isinstance(t, Tensor) and (
+        (not t.is_floating_point() and t.dtype != torch.bool) if integer else t.dtype == torch.bool)
+    if not ok or tuple(t.shape) != tuple(shape):
+        got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
+        raise ValueError(f"{name} must be this rank's {kind} shard of shape {tuple(shape)}, got {got}")

@@ -1,0 +1,74 @@
+"""Run a function in ``world`` spawned processes joined by a gloo process group (CPU).
+
+Every process gets a free TCP port on 127.0.0.1, a bounded gloo timeout, and the whole run a
+wall-clock limit, so that a hang fails the test instead of blocking CI. A worker returns a
+picklable value; :func:`spawn` returns them by rank, or raises with the failing rank's traceback.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import os
+import pickle
+import socket
+import tempfile
+import time
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, target: str, kwargs: dict, outdir: str, pg_timeout: float) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=pg_timeout))
+    try:
+        mod, fn = target.rsplit(":", 1)
+        result = getattr(importlib.import_module(mod), fn)(rank, world, **kwargs)
+        payload = ("ok", result)
+    except BaseException:  # the parent reports it with the rank
+        payload = ("error", traceback.format_exc())
+    with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump(payload, f)
+    try:
+        if payload[0] == "ok":
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(target: str, world: int = 2, timeout: float = 240.0, pg_timeout: float = 90.0, **kwargs):
+    """Run ``module:function(rank, world, **kwargs)`` in ``world`` processes; return results by rank."""
+    with tempfile.TemporaryDirectory() as outdir:
+        ctx = mp.start_processes(_entry, args=(world, free_port(), target, kwargs, outdir, pg_timeout),
+                                 nprocs=world, join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout
+        try:
+            while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{target}: {world} processes did not finish within {timeout:.0f} s")
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+        results = []
+        for r in range(world):
+            path = os.path.join(outdir, f"rank{r}.pkl")
+            if not os.path.exists(path):
+                raise RuntimeError(f"{target}: rank {r} wrote no result")
+            with open(path, "rb") as f:
+                status, value = pickle.load(f)
+            if status != "ok":
+                raise RuntimeError(f"{target}: rank {r} failed:\n{value}")
+            results.append(value)
+        return results
