@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import copy
 import inspect
 import logging
+import os
 import threading
+import types
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Union
@@ -16,7 +20,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
 from . import ops
-from .passes.base import CompileContext, SiteReport
+from .passes.base import CompileContext, SiteReport, counters
 from .passes.capture import CaptureError, capture, split_inputs
 from .passes.pipeline import run_passes
 from .policy import Policy, get_policy
@@ -39,6 +43,8 @@ class Report:
     capture: str = ""
     counters: Dict[str, Dict[str, int]] = field(default_factory=dict)
     notes: List[str] = field(default_factory=list)
+    #: graphs compiled for the module (dynamo: one per recompile or graph break)
+    graphs: int = 0
 
     @property
     def rewritten(self) -> int:
@@ -46,7 +52,7 @@ class Report:
 
     def __str__(self) -> str:
         lines = [f"attncomp report: policy={self.policy}, backend={self.backend}",
-                 f"capture: {self.capture}",
+                 f"capture: {self.capture}" + (f" ({self.graphs} graph(s))" if self.graphs else ""),
                  f"{len(self.sites)} attention site(s), {self.rewritten} rewritten", ""]
         rows = [("site", "rewritten", "policy", "pattern")]
         rows += [(s.name, "yes" if s.rewritten else "NO", s.policy, s.pattern or "-") for s in self.sites]
@@ -90,120 +96,213 @@ def _check_options(policy, backend: str, fallback: str) -> Policy:
     return pol
 
 
-def _frozen(model: nn.Module) -> bool:
-    return not model.training and not any(p.requires_grad for p in model.parameters())
+_CAPTURES = ("dynamo", "export", "fx")
+#: more graphs than this for one compiled module is a recompile storm (dynamo's own limit per frame)
+STORM = 8
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    v = os.environ.get(name)
+    if v is None or v == "":
+        return default
+    return v.strip().lower() not in ("0", "false", "no", "off")
+
+
+def _inductor_default() -> bool:
+    """Inductor compiles everything around the op unless ``ATTNCOMP_INDUCTOR=0``."""
+    return _env_flag("ATTNCOMP_INDUCTOR", True)
+
+
+class _GraphCompiler:
+    """A dynamo backend: attncomp passes on each captured graph, then Inductor (or the rewritten graph
+    as it is). Shared by :func:`compile` (capture="dynamo") and :func:`backend` (``torch.compile``)."""
+
+    def __init__(self, policy: Policy, backend: str, inference: Optional[bool], inductor: bool,
+                 mode: Optional[str], options: Dict[str, Any], capture_name: str):
+        self.policy, self.backend, self.inference = policy, backend, inference
+        self.inductor, self.mode, self.options = inductor, mode, dict(options)
+        self.capture_name = capture_name
+        self.contexts: List[CompileContext] = []
+        self.graphs: List[fx.GraphModule] = []
+        #: set by CompiledModule: the code object whose recompiles are reported
+        self.code = None
+        self.module_training: Optional[bool] = None
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]):
+        inference = self._inference(example_inputs)
+        where = "Inductor around the op" if self.inductor else "no Inductor (ATTNCOMP_INDUCTOR=0 / inductor=False)"
+        ctx = CompileContext(policy=self.policy, backend=self.backend, inference=inference,
+                             options=dict(self.options), capture=f"{self.capture_name}; {where}")
+        _propagate_fake(gm, example_inputs)
+        frozen = _freeze_parameters(gm, example_inputs) if inference else 0
+        if frozen:
+            ctx.notes.append(f"graph {len(self.graphs)}: {frozen} frozen parameter(s) treated as constants "
+                             "(inference: eval mode, no parameter requires grad)")
+        gm = run_passes(gm, ctx)
+        self.contexts.append(ctx)
+        self.graphs.append(gm)
+        counters["capture"]["graphs"] += 1
+        if not self.inductor:
+            return gm.forward
+        from torch._inductor.compile_fx import compile_fx
+
+        patches = dict(torch._inductor.list_mode_options(self.mode)) if self.mode else {}
+        seeds, inputs = _lift_seeds(gm, list(example_inputs))
+        compiled = compile_fx(gm, inputs, config_patches=patches or None)
+        if not seeds:
+            return compiled
+
+        def run(*args):
+            # the per-call seeds Inductor must not bake in: computed now, passed as symbolic ints
+            return compiled(*args, *(ops.next_seed(b) for b in seeds))
+
+        return run
+
+    def _inference(self, example_inputs) -> bool:
+        if self.inference is not None:
+            return bool(self.inference)
+        params = [t for t in example_inputs if isinstance(t, nn.Parameter)]
+        training = self.module_training if self.module_training is not None else torch.is_grad_enabled()
+        return bool(params) and not training and not any(p.requires_grad for p in params)
+
+    def guard_failures(self) -> List[str]:
+        if self.code is None:
+            return []
+        from torch._dynamo.utils import guard_failures
+
+        return [str(r) for r in guard_failures.get(self.code, [])]
+
+    def report(self) -> Report:
+        ctx = CompileContext(policy=self.policy, backend=self.backend,
+                             capture=self.contexts[-1].capture if self.contexts else self.capture_name)
+        by_name: Dict[str, SiteReport] = {}
+        for i, c in enumerate(self.contexts):
+            for site in c.sites:
+                first = by_name.get(site.name)
+                if first is None:
+                    by_name[site.name] = site
+                    site.details.setdefault("graphs", [])
+                    site.details["graphs"] = [i]
+                    ctx.sites.append(site)
+                    continue
+                first.details["graphs"] = first.details.get("graphs", []) + [i]
+                if (site.spec, site.rewritten, site.reason) != (first.spec, first.rewritten, first.reason):
+                    variants = first.details.setdefault("variants", [])
+                    v = site.spec if site.rewritten else f"not rewritten: {site.reason}"
+                    if v not in variants:
+                        variants.append(v)
+            for n in c.notes:
+                if n not in ctx.notes:
+                    ctx.notes.append(n)
+            for k, v in c.counters.items():
+                ctx.counters[k].update(v)
+        n = len(self.contexts)
+        ctx.counters["capture"]["graphs"] = n
+        ctx.counters["capture"]["recompiles"] = max(0, n - 1)
+        rep = _make_report(ctx)
+        rep.graphs = n
+        if n > STORM:
+            fails = self.guard_failures()
+            rep.notes.append(f"recompile storm: {n} graphs for one module (more than {STORM}); "
+                             f"last failed guard: {fails[-1] if fails else 'unknown'}")
+        return rep
+
+
+def _lift_seeds(gm: fx.GraphModule, example_inputs: List[Any]):
+    """Per-call seeds (:func:`attncomp.ops.next_seed`, fresh per training call) become graph inputs of
+    symbolic int type, so that Inductor's tracing does not turn the first call's seed into a constant.
+    Returns the base seeds (one per lifted input, in order) and the extended example inputs."""
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is ops.next_seed]
+    if not nodes:
+        return [], example_inputs
+    from torch._dynamo.source import ConstantSource
+    from torch._guards import detect_fake_mode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic
+
+    fake = detect_fake_mode(example_inputs)
+    if fake is None or fake.shape_env is None:
+        raise CaptureError("cannot lift per-call seeds: the graph has no symbolic shape environment")
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    bases, inputs = [], list(example_inputs)
+    for i, node in enumerate(nodes):
+        base = int(node.args[0]) if node.args else 0
+        sym = fake.shape_env.create_unspecified_symint_and_symbol(
+            0x2545F491 + i, ConstantSource(f"attncomp_seed_{len(placeholders) + i}"), DimDynamic.DYNAMIC)
+        with gm.graph.inserting_after(placeholders[-1] if placeholders else next(iter(gm.graph.nodes))):
+            ph = gm.graph.placeholder(f"attncomp_seed_{i}")
+        placeholders.append(ph)
+        ph.meta["val"] = ph.meta["example_value"] = sym
+        node.replace_all_uses_with(ph)
+        gm.graph.erase_node(node)
+        bases.append(base)
+        inputs.append(sym)
+    gm.recompile()
+    return bases, inputs
+
+
+def _freeze_parameters(gm: fx.GraphModule, example_inputs) -> int:
+    """Inference graphs: placeholders fed by frozen parameters become ``get_attr`` constants, so that
+    rewrites can fold into weights (scale into the q projection, W_V·W_O)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(example_inputs):
+        return 0
+    count = 0
+    for i, (node, val) in enumerate(zip(placeholders, example_inputs)):
+        if not isinstance(val, nn.Parameter) or val.requires_grad or not node.users:
+            continue
+        name = f"_attncomp_frozen_{i}"
+        gm.register_parameter(name, val)
+        with gm.graph.inserting_after(placeholders[-1]):
+            ga = gm.graph.get_attr(name)
+        ga.meta.update(node.meta)
+        node.replace_all_uses_with(ga)
+        count += 1
+    if count:
+        gm.recompile()
+    return count
 
 
 class CompiledModule(nn.Module):
-    """The compiled model: same call signature and outputs as the original.
+    """A compiled model: an instance of the model's own class (so ``generate()``, ``.config``,
+    ``state_dict()``, ``parameters()`` work from the start and share the user's tensors) whose
+    ``forward`` runs the compiled graphs.
 
-    One graph is captured per training mode and per call structure (which arguments are given, which
-    are ``None``, tensor dtypes and devices, the values of non-tensor arguments: what tracing bakes
-    in); shapes stay symbolic, so
-    new batch sizes and sequence lengths reuse the graph. Graphs share the original's parameters (plus
-    any folded copies rewrites made); each is traced from a structural copy of the model, so switching
-    ``train()``/``eval()`` here never changes the user's module.
+    ``capture="dynamo"`` (the default) captures as ``torch.compile`` does (guards, graph breaks,
+    automatic dynamic shapes, cache objects), runs the attncomp passes on each graph and hands it to
+    Inductor. ``capture="export"``/``"fx"`` keep one graph per training mode and call structure
+    (which arguments are given, tensor dtypes/devices, values of non-tensor arguments), each traced from
+    a structural copy of the model. Submodules are shared with the user's module, so ``train()``/
+    ``eval()`` switch both, as with ``torch.compile``.
     """
 
-    def __init__(self, model: nn.Module, policy: Policy, backend: str, example_inputs, inference: Optional[bool],
-                 fallback: str, options: Dict[str, Any]):
-        super().__init__()
-        self._policy, self._backend, self._fallback = policy, backend, fallback
-        self._inference, self._options = inference, options
-        self._lock = threading.RLock()
-        self._report: Optional[Report] = None
-        self._example = None
-        self._eager = False
-        self.graphs = nn.ModuleDict()
-        self._keys: Dict[Any, str] = {}
-        self._static: Dict[Any, bool] = {}
-        object.__setattr__(self, "_original", model)  # not a submodule: parameters are not listed twice
-        self.training = model.training
-        if example_inputs is not None:
-            args, kwargs = split_inputs(example_inputs)
-            self._example = (args, kwargs)
-            self._graph_for(args, kwargs)
+    _attncomp: "_State"
 
     @property
     def original(self) -> nn.Module:
-        return self._original
+        return self._attncomp.model
+
+    @property
+    def graphs(self) -> List[fx.GraphModule]:
+        """Every graph compiled so far, in order (post-pass, before Inductor)."""
+        st = self._attncomp
+        return list(st.compiler.graphs) + list(st.graphs.values())
 
     @property
     def graph_module(self) -> Optional[fx.GraphModule]:
         """The graph of the most recent capture (``None`` before the first)."""
-        if not len(self.graphs):
-            return None
-        return self.graphs[list(self.graphs.keys())[-1]]
-
-    def train(self, mode: bool = True):
-        # graphs are per mode; exported graphs refuse train(), and module flags must not leak to the user
-        self.training = bool(mode)
-        return self
-
-    def _structure(self, args, kwargs):
-        """Keyword form of a call and the key of its structure."""
-        sig = inspect.signature(self._original.forward)
-        try:
-            bound = sig.bind(*args, **kwargs)
-        except TypeError as e:
-            raise TypeError(f"compiled {type(self._original).__name__}: {e}") from None
-        call = {}
-        for name, val in bound.arguments.items():
-            kind = sig.parameters[name].kind
-            if kind is inspect.Parameter.VAR_KEYWORD:
-                call.update(val)
-            elif kind is inspect.Parameter.VAR_POSITIONAL:
-                return None, None  # *args: keep the positional form
-            else:
-                call[name] = val
-        leaves, spec = tree_flatten(call)
-        return call, (self.training, str(spec), tuple(_kind(x) for x in leaves))
-
-    def _graph_for(self, args, kwargs):
-        call, key = self._structure(args, kwargs)
-        if call is None:
-            call, key = None, (self.training, "positional", tuple(_kind(a) for a in args))
-        shape_key = key + (tuple(tuple(t.shape) for t in tree_flatten((args, kwargs))[0]
-                                 if isinstance(t, torch.Tensor)),)
-        name = self._keys.get(shape_key) or self._keys.get(key)
-        if name is None:
-            with self._lock:
-                name = self._capture(call, args, kwargs, key, shape_key)
-        return self.graphs[name], call
-
-    def _capture(self, call, args, kwargs, key, shape_key) -> str:
-        model = _structural_copy(self._original)
-        model.train(self.training)
-        inference = (not self.training and not any(p.requires_grad for p in model.parameters())) \
-            if self._inference is None else bool(self._inference)
-        ctx = CompileContext(policy=self._policy, backend=self._backend, inference=inference,
-                             options=dict(self._options))
-        example = call if call is not None else args
-        gm = capture(model, example, ctx)
-        gm = run_passes(gm, ctx)
-        static = "static shapes" in ctx.capture
-        name = f"g{len(self.graphs)}"
-        self.graphs[name] = gm
-        self._keys[shape_key if static else key] = name
-        if static:
-            ctx.notes.append("captured with static shapes: each new input shape is captured again")
-        self._report = _make_report(ctx)
-        if not self._report.sites:
-            self._report.notes.append("no attention site found: the model runs unchanged")
-        log.info("%s", self._report)
-        return name
+        g = self._attncomp.last
+        return g
 
     def forward(self, *args, **kwargs):
-        if self._eager:
-            return self._original(*args, **kwargs)
+        st = self._attncomp
+        if st.eager:
+            return st.forward_fn(self)(*args, **kwargs)
         try:
-            gm, call = self._graph_for(args, kwargs)
+            if st.capture == "dynamo":
+                return st.run_dynamo(self, args, kwargs)
+            gm, call = st.graph_for(self, args, kwargs)
         except CaptureError as e:
-            if self._fallback != "eager":
-                raise
-            warnings.warn(f"attncomp: running the original module: {e}", RuntimeWarning, stacklevel=2)
-            self._eager = True
-            return self._original(*args, **kwargs)
+            return st.fall_back(self, e, args, kwargs)
         with ops.training_mode(self.training):
             if call is None:
                 return gm(*args)
@@ -213,10 +312,183 @@ class CompiledModule(nn.Module):
             return gm(**call)
 
     def report(self) -> Report:
-        if self._report is None:
-            return Report(policy=self._policy.describe(), backend=self._backend,
-                          notes=["not captured yet: the model is compiled on its first call"])
-        return self._report
+        return self._attncomp.report(self)
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError("a compiled attncomp module cannot be pickled: use attncomp.export to save it, or "
+                        "save the original module's state_dict")
+
+
+_CLASSES: Dict[type, type] = {}
+
+
+def _compiled_class(cls: type) -> type:
+    """``CompiledModule`` mixed into the model's class, named like it (code that prints or checks the
+    class name sees the model's)."""
+    sub = _CLASSES.get(cls)
+    if sub is None:
+        sub = type(cls.__name__, (CompiledModule, cls), {"__module__": cls.__module__,
+                                                        "__qualname__": cls.__qualname__})
+        _CLASSES[cls] = sub
+    return sub
+
+
+def _wrap(model: nn.Module, state: "_State") -> CompiledModule:
+    cls = _compiled_class(type(model))
+    fast = cls.__new__(cls)
+    d = dict(model.__dict__)
+    # own containers, shared contents: adding a submodule or a hook to one never changes the other
+    for k, v in model.__dict__.items():
+        if isinstance(v, dict) and (k.startswith("_") and ("hook" in k or k in ("_modules", "_parameters",
+                                                                                   "_buffers"))):
+            d[k] = type(v)(v) if not isinstance(v, collections.OrderedDict) else collections.OrderedDict(v)
+    fast.__dict__.update(d)
+    object.__setattr__(fast, "_attncomp", state)
+    return fast
+
+
+class _State:
+    """What a compiled module holds besides the model's own attributes."""
+
+    def __init__(self, model, policy, backend, fallback, inference, options, capture, inductor, mode, dynamic):
+        self.model, self.policy, self.backend, self.fallback = model, policy, backend, fallback
+        self.inference, self.options, self.capture = inference, dict(options), capture
+        self.inductor, self.mode, self.dynamic = inductor, mode, dynamic
+        self.lock = threading.RLock()
+        self.eager = False
+        self.example = None
+        self.graphs: Dict[str, fx.GraphModule] = {}
+        self.keys: Dict[Any, str] = {}
+        self.last: Optional[fx.GraphModule] = None
+        self.last_ctx: Optional[CompileContext] = None
+        self.compiler = _GraphCompiler(policy, backend, inference, inductor, mode, options,
+                                       "dynamo (the torch.compile mechanism)")
+        self.compiled = None
+
+    # -- the original forward, as the model's class defines it ---------------------------------
+    def forward_fn(self, fast):
+        return types.MethodType(type(self.model).forward, fast)
+
+    def fall_back(self, fast, err, args, kwargs):
+        if self.fallback != "eager":
+            raise err
+        warnings.warn(f"attncomp: running the original module: {err}", RuntimeWarning, stacklevel=3)
+        self.eager = True
+        return self.forward_fn(fast)(*args, **kwargs)
+
+    # -- dynamo route -------------------------------------------------------------------------
+    def run_dynamo(self, fast, args, kwargs):
+        if self.compiled is None:
+            fn = self.forward_fn(fast)
+            self.compiler.code = getattr(type(self.model).forward, "__code__", None)
+            self.compiled = torch.compile(fn, backend=self.compiler, dynamic=self.dynamic)
+        if self.dynamic is None:
+            for t in tree_flatten((args, kwargs))[0]:
+                if isinstance(t, torch.Tensor) and t.dim():
+                    for d in range(t.dim()):
+                        torch._dynamo.maybe_mark_dynamic(t, d)
+        self.compiler.module_training = fast.training
+        n0 = len(self.compiler.graphs)
+        with ops.training_mode(fast.training):
+            try:
+                out = self.compiled(*args, **kwargs)
+            except (CaptureError, TypeError):
+                raise
+            except Exception as e:
+                if len(self.compiler.graphs) > n0 or not _is_dynamo_error(e):
+                    raise
+                raise CaptureError(f"dynamo could not capture {type(self.model).__name__}: "
+                                   f"{type(e).__name__}: {_first_line(e)}") from e
+        if len(self.compiler.graphs) > n0:
+            self.last = self.compiler.graphs[-1]
+        return out
+
+    # -- export / fx routes: one graph per call structure ---------------------------------------
+    def structure(self, fast, args, kwargs):
+        sig = inspect.signature(type(self.model).forward)
+        try:
+            bound = sig.bind(None, *args, **kwargs)
+        except TypeError as e:
+            raise TypeError(f"compiled {type(self.model).__name__}: {e}") from None
+        call = {}
+        for i, (name, val) in enumerate(bound.arguments.items()):
+            if i == 0:
+                continue  # self
+            kind = sig.parameters[name].kind
+            if kind is inspect.Parameter.VAR_KEYWORD:
+                call.update(val)
+            elif kind is inspect.Parameter.VAR_POSITIONAL:
+                return None, None  # *args: keep the positional form
+            else:
+                call[name] = val
+        leaves, spec = tree_flatten(call)
+        return call, (fast.training, str(spec), tuple(_kind(x) for x in leaves))
+
+    def graph_for(self, fast, args, kwargs):
+        call, key = self.structure(fast, args, kwargs)
+        if call is None:
+            call, key = None, (fast.training, "positional", tuple(_kind(a) for a in args))
+        shape_key = key + (tuple(tuple(t.shape) for t in tree_flatten((args, kwargs))[0]
+                                 if isinstance(t, torch.Tensor)),)
+        name = self.keys.get(shape_key) or self.keys.get(key)
+        if name is None:
+            with self.lock:
+                name = self._capture(fast, call, args, kwargs, key, shape_key)
+        return self.graphs[name], call
+
+    def _capture(self, fast, call, args, kwargs, key, shape_key) -> str:
+        model = _structural_copy(self.model)
+        model.train(fast.training)
+        inference = (not fast.training and not any(p.requires_grad for p in model.parameters())) \
+            if self.inference is None else bool(self.inference)
+        ctx = CompileContext(policy=self.policy, backend=self.backend, inference=inference,
+                             options=dict(self.options))
+        example = call if call is not None else args
+        gm = capture(model, example, ctx, route=self.capture)
+        gm = run_passes(gm, ctx)
+        static = "static shapes" in ctx.capture
+        name = f"g{len(self.graphs)}"
+        self.graphs[name] = gm
+        self.last, self.last_ctx = gm, ctx
+        self.keys[shape_key if static else key] = name
+        if static:
+            ctx.notes.append("captured with static shapes: each new input shape is captured again")
+        log.info("%s", _make_report(ctx))
+        return name
+
+    def report(self, fast) -> Report:
+        if self.capture == "dynamo":
+            if not self.compiler.contexts:
+                rep = Report(policy=self.policy.describe(), backend=self.backend,
+                             capture="dynamo (the torch.compile mechanism)",
+                             notes=["not captured yet: the model is compiled on its first call"])
+                return rep
+            rep = self.compiler.report()
+        else:
+            if self.last_ctx is None:
+                return Report(policy=self.policy.describe(), backend=self.backend,
+                              notes=["not captured yet: the model is compiled on its first call"])
+            rep = _make_report(self.last_ctx)
+            rep.graphs = len(self.graphs)
+        if self.eager:
+            rep.notes.append("the original module runs (fallback='eager' after a capture failure)")
+        if not rep.sites:
+            rep.notes.append("no attention site found: the model runs unchanged")
+        return rep
+
+
+def _first_line(e: BaseException) -> str:
+    inner = getattr(e, "inner_exception", None)
+    if inner is not None:  # BackendCompilerFailed: say what failed inside
+        return f"{type(inner).__name__}: {_first_line(inner)}"
+    s = str(e).strip()
+    return s.splitlines()[0][:300] if s else ""
+
+
+def _is_dynamo_error(e: BaseException) -> bool:
+    mod = type(e).__module__ or ""
+    return mod.startswith("torch._dynamo") or mod.startswith("torch._inductor") or "BackendCompilerFailed" in \
+        type(e).__name__
 
 
 def _kind(x) -> str:
@@ -234,81 +506,74 @@ def _structural_copy(model: nn.Module) -> nn.Module:
 
 
 def compile(model: nn.Module, policy: Union[str, Policy] = "dense", *, example_inputs=None, backend: str = "auto",
-            fallback: str = "error", inference: Optional[bool] = None, **options) -> nn.Module:
+            fallback: str = "error", inference: Optional[bool] = None, capture: str = "dynamo",
+            inductor: Optional[bool] = None, mode: Optional[str] = None, dynamic: Optional[bool] = None,
+            **options) -> nn.Module:
     """Compile the attention of ``model``.
 
     Every attention site (``QK^T -> scale -> mask -> softmax -> dropout -> AV``, however written, and
     ``scaled_dot_product_attention`` calls) becomes one ``attncomp::attention`` op running ``policy``
     (``"dense"``, ``"dfss"``, ``"hash"``, ``"drop"``, ``"spion"``, ``"et"`` or a policy object) on
-    ``backend`` (``"auto"``: Triton on CUDA, the exact reference elsewhere).
+    ``backend`` (``"auto"``: the fastest correct kernel for the device).
 
-    ``example_inputs``: a tuple of positional arguments or a dict of keyword arguments; without it the
-    model is captured on its first call. ``fallback="eager"`` returns the original module (with a
-    warning) when the model cannot be captured. ``inference`` says whether weights are frozen (default:
-    eval mode and no parameter requires grad), which lets rewrites fold constants into weights. The
-    user's module and its parameters are never modified.
+    The returned module is an instance of the model's class sharing its parameters, buffers and
+    submodules (``parameters()``, ``state_dict()``, ``.config``, ``generate()`` work before the first
+    call); its ``forward`` runs the compiled graphs. ``capture``: ``"dynamo"`` (default; as
+    ``torch.compile``: guards, graph breaks, dynamic shapes, KV-cache objects), ``"export"``
+    (``torch.export``, one graph per call structure) or ``"fx"`` (``torch.fx.symbolic_trace``).
+    ``inductor`` (default ``True``, or ``ATTNCOMP_INDUCTOR=0``): compile everything around the op with
+    Inductor (dynamo capture only); ``mode`` is Inductor's (``"reduce-overhead"``: CUDA graphs);
+    ``dynamic`` as in ``torch.compile`` (default: every input dim dynamic from the first call).
+
+    ``example_inputs``: a tuple of positional arguments or a dict of keyword arguments; given, the
+    model is compiled now, otherwise on its first call. ``fallback="eager"`` returns the original module
+    (with a warning) when the model cannot be captured. ``inference`` says whether weights are frozen
+    (default: eval mode and no parameter requires grad), which lets rewrites fold constants into weights.
+    The user's parameters are never modified by compilation.
     """
     pol = _check_options(policy, backend, fallback)
+    if capture not in _CAPTURES:
+        raise ValueError(f"capture must be one of {_CAPTURES}, got {capture!r}")
     if not isinstance(model, nn.Module):
         raise TypeError(f"attncomp.compile expects an nn.Module, got {type(model).__name__}")
+    if isinstance(model, CompiledModule):
+        raise ValueError("this module is already compiled by attncomp; compile the original "
+                         "(compiled.original) instead")
+    inductor = _inductor_default() if inductor is None else bool(inductor)
+    state = _State(model, pol, backend, fallback, inference, options, capture, inductor, mode, dynamic)
+    fast = _wrap(model, state)
+    if example_inputs is None:
+        return fast
+    args, kwargs = split_inputs(example_inputs)
+    state.example = (args, kwargs)
     try:
-        return CompiledModule(model, pol, backend, example_inputs, inference, fallback, options)
+        if capture == "dynamo":
+            with torch.no_grad() if not model.training else contextlib.nullcontext():
+                fast(*args, **kwargs)
+        else:
+            state.graph_for(fast, args, kwargs)
     except CaptureError as e:
         if fallback == "eager":
             warnings.warn(f"attncomp: returning the original module: {e}", RuntimeWarning, stacklevel=2)
             return model
         raise
+    return fast
 
 
 def report(obj) -> Report:
     """The report of a compiled module (or of a :func:`backend` after ``torch.compile`` ran it)."""
     if isinstance(obj, CompiledModule):
         return obj.report()
-    if isinstance(obj, _DynamoBackend):
+    if isinstance(obj, _GraphCompiler):
         return obj.report()
     rep = getattr(obj, "_attncomp_report", None)
     if rep is not None:
         return rep
-    inner = getattr(obj, "_orig_mod", None)
+    inner = getattr(obj, "_orig_mod", None) or getattr(obj, "module", None)
     if isinstance(inner, CompiledModule):
         return inner.report()
     raise TypeError(f"no attncomp report for {type(obj).__name__}: pass a module returned by attncomp.compile "
                     "or attncomp.load, or the object returned by attncomp.backend()")
-
-
-class _DynamoBackend:
-    """A ``torch.compile`` backend: runs the attncomp passes on each graph dynamo captures."""
-
-    def __init__(self, policy: Policy, backend: str, inference: Optional[bool]):
-        self.policy, self.backend, self.inference = policy, backend, inference
-        self.contexts: List[CompileContext] = []
-
-    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor]):
-        ctx = CompileContext(policy=self.policy, backend=self.backend, inference=bool(self.inference),
-                             capture="torch.compile (dynamo)")
-        _propagate_fake(gm, example_inputs)
-        gm = run_passes(gm, ctx)
-        self.contexts.append(ctx)
-
-        def run(*args):
-            return gm(*args)
-
-        return run
-
-    def report(self) -> Report:
-        ctx = CompileContext(policy=self.policy, backend=self.backend, capture="torch.compile (dynamo)")
-        seen = set()
-        for c in self.contexts:
-            # dynamo recompiles a graph for new shapes: list each site once
-            for site in c.sites:
-                key = (site.name, site.pattern, site.spec, site.rewritten, site.reason)
-                if key not in seen:
-                    seen.add(key)
-                    ctx.sites.append(site)
-            ctx.notes.extend(c.notes)
-            for k, v in c.counters.items():
-                ctx.counters[k].update(v)
-        return _make_report(ctx)
 
 
 def _propagate_fake(gm: fx.GraphModule, example_inputs) -> None:
@@ -319,12 +584,14 @@ def _propagate_fake(gm: fx.GraphModule, example_inputs) -> None:
             n.meta["val"] = ev
 
 
-def backend(policy: Union[str, Policy] = "dense", *, backend: str = "auto", inference: Optional[bool] = None):
-    """A backend for ``torch.compile(model, backend=attncomp.backend(policy=...))``; the same passes as
-    :func:`compile`. ``attncomp.report(the_backend)`` lists the sites of every graph it compiled (a site
-    recompiled by dynamo for new shapes is listed once)."""
+def backend(policy: Union[str, Policy] = "dense", *, backend: str = "auto", inference: Optional[bool] = None,
+            inductor: Optional[bool] = None, mode: Optional[str] = None, **options):
+    """A backend for ``torch.compile(model, backend=attncomp.backend(policy=...))``: the same passes as
+    :func:`compile`, then Inductor (``inductor``, default as in :func:`compile`). ``attncomp.report(the_backend)``
+    lists the sites of every graph it compiled (a site recompiled by dynamo for new shapes is listed once)."""
     pol = _check_options(policy, backend, "error")
-    return _DynamoBackend(pol, backend, inference)
+    inductor = _inductor_default() if inductor is None else bool(inductor)
+    return _GraphCompiler(pol, backend, inference, inductor, mode, options, "torch.compile (dynamo)")
 
 
 def export(compiled: nn.Module, path: str, example_inputs=None) -> str:
@@ -339,18 +606,19 @@ def export(compiled: nn.Module, path: str, example_inputs=None) -> str:
     if not isinstance(compiled, CompiledModule):
         raise TypeError("attncomp.export expects a module returned by attncomp.compile")
     if example_inputs is None:
-        if compiled._example is None:
+        if compiled._attncomp.example is None:
             raise ValueError("attncomp.export needs example_inputs (a tuple of arguments or a dict of keyword "
                              "arguments)")
-        args, kwargs = compiled._example
+        args, kwargs = compiled._attncomp.example
     else:
         args, kwargs = split_inputs(example_inputs)
+    st = compiled._attncomp
     was_training = compiled.training
-    compiled.train(False)
+    compiled.training = False
     try:
-        gm, call = compiled._graph_for(args, kwargs)
+        gm, call = st.graph_for(compiled, args, kwargs)
     finally:
-        compiled.train(was_training)
+        compiled.training = was_training
     positional = gm.meta.get("attncomp_positional")
     if positional is not None:
         args, kwargs = tuple(call[n] for n in positional), {}
@@ -364,7 +632,7 @@ def export(compiled: nn.Module, path: str, example_inputs=None) -> str:
         except Exception as e:
             log.warning("attncomp.export: dynamic-shape export failed (%s); exporting with static shapes", e)
             ep = torch.export.export(gm, args, kwargs, strict=False)
-    rep = compiled.report()
+    rep = _make_report(st.last_ctx) if st.last_ctx is not None else compiled.report()
     params = [p.name for p in inspect.signature(compiled.original.forward).parameters.values()
               if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     meta = {"report": {"policy": rep.policy, "backend": rep.backend, "capture": rep.capture,

@@ -160,11 +160,18 @@ def _export_capture(model: nn.Module, args, kwargs) -> Tuple[fx.GraphModule, str
     return ep.module(), note
 
 
-def capture(model: nn.Module, example_inputs, ctx: Optional[CompileContext] = None) -> fx.GraphModule:
-    """Return a GraphModule equivalent to ``model``; raise :class:`CaptureError` naming what failed."""
+def capture(model: nn.Module, example_inputs, ctx: Optional[CompileContext] = None,
+            route: str = "auto") -> fx.GraphModule:
+    """Return a GraphModule equivalent to ``model``; raise :class:`CaptureError` naming what failed.
+
+    ``route``: ``"fx"`` (symbolic_trace only), ``"export"`` (torch.export only) or ``"auto"`` (fx, then
+    export). Dynamo's graphs do not come through here: its backend hands them to the passes directly.
+    """
     if not isinstance(model, nn.Module):
         raise CaptureError(f"attncomp.compile expects an nn.Module, got {type(model).__name__}")
     args, kwargs = split_inputs(example_inputs)
+    if route == "export":
+        return _export_only(model, args, kwargs, ctx)
     try:
         gm = _fx_capture(model, args, kwargs)
         if ctx is not None:
@@ -173,6 +180,8 @@ def capture(model: nn.Module, example_inputs, ctx: Optional[CompileContext] = No
     except Exception as e:
         fx_err = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         log.info("fx symbolic_trace failed: %s", fx_err)
+        if route == "fx":
+            raise CaptureError(f"torch.fx could not trace {type(model).__name__} ({fx_err})") from e
     if not args and not kwargs:
         raise CaptureError(f"torch.fx could not trace {type(model).__name__} ({fx_err}); pass example_inputs "
                            "so that torch.export can capture it")
@@ -184,4 +193,21 @@ def capture(model: nn.Module, example_inputs, ctx: Optional[CompileContext] = No
                            f"({fx_err}); torch.export failed ({ex_err})") from e
     if ctx is not None:
         ctx.capture = f"torch.export (non-strict, {note}); fx failed: {fx_err[:160]}"
+    return gm
+
+
+def _export_only(model, args, kwargs, ctx) -> fx.GraphModule:
+    if not args and not kwargs:
+        raise CaptureError(f"torch.export needs example inputs to capture {type(model).__name__}")
+    try:
+        gm, note = _export_capture(model, args, kwargs)
+    except Exception as e:
+        ex_err = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        hint = ""
+        if "Cache" in str(e) or "Cache" in ex_err:
+            hint = ("; the model returns a KV-cache object that torch.export cannot output: pass use_cache=False "
+                    "in the example inputs")
+        raise CaptureError(f"could not capture {type(model).__name__}: torch.export failed ({ex_err}){hint}") from e
+    if ctx is not None:
+        ctx.capture = f"torch.export (non-strict, {note})"
     return gm

@@ -720,8 +720,11 @@ def _rewrite(gm: fx.GraphModule, site: Site, ctx: CompileContext) -> None:
                              backend=ctx.backend)
         p_arg = g.call_function(ops.site_dropout, (site.dropout,)) if site.dropout else 0.0
         seed_arg = g.call_function(ops.next_seed, (0,)) if site.dropout else 0
-        attn = g.call_function(torch.ops.attncomp.attention.default,
-                               (q, k, v, mask, None, None, None, spec.to_json(), p_arg, seed_arg))
+        op_args = [None] * len(ops.ARG_INDEX)
+        for name, val in (("q", q), ("k", k), ("v", v), ("attn_mask", mask), ("spec", spec.to_json()),
+                          ("dropout_p", p_arg), ("seed", seed_arg)):
+            op_args[ops.ARG_INDEX[name]] = val
+        attn = g.call_function(torch.ops.attncomp.attention.default, tuple(op_args))
         out = g.call_function(operator.getitem, (attn, 0))
         if site.rank == 3:
             out = g.call_method("squeeze", (out, 1))

@@ -1,0 +1,144 @@
+"""Hugging Face families as users build them (default configs: KV caches on, default attention
+implementation), compiled with ``attncomp.compile`` and its default capture (dynamo).
+
+For every family: each attention site is rewritten, outputs (caches included) equal eager in float32 at
+two batch sizes and lengths with no new graph for the second, and for causal LMs ``generate()`` returns
+eager's tokens (greedy and sampled with a fixed seed, left-padded batches). Three families also train:
+gradients equal eager's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attncomp
+from tests.utils import rel_err
+
+transformers = pytest.importorskip("transformers")
+
+from tests.e2e.hf_zoo import ZOO, text  # noqa: E402
+
+TOL = 1e-4
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def tensors(out):
+    """Every tensor of a model output, in order: tensors, tuples, ModelOutputs and KV-cache objects."""
+    if out is None:
+        return []
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if hasattr(out, "self_attention_cache"):  # EncoderDecoderCache
+        return tensors(out.self_attention_cache) + tensors(out.cross_attention_cache)
+    if hasattr(out, "layers") and hasattr(out, "get_seq_length"):  # Cache
+        res = []
+        for layer in out.layers:
+            res += tensors(getattr(layer, "keys", None)) + tensors(getattr(layer, "values", None))
+        return res
+    if hasattr(out, "to_tuple"):
+        out = out.to_tuple()
+    if isinstance(out, dict):
+        out = list(out.values())
+    if isinstance(out, (list, tuple)):
+        return [t for o in out for t in tensors(o)]
+    return []
+
+
+def assert_outputs_match(got, want, what):
+    g, w = tensors(got), tensors(want)
+    assert len(g) == len(w) and len(w) > 0, f"{what}: {len(g)} output tensors, eager gives {len(w)}"
+    for i, (a, b) in enumerate(zip(g, w)):
+        assert a.shape == b.shape, f"{what}: output {i} has shape {tuple(a.shape)}, eager {tuple(b.shape)}"
+        assert torch.isfinite(a).all(), f"{what}: output {i} has NaN/inf"
+        err = rel_err(a, b)
+        assert err < TOL, f"{what}: output {i} differs from eager: relative error {err:.3g}"
+
+
+def graphs(fast):
+    return attncomp.report(fast).graphs
+
+
+@pytest.mark.parametrize("name", list(ZOO))
+def test_family_compiles_and_matches_eager(name):
+    fam = ZOO[name]
+    torch.manual_seed(0)
+    model = fam.build()
+    fast = attncomp.compile(model, policy="dense")
+    assert isinstance(fast, type(model)) and fast.config is model.config
+    assert [id(p) for p in fast.parameters()] == [id(p) for p in model.parameters()]
+    counts = []
+    for b, n in ((2, 12), (3, 17)):
+        x = fam.inputs(b, n)
+        with torch.no_grad():
+            assert_outputs_match(fast(**x), model(**x), f"{name} at ({b}, {n})")
+        counts.append(graphs(fast))
+    rep = attncomp.report(fast)
+    bad = [(s.name, s.reason) for s in rep.sites if not s.rewritten]
+    assert not bad, f"{name}: sites not rewritten: {bad}\n{rep}"
+    assert len(rep.sites) == fam.sites, f"{name}: {len(rep.sites)} sites, expected {fam.sites}\n{rep}"
+    assert "dynamo" in rep.capture
+    assert counts[1] == counts[0], f"{name}: a new batch size and length compiled new graphs ({counts})\n{rep}"
+
+
+CAUSAL = [n for n, f in ZOO.items() if f.causal_lm]
+
+
+@pytest.mark.parametrize("name", CAUSAL)
+def test_generate_equals_eager(name):
+    fam = ZOO[name]
+    torch.manual_seed(1)
+    model = fam.build()
+    fast = attncomp.compile(model, policy="dense")
+    x = text(3, 9, side="left")
+    with torch.no_grad():
+        want = model.generate(**x, max_new_tokens=5, do_sample=False)
+        got = fast.generate(**x, max_new_tokens=5, do_sample=False)
+        assert torch.equal(got, want), f"{name}: greedy tokens differ\n{got}\n{want}"
+        torch.manual_seed(7)
+        want = model.generate(**x, max_new_tokens=4, do_sample=True, top_k=0)
+        torch.manual_seed(7)
+        got = fast.generate(**x, max_new_tokens=4, do_sample=True, top_k=0)
+        assert torch.equal(got, want), f"{name}: sampled tokens differ\n{got}\n{want}"
+    rep = attncomp.report(fast)
+    assert rep.rewritten == fam.sites == len(rep.sites), str(rep)
+    assert rep.graphs <= 8, f"{name}: {rep.graphs} graphs for generate\n{rep}"
+
+
+def _no_dropout(model):
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    for k in ("attention_dropout", "attention_probs_dropout_prob", "dropout_rate", "hidden_dropout_prob"):
+        if hasattr(model.config, k):
+            setattr(model.config, k, 0.0)
+    return model
+
+
+@pytest.mark.parametrize("name", ["llama", "bert", "t5"])
+def test_training_gradients_equal_eager(name):
+    fam = ZOO[name]
+    torch.manual_seed(2)
+    model = _no_dropout(fam.build()).train()
+    fast = attncomp.compile(model, policy="dense")
+    x = fam.inputs(2, 11)
+    proj = None
+    grads = []
+    for run in (model, fast):
+        model.zero_grad(set_to_none=True)
+        out = tensors(run(**x))[0]
+        if proj is None:
+            proj = torch.randn_like(out)
+        (out * proj).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    want, got = grads
+    assert want.keys() == got.keys(), f"{name}: different parameters got gradients"
+    for n in want:
+        assert rel_err(got[n], want[n]) < 1e-4, f"{name}: gradient of {n} differs: {rel_err(got[n], want[n]):.3g}"
+    assert attncomp.report(fast).rewritten == fam.sites
