@@ -1,0 +1,260 @@
+"""Host side of the TVM backend: checks, argument preparation and calls of the compiled kernels.
+
+:class:`TVMBackend` has the interface of ``attncomp.codegen.reference.ReferenceBackend`` and computes
+the same function (DESIGN.md §4, §4.1) with the TIR kernels of :mod:`.kernels`, compiled for the CPU
+(TVM's ``llvm`` target) and called on CPU torch tensors through DLPack (no copy). Every policy runs
+forward and backward. Half-precision inputs are computed in float32 (as the reference does) and the
+results cast back; float64 inputs run float64 kernels.
+
+Everything the kernels read is O(N) besides q, k, v (predicate tensors, per-key-tile summaries for
+the tile schedule) except a dense ``attn_mask`` when the caller gives one, which is read in place
+through its broadcast strides.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Tuple
+
+import torch
+
+from ...policy import DFSS, SPION, Hash
+from ...spec import AttentionSpec
+from . import build as _build
+from .kernels import KSUM_FIELDS, Variant, arg_names
+
+__all__ = ["TVMBackend", "attention_forward", "attention_backward", "make_variant", "tile_summaries"]
+
+_POLICIES = ("dense", "et", "dfss", "hash", "drop", "spion")
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_MAX_HEAD_DIM = 256
+_I32_MAX = 2 ** 31 - 1
+
+
+def _empty(shape, dtype, device) -> torch.Tensor:
+    """Every output buffer comes from here (tests swap it for a NaN-filling one)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _blocks(spec: AttentionSpec, D: int) -> Tuple[int, int]:
+    pol = spec.policy
+    if isinstance(pol, SPION):
+        b = min(pol.block_size, 64)
+        return min(b, 32), b
+    return 32, 64
+
+
+def make_variant(spec: AttentionSpec, q, v, attn_mask, preds, dropout_p: float) -> Variant:
+    """The kernel variant of one call (what is compiled once and cached)."""
+    pol = spec.policy
+    D, Dv = int(q.shape[-1]), int(v.shape[-1])
+    bq, bk = _blocks(spec, D)
+    kw = {}
+    name = "dense" if pol.name == "et" else pol.name
+    if isinstance(pol, DFSS):
+        r = pol.resolved(spec.torch_dtype() or q.dtype)
+        kw.update(nm_n=r.n, nm_m=r.m)
+    elif isinstance(pol, Hash):
+        kw.update(exclude_self=bool(pol.exclude_self))
+    elif isinstance(pol, SPION):
+        kw.update(block_size=pol.block_size)
+    mask = "none" if attn_mask is None else ("bool" if attn_mask.dtype == torch.bool else "float")
+    p = preds
+    has = (lambda nm: p is not None and getattr(p, nm) is not None)
+    positional = spec.causal or getattr(spec, "window_left", None) is not None \
+        or getattr(spec, "window_right", None) is not None
+    return Variant(head_dim=D, head_dim_v=Dv, dtype="float64" if q.dtype == torch.float64 else "float32",
+                   block_q=bq, block_k=bk, policy=name, mask=mask, causal=bool(spec.causal),
+                   window_left=getattr(spec, "window_left", None), window_right=getattr(spec, "window_right", None),
+                   q_pos=positional and has("q_pos"), k_pos=positional and has("k_pos"), seg=has("q_seg") and has("k_seg"),
+                   q_valid=has("q_valid"), k_valid=has("k_valid"), dropout=float(dropout_p) > 0.0, **kw)
+
+
+def _i32(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.int32).contiguous()
+
+
+def _row_tensor(t: torch.Tensor) -> Tuple[torch.Tensor, int]:
+    """A (B or 1, N) predicate tensor as flat int32 and its batch stride (0 when broadcast)."""
+    t = _i32(t)
+    return t.reshape(-1), (0 if t.shape[0] == 1 else int(t.shape[1]))
+
+
+def tile_summaries(variant: Variant, preds, Nk: int, qoff: int, device) -> Tuple[torch.Tensor, int]:
+    """Per key tile ``(kpos min, kpos max, kseg min, kseg max, any valid key)`` as flat int32
+    ``(B or 1, NKT, 5)`` and its batch stride: what the kernels' tile schedule tests a query tile
+    against. Built with O(Nk) tensor operations on the keys' device (no host synchronisation)."""
+    BK = variant.block_k
+    nkt = -(-Nk // BK)
+    pad = nkt * BK - Nk
+    rows = []
+    for t in (preds.k_pos, preds.k_seg, preds.k_valid):
+        if t is not None:
+            rows.append(t.shape[0])
+    nb = max(rows) if rows else 1
+
+    def tiles(t: torch.Tensor, fill: int) -> torch.Tensor:
+        t = t.to(torch.int64).expand(nb, Nk)
+        if pad:
+            t = torch.nn.functional.pad(t, (0, pad), value=fill)
+        return t.reshape(nb, nkt, BK)
+
+    big, small = _I32_MAX, -_I32_MAX
+    out = torch.zeros((nb, nkt, KSUM_FIELDS), dtype=torch.int64, device=device)
+    kp = preds.k_pos if preds.k_pos is not None else torch.arange(Nk, device=device)[None]
+    out[..., 0] = tiles(kp, big).amin(-1)
+    out[..., 1] = tiles(kp, small).amax(-1)
+    if preds.k_seg is not None:
+        out[..., 2] = tiles(preds.k_seg, big).amin(-1)
+        out[..., 3] = tiles(preds.k_seg, small).amax(-1)
+    if preds.k_valid is not None:
+        out[..., 4] = tiles(preds.k_valid, 0).amax(-1)
+    else:
+        out[..., 4] = 1
+    out = out.clamp(small, big).to(torch.int32).contiguous()
+    return out.reshape(-1), (0 if nb == 1 else nkt * KSUM_FIELDS)
+
+
+def _extra_values(variant: Variant, spec: AttentionSpec, q, k, attn_mask, q_aux, k_aux, block_pattern, preds,
+                  dropout_p: float, seed: int, ct: torch.dtype) -> dict:
+    """Values of the variant's extra kernel arguments, by name."""
+    B, Hq, Nq, D = (int(s) for s in q.shape)
+    Nk = int(k.shape[2])
+    vals = {}
+    if attn_mask is not None:
+        m = attn_mask
+        while m.dim() < 4:
+            m = m.unsqueeze(0)
+        m = m.to(torch.uint8) if m.dtype == torch.bool else m.to(ct)
+        m = m.contiguous()
+        if m.numel() > _I32_MAX:
+            raise RuntimeError("TVM backend: attn_mask has more than 2^31 elements")
+        st = [0 if m.shape[i] == 1 else m.stride(i) for i in range(4)]
+        vals.update(mask=m.reshape(-1), m_sb=st[0], m_sh=st[1], m_si=st[2], m_sj=st[3])
+    if variant.policy in ("hash", "drop"):
+        vals.update(qaux=_i32(q_aux), kaux=_i32(k_aux))
+    if variant.policy == "spion":
+        vals.update(bpat=_i32(block_pattern), bp_sh=1 if block_pattern.shape[0] > 1 else 0)
+    qoff = (Nk - Nq) if getattr(spec, "causal_align", "top_left") == "bottom_right" else 0
+    if variant.q_pos:
+        vals["qpos"], vals["qpos_sb"] = _row_tensor(preds.q_pos)
+    if variant.k_pos:
+        vals["kpos"], vals["kpos_sb"] = _row_tensor(preds.k_pos)
+    if variant.seg:
+        vals["qseg"], vals["qseg_sb"] = _row_tensor(preds.q_seg)
+        vals["kseg"], vals["kseg_sb"] = _row_tensor(preds.k_seg)
+    if variant.q_valid:
+        vals["qval"], vals["qval_sb"] = _row_tensor(preds.q_valid)
+    if variant.k_valid:
+        vals["kval"], vals["kval_sb"] = _row_tensor(preds.k_valid)
+    if variant.summaries:
+        vals["ksum"], vals["ksum_sb"] = tile_summaries(variant, preds, Nk, qoff, q.device)
+    scale = spec.scale if spec.scale is not None else 1.0 / math.sqrt(D)
+    vals.update(scale=float(scale), qoff=int(qoff))
+    if variant.dropout:
+        vals.update(seed=(int(seed) * 0x9E3779B1 + 0x7F4A7C15) & 0xFFFFFFFF, drop_p=float(dropout_p),
+                    inv_keep=1.0 / (1.0 - float(dropout_p)))
+    return vals
+
+
+def _prep(x: torch.Tensor, ct: torch.dtype) -> torch.Tensor:
+    return x.detach().to(ct).contiguous()
+
+
+def _call(kind: str, variant: Variant, tensors: dict, extra: dict) -> None:
+    fn = _build.get_kernel(kind, variant)
+    names = arg_names(kind, variant)
+    args: List = []
+    for nm in names:
+        args.append(tensors[nm] if nm in tensors else extra[nm])
+    fn(*args)
+
+
+def attention_forward(spec: AttentionSpec, q, k, v, attn_mask=None, q_aux=None, k_aux=None, block_pattern=None,
+                      dropout_p: float = 0.0, seed: int = 0, preds=None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of DESIGN.md §4 through the compiled TVM forward kernel."""
+    ct = _compute_dtype(q.dtype)
+    B, Hq, Nq, _ = q.shape
+    Nk, Dv = k.shape[2], v.shape[-1]
+    lse = _empty((B, Hq, Nq), torch.float32, q.device)
+    if Nq == 0 or B * Hq == 0 or Nk == 0:
+        out = _empty((B, Hq, Nq, Dv), q.dtype, q.device)
+        return out.zero_(), lse.fill_(float("-inf"))
+    variant = make_variant(spec, q, v, attn_mask, preds, dropout_p)
+    qc, kc, vc = _prep(q, ct), _prep(k, ct), _prep(v, ct)
+    out = _empty((B, Hq, Nq, Dv), ct, q.device)
+    extra = _extra_values(variant, spec, q, k, attn_mask, q_aux, k_aux, block_pattern, preds, dropout_p, seed, ct)
+    _call("fwd", variant, {"q": qc, "k": kc, "v": vc, "o": out, "lse": lse}, extra)
+    return out.to(q.dtype), lse
+
+
+def attention_backward(spec: AttentionSpec, q, k, v, attn_mask, out, lse, grad_out, q_aux=None, k_aux=None,
+                       block_pattern=None, dropout_p: float = 0.0, seed: int = 0, preds=None):
+    """``(dq, dk, dv)`` of :func:`attention_forward`'s ``out`` for ``grad_out``."""
+    ct = _compute_dtype(q.dtype)
+    B, Hq, Nq, _ = q.shape
+    Nk = k.shape[2]
+    if Nq == 0 or Nk == 0 or B * Hq == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    variant = make_variant(spec, q, v, attn_mask, preds, dropout_p)
+    qc, kc, vc, doc = _prep(q, ct), _prep(k, ct), _prep(v, ct), _prep(grad_out, ct)
+    delta = (doc * out.detach().to(ct)).sum(-1).to(torch.float32).contiguous()
+    lse = lse.detach().to(torch.float32).contiguous()
+    extra = _extra_values(variant, spec, q, k, attn_mask, q_aux, k_aux, block_pattern, preds, dropout_p, seed, ct)
+    dq = _empty(q.shape, ct, q.device)
+    dk = _empty(k.shape, ct, q.device)
+    dv = _empty(v.shape, ct, q.device)
+    base = {"q": qc, "k": kc, "v": vc, "do": doc, "lse": lse, "delta": delta}
+    _call("dkdv", variant, dict(base, dk=dk, dv=dv), extra)
+    _call("dq", variant, dict(base, dq=dq), extra)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class TVMBackend:
+    """TIR kernels compiled by apache-tvm for the CPU (``llvm``): every policy, forward and backward."""
+
+    name = "tvm"
+
+    def supports(self, spec: AttentionSpec, q: torch.Tensor, preds=None) -> Optional[str]:
+        if not _build.tvm_available():
+            return "apache-tvm is not installed (pip install 'attncomp[tvm]')"
+        pol = spec.policy.name
+        if pol not in _POLICIES:
+            return f"policy {pol!r} has no TVM kernel (TVM runs: {', '.join(_POLICIES)})"
+        if q.device.type != "cpu":
+            return (f"the TVM backend runs CPU tensors here (got {q.device.type}); CUDA kernels are built "
+                    "ahead of time with `python -m attncomp build-kernels`")
+        if q.dtype not in _DTYPES:
+            return f"dtype {q.dtype} not supported (float16, bfloat16, float32, float64)"
+        if q.dim() != 4:
+            return f"expects (B, H, N, D) inputs, got {q.dim()} dims"
+        if q.shape[-1] > _MAX_HEAD_DIM or (spec.head_dim or 0) > _MAX_HEAD_DIM:
+            return f"head dim {max(q.shape[-1], spec.head_dim or 0)} > {_MAX_HEAD_DIM}"
+        if q.numel() > _I32_MAX:
+            return "more than 2^31 query elements"
+        return None
+
+    def forward(self, spec, q, k, v, attn_mask, q_aux, k_aux, block_pattern, dropout_p, seed, preds=None):
+        self._check(spec, q, k, v, preds)
+        with torch.no_grad():
+            return attention_forward(spec, q, k, v, attn_mask, q_aux, k_aux, block_pattern, dropout_p, seed, preds)
+
+    def backward(self, spec, q, k, v, attn_mask, q_aux, k_aux, block_pattern, dropout_p, seed,
+                 out, lse, grad_out, need_mask_grad=False, preds=None):
+        # the mask gradient (a full B x H x Nq x Nk tensor) is left to the caller's fallback
+        self._check(spec, q, k, v, preds)
+        with torch.no_grad():
+            dq, dk, dv = attention_backward(spec, q, k, v, attn_mask, out, lse, grad_out, q_aux, k_aux,
+                                            block_pattern, dropout_p, seed, preds)
+        return dq, dk, dv, None
+
+    def _check(self, spec, q, k, v, preds) -> None:
+        reason = self.supports(spec, q, preds)
+        if reason is None and max(k.shape[-1], v.shape[-1]) > _MAX_HEAD_DIM:
+            reason = f"head dim {max(k.shape[-1], v.shape[-1])} > {_MAX_HEAD_DIM}"
+        if reason is not None:
+            raise RuntimeError(f"TVM backend cannot run this site ({spec.describe()}): {reason}")

@@ -1,0 +1,611 @@
+"""TVMScript (TIR) sources of the attention kernels, generated per kernel variant.
+
+One template (DESIGN.md §6): a flash-style loop over key tiles whose *tile schedule* (which key tiles a
+query tile visits) and *entry predicate* (the §4.1 predicates, the dense residual mask and the policy's
+keep rule, evaluated in registers) are specialised per :class:`Variant`. The generators here only build
+text; :mod:`.build` parses and compiles it (so this module imports neither tvm nor torch, and the
+source text is what the kernel cache hashes).
+
+Kernels (all ``float32`` or ``float64`` compute; the host converts half types):
+
+* ``attn_fwd``: ``(out, lse)``; parallel over batch x heads x query tiles; per query tile, key tiles
+  of ``BK`` keys: ``S = (scale q) k^T`` on a transposed key tile (vectorised over keys), predicate,
+  N:M selection inside the tile (groups of ``m`` keys never straddle tiles: ``BK % m == 0``), online
+  softmax, ``P V`` vectorised over the value dim. ``N x N`` is never built.
+* ``attn_bwd_dkdv``: ``(dk, dv)`` per KV head and key tile, looping over the query heads of its GQA
+  group and their query tiles; ``attn_bwd_dq``: ``dq`` per query tile. Both recompute ``P`` from
+  ``lse`` with the same predicate and selection code, so every policy whose keep rule is elementwise or
+  local to a key group (all of them) has its backward.
+
+Tile schedule: with default positions (``q_pos = i + qoff``, ``k_pos = j``) a causal or windowed
+query tile visits only the key tiles its window can reach; a ``spion`` tile (``BQ``, ``BK`` dividing
+the block size) is skipped when its block is off the pattern and off the diagonal; with positions,
+segments or key validity given, per-key-tile summaries (built on the device by the host,
+:func:`attncomp.codegen.tvm.backend.tile_summaries`) let a query tile skip key tiles that cannot hold
+an allowed entry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+__all__ = ["Variant", "forward_source", "dkdv_source", "dq_source", "KERNEL_VERSION", "FWD_ARGS"]
+
+#: bumped whenever the generated code changes meaning (part of every cache key through the source)
+KERNEL_VERSION = 1
+
+NEG_INF = 'T.float32("-inf")'
+
+
+@dataclass(frozen=True)
+class Variant:
+    """Everything that selects a kernel (a compile-time specialisation).
+
+    ``policy``: ``dense`` | ``dfss`` | ``hash`` | ``drop`` | ``spion``. ``mask``: ``none`` | ``bool`` |
+    ``float`` (dense residual ``attn_mask``). ``window_left``/``window_right``: ``None`` = unbounded;
+    ``causal`` adds ``right <= 0``. ``q_pos``/``k_pos``/``seg``/``q_valid``/``k_valid``: which predicate
+    tensors the call gives.
+    """
+
+    head_dim: int
+    head_dim_v: int
+    dtype: str = "float32"  # compute dtype: float32 | float64
+    block_q: int = 32
+    block_k: int = 64
+    policy: str = "dense"
+    nm_n: int = 1
+    nm_m: int = 1
+    exclude_self: bool = False
+    block_size: int = 64  # spion
+    mask: str = "none"
+    causal: bool = False
+    window_left: Optional[int] = None
+    window_right: Optional[int] = None
+    q_pos: bool = False
+    k_pos: bool = False
+    seg: bool = False
+    q_valid: bool = False
+    k_valid: bool = False
+    dropout: bool = False
+
+    def __post_init__(self):
+        if self.policy == "dfss" and self.block_k % self.nm_m:
+            raise ValueError(f"block_k {self.block_k} must be a multiple of m={self.nm_m}")
+        if self.policy == "spion" and (self.block_size % self.block_q or self.block_size % self.block_k):
+            raise ValueError("spion tiles must divide the block size")
+
+    @property
+    def right(self) -> Optional[int]:
+        """Effective right bound of the position window (``None``: unbounded)."""
+        r = self.window_right
+        if self.causal:
+            r = 0 if r is None else min(r, 0)
+        return r
+
+    @property
+    def positional(self) -> bool:
+        return self.right is not None or self.window_left is not None
+
+    @property
+    def summaries(self) -> bool:
+        """Whether the kernel reads per-key-tile summaries (positions given, segments, key validity)."""
+        return (self.positional and (self.q_pos or self.k_pos)) or self.seg or self.k_valid
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def digest(self) -> str:
+        return hashlib.sha256(repr(sorted(self.to_json().items())).encode()).hexdigest()[:12]
+
+
+# ---------------------------------------------------------------------------------------------
+# Arguments: the order here is the calling convention (host and artefact metadata use it).
+
+FWD_ARGS = ("q", "k", "v", "o", "lse")
+
+
+def _extra_args(v: Variant) -> List[Tuple[str, str]]:
+    """``(name, kind)`` of the variant's extra arguments, in order: ``handle`` or a scalar dtype."""
+    a: List[Tuple[str, str]] = []
+    if v.mask != "none":
+        a += [("mask", "handle"), ("m_sb", "int32"), ("m_sh", "int32"), ("m_si", "int32"), ("m_sj", "int32")]
+    if v.policy in ("hash", "drop"):
+        a += [("qaux", "handle"), ("kaux", "handle")]
+    if v.policy == "spion":
+        a += [("bpat", "handle"), ("bp_sh", "int32")]
+    if v.q_pos:
+        a += [("qpos", "handle"), ("qpos_sb", "int32")]
+    if v.k_pos:
+        a += [("kpos", "handle"), ("kpos_sb", "int32")]
+    if v.seg:
+        a += [("qseg", "handle"), ("qseg_sb", "int32"), ("kseg", "handle"), ("kseg_sb", "int32")]
+    if v.q_valid:
+        a += [("qval", "handle"), ("qval_sb", "int32")]
+    if v.k_valid:
+        a += [("kval", "handle"), ("kval_sb", "int32")]
+    if v.summaries:
+        a += [("ksum", "handle"), ("ksum_sb", "int32")]
+    a += [("scale", "float32"), ("qoff", "int32")]
+    if v.dropout:
+        a += [("seed", "int64"), ("drop_p", "float32"), ("inv_keep", "float32")]
+    return a
+
+
+def arg_names(kind: str, v: Variant) -> Tuple[str, ...]:
+    base = {"fwd": FWD_ARGS, "dkdv": ("q", "k", "v", "do", "lse", "delta", "dk", "dv"),
+            "dq": ("q", "k", "v", "do", "lse", "delta", "dq")}[kind]
+    return tuple(base) + tuple(n for n, _ in _extra_args(v))
+
+
+# number of int32 summary fields per key tile: kpos min, kpos max, kseg min, kseg max, any valid key
+KSUM_FIELDS = 5
+
+
+def _signature(name: str, base: Tuple[str, ...], v: Variant) -> List[str]:
+    params = [f"{n}: T.handle" for n in base] + [f"{n}: T.{k}" for n, k in _extra_args(v)]
+    return [
+        "@T.prim_func",
+        f"def {name}({', '.join(params)}):",
+        f'    T.func_attr({{"global_symbol": "{name}", "tir.noalias": True}})',
+        "    B = T.int32()",
+        "    Hq = T.int32()",
+        "    Hk = T.int32()",
+        "    Nq = T.int32()",
+        "    Nk = T.int32()",
+    ]
+
+
+def _common_buffers(v: Variant) -> List[str]:
+    L = []
+    if v.mask != "none":
+        mdt = "uint8" if v.mask == "bool" else v.dtype
+        L += ["    mask_n = T.int32()", f'    MASK = T.match_buffer(mask, (mask_n,), "{mdt}")']
+    if v.policy in ("hash", "drop"):
+        L += ['    QA = T.match_buffer(qaux, (B, Hq, Nq), "int32")',
+              '    KA = T.match_buffer(kaux, (B, Hk, Nk), "int32")']
+    if v.policy == "spion":
+        L += ["    bp_n = T.int32()", "    NBq = T.int32()", "    NBk = T.int32()",
+              '    BP = T.match_buffer(bpat, (bp_n, NBq, NBk), "int32")']
+    for nm, cond in (("qpos", v.q_pos), ("kpos", v.k_pos), ("qseg", v.seg), ("kseg", v.seg),
+                     ("qval", v.q_valid), ("kval", v.k_valid)):
+        if cond:
+            L += [f"    {nm}_n = T.int32()", f'    {nm.upper()} = T.match_buffer({nm}, ({nm}_n,), "int32")']
+    if v.summaries:
+        L += ["    ksum_n = T.int32()", '    KSUM = T.match_buffer(ksum, (ksum_n,), "int32")']
+    return L
+
+
+# ---------------------------------------------------------------------------------------------
+# Pieces of the template
+
+
+def _qpos(v: Variant, qi: str) -> str:
+    return f"QPOS[b * qpos_sb + {qi}]" if v.q_pos else f"({qi} + qoff)"
+
+
+def _kpos(v: Variant, kj: str) -> str:
+    return f"KPOS[b * kpos_sb + {kj}]" if v.k_pos else f"({kj})"
+
+
+def _allowed(v: Variant, qi: str, kj: str) -> List[str]:
+    """Conjuncts of "entry (qi, kj) is allowed and kept by an elementwise rule" (b, h, hk in scope)."""
+    c = [f"{qi} < Nq", f"{kj} < Nk"]
+    if v.positional:
+        qp, kp = _qpos(v, qi), _kpos(v, kj)
+        if v.right is not None:
+            c.append(f"{kp} <= {qp} + ({v.right})")
+        if v.window_left is not None:
+            c.append(f"{kp} >= {qp} - ({v.window_left})")
+    if v.seg:
+        c.append(f"QSEG[b * qseg_sb + {qi}] == KSEG[b * kseg_sb + {kj}]")
+    if v.q_valid:
+        c.append(f"QVAL[b * qval_sb + {qi}] != 0")
+    if v.k_valid:
+        c.append(f"KVAL[b * kval_sb + {kj}] != 0")
+    if v.mask == "bool":
+        c.append(f"MASK[b * m_sb + h * m_sh + {qi} * m_si + {kj} * m_sj] != T.uint8(0)")
+    elif v.mask == "float":
+        c.append(f"MASK[b * m_sb + h * m_sh + {qi} * m_si + {kj} * m_sj] != {_neg_inf(v)}")
+    if v.policy == "hash":
+        c.append(f"QA[b, h, {qi}] == KA[b, hk, {kj}]")
+        if v.exclude_self:
+            c.append(f"{qi} != {kj}")
+    elif v.policy == "drop":
+        c.append(f"QA[b, h, {qi}] != 0")
+        c.append(f"KA[b, hk, {kj}] != 0")
+    elif v.policy == "spion":
+        bs = v.block_size
+        c.append(f"(BP[h * bp_sh, ({qi}) // {bs}, ({kj}) // {bs}] != 0 "
+                 f"or ({qi}) // {bs} == ({kj}) // {bs})")
+    return c
+
+
+def _neg_inf(v: Variant) -> str:
+    return f'T.{v.dtype}("-inf")'
+
+
+def _and(conds: List[str]) -> str:
+    # nested T.if_then_else-free conjunction: TVMScript maps `and` to tirx.And (short-circuit safe
+    # index reads: every read here is in bounds because indices are clamped below)
+    return " and ".join(f"({c})" for c in conds)
+
+
+def _clamp_q(e: str) -> str:
+    return f"T.min({e}, Nq - 1)"
+
+
+def _clamp_k(e: str) -> str:
+    return f"T.min({e}, Nk - 1)"
+
+
+def _tile_range(v: Variant, ind: str) -> List[str]:
+    """``kt_lo``/``kt_hi`` for the query tile starting at ``q0`` (default positions only)."""
+    BK = v.block_k
+    L = [f"{ind}kt_lo = 0", f"{ind}kt_hi = NKT"]
+    if v.positional and not (v.q_pos or v.k_pos):
+        L = []
+        qmin, qmax = "(q0 + qoff)", f"(T.min(q0 + {v.block_q}, Nq) - 1 + qoff)"
+        if v.window_left is not None:
+            L.append(f"{ind}kt_lo = T.max(0, T.floordiv({qmin} - ({v.window_left}), {BK}))")
+        else:
+            L.append(f"{ind}kt_lo = 0")
+        if v.right is not None:
+            L.append(f"{ind}kt_hi = T.min(NKT, T.max(0, T.floordiv({qmax} + ({v.right}), {BK}) + 1))")
+        else:
+            L.append(f"{ind}kt_hi = NKT")
+    return L
+
+
+def _query_tile_range(v: Variant, ind: str) -> List[str]:
+    """``qt_lo``/``qt_hi``: query tiles that can reach key tile ``k0`` (default positions only)."""
+    BQ = v.block_q
+    L = [f"{ind}qt_lo = 0", f"{ind}qt_hi = NQT"]
+    if v.positional and not (v.q_pos or v.k_pos):
+        L = []
+        kmin, kmax = "k0", f"(T.min(k0 + {v.block_k}, Nk) - 1)"
+        # allowed needs  kp - right <= qp <= kp + left,  qp = i + qoff
+        if v.right is not None:
+            L.append(f"{ind}qt_lo = T.max(0, T.floordiv({kmin} - ({v.right}) - qoff, {BQ}))")
+        else:
+            L.append(f"{ind}qt_lo = 0")
+        if v.window_left is not None:
+            L.append(f"{ind}qt_hi = T.min(NQT, T.max(0, T.floordiv({kmax} + ({v.window_left}) - qoff, {BQ}) + 1))")
+        else:
+            L.append(f"{ind}qt_hi = NQT")
+    return L
+
+
+def _query_summary(v: Variant, ind: str) -> List[str]:
+    """Per query tile: min/max position and segment of its valid rows (into QS local buffer)."""
+    if not v.summaries:
+        return []
+    BQ = v.block_q
+    L = [f'{ind}QS = T.alloc_buffer((4,), "int32", scope="local")',
+         f"{ind}QS[0] = 2147483647", f"{ind}QS[1] = -2147483647",
+         f"{ind}QS[2] = 2147483647", f"{ind}QS[3] = -2147483647",
+         f"{ind}for i in range({BQ}):",
+         f"{ind}    if q0 + i < Nq:"]
+    qi = "q0 + i"
+    qp = _qpos(v, qi)
+    L += [f"{ind}        QS[0] = T.min(QS[0], {qp})", f"{ind}        QS[1] = T.max(QS[1], {qp})"]
+    if v.seg:
+        L += [f"{ind}        QS[2] = T.min(QS[2], QSEG[b * qseg_sb + {qi}])",
+              f"{ind}        QS[3] = T.max(QS[3], QSEG[b * qseg_sb + {qi}])"]
+    return L
+
+
+def _tile_visit(v: Variant, kt: str) -> str:
+    """Condition under which key tile ``kt`` may hold an entry of the query tile (q0 in scope)."""
+    c = []
+    if v.policy == "spion":
+        bs = v.block_size
+        c.append(f"(BP[h * bp_sh, q0 // {bs}, ({kt} * {v.block_k}) // {bs}] != 0 "
+                 f"or q0 // {bs} == ({kt} * {v.block_k}) // {bs})")
+    if v.summaries:
+        base = f"ksum_b + {kt} * {KSUM_FIELDS}"
+        if v.positional and (v.q_pos or v.k_pos):
+            if v.right is not None:
+                c.append(f"KSUM[{base}] <= QS[1] + ({v.right})")
+            if v.window_left is not None:
+                c.append(f"KSUM[{base} + 1] >= QS[0] - ({v.window_left})")
+        if v.seg:
+            c.append(f"KSUM[{base} + 2] <= QS[3]")
+            c.append(f"KSUM[{base} + 3] >= QS[2]")
+        if v.k_valid:
+            c.append(f"KSUM[{base} + 4] != 0")
+    return _and(c) if c else ""
+
+
+def _scores(v: Variant, ind: str) -> List[str]:
+    """S[BQ, BK] = logits of the tile (q0, k0) with disallowed / unkept entries at -inf.
+
+    Needs in scope: b, h, hk, q0, k0; local Qs (scaled query tile, (BQ, D)); allocates Kt, S (, R).
+    """
+    BQ, BK, D = v.block_q, v.block_k, v.head_dim
+    ninf = _neg_inf(v)
+    L = [
+        f"{ind}for j, d in T.grid({BK}, {D}):",
+        f"{ind}    Kt[d, j] = K[b, hk, {_clamp_k('k0 + j')}, d]",
+        f"{ind}for i, j in T.grid({BQ}, {BK}):",
+        f"{ind}    S[i, j] = T.{v.dtype}(0)",
+        f"{ind}for i, d in T.grid({BQ}, {D}):",
+        f"{ind}    for j in T.vectorized({BK}):",
+        f"{ind}        S[i, j] = S[i, j] + Qs[i, d] * Kt[d, j]",
+    ]
+    qi, kj = "q0 + i", "k0 + j"
+    qc, kc = _clamp_q(qi), _clamp_k(kj)
+    # every read in the predicate uses clamped indices; the true bounds are its first conjuncts
+    conds = _allowed(v, qc, kc)
+    conds[0], conds[1] = f"{qi} < Nq", f"{kj} < Nk"
+    val = "S[i, j]"
+    if v.mask == "float":
+        val = f"S[i, j] + MASK[b * m_sb + h * m_sh + {qc} * m_si + {kc} * m_sj]"
+    L += [f"{ind}for i, j in T.grid({BQ}, {BK}):",
+          f"{ind}    S[i, j] = T.if_then_else({_and(conds)}, {val}, {ninf})"]
+    if v.policy == "dfss":
+        n, m = v.nm_n, v.nm_m
+        terms = []
+        for t in range(m):
+            o = f"S[i, g0 + {t}]"
+            terms.append(f"T.Cast(\"int32\", ({o} > S[i, j]) or ({o} == S[i, j] and g0 + {t} < j))")
+        L += [f"{ind}for i, j in T.grid({BQ}, {BK}):",
+              f"{ind}    g0 = j - j % {m}",
+              f"{ind}    R[i, j] = T.if_then_else({' + '.join(terms)} < {n}, S[i, j], {ninf})",
+              f"{ind}for i, j in T.grid({BQ}, {BK}):",
+              f"{ind}    S[i, j] = R[i, j]"]
+    return L
+
+
+def _hash_lines(ind: str, var: str, x: str) -> List[str]:
+    """Lines binding ``var`` to the float in [0,1) of policy.uniform_hash's mixing of uint32 ``x``."""
+    return [
+        f"{ind}{var}_0 = {x} * T.uint32(2246822507)",
+        f"{ind}{var}_1 = T.bitwise_xor({var}_0, T.shift_right({var}_0, T.uint32(13)))",
+        f"{ind}{var}_2 = {var}_1 * T.uint32(3266489909)",
+        f"{ind}{var}_3 = T.bitwise_xor({var}_2, T.shift_right({var}_2, T.uint32(16)))",
+        f"{ind}{var}_4 = {var}_3 * T.uint32(668265263)",
+        f"{ind}{var}_5 = T.bitwise_xor({var}_4, T.shift_right({var}_4, T.uint32(15)))",
+        f"{ind}{var} = T.Cast(\"float32\", T.shift_right({var}_5, T.uint32(8))) * T.float32(5.9604644775390625e-08)",
+    ]
+
+
+def _dropout_index(ind: str, qi: str, kj: str) -> List[str]:
+    return [
+        f"{ind}didx = T.Cast(\"int64\", (b * Hq + h) * Nq + {qi}) * T.Cast(\"int64\", Nk) + T.Cast(\"int64\", {kj})",
+        f"{ind}dx = T.bitwise_xor(T.Cast(\"uint32\", T.bitwise_and(didx, T.int64(4294967295))), seedm)",
+    ]
+
+
+def _header(v: Variant) -> List[str]:
+    BQ, BK = v.block_q, v.block_k
+    L = [f"    NQT = (Nq + {BQ - 1}) // {BQ}", f"    NKT = (Nk + {BK - 1}) // {BK}", "    G = Hq // Hk"]
+    if v.dropout:
+        L.append('    seedm = T.Cast("uint32", seed)')
+    return L
+
+
+def _scratch(v: Variant, ind: str) -> List[str]:
+    BQ, BK, D, dt = v.block_q, v.block_k, v.head_dim, v.dtype
+    L = [f'{ind}Qs = T.alloc_buffer(({BQ}, {D}), "{dt}", scope="local")',
+         f'{ind}Kt = T.alloc_buffer(({D}, {BK}), "{dt}", scope="local")',
+         f'{ind}S = T.alloc_buffer(({BQ}, {BK}), "{dt}", scope="local")']
+    if v.policy == "dfss":
+        L.append(f'{ind}R = T.alloc_buffer(({BQ}, {BK}), "{dt}", scope="local")')
+    return L
+
+
+def _load_q(v: Variant, ind: str) -> List[str]:
+    return [f"{ind}for i, d in T.grid({v.block_q}, {v.head_dim}):",
+            f"{ind}    Qs[i, d] = Q[b, h, {_clamp_q('q0 + i')}, d] * T.Cast(\"{v.dtype}\", scale)"]
+
+
+def _ksum_base(v: Variant, ind: str) -> List[str]:
+    return [f"{ind}ksum_b = b * ksum_sb"] if v.summaries else []
+
+
+def forward_source(v: Variant) -> str:
+    BQ, BK, D, Dv, dt = v.block_q, v.block_k, v.head_dim, v.head_dim_v, v.dtype
+    ninf = _neg_inf(v)
+    L = _signature("attn_fwd", FWD_ARGS, v)
+    L += [f'    Q = T.match_buffer(q, (B, Hq, Nq, {D}), "{dt}")',
+          f'    K = T.match_buffer(k, (B, Hk, Nk, {D}), "{dt}")',
+          f'    V = T.match_buffer(v, (B, Hk, Nk, {Dv}), "{dt}")',
+          f'    O = T.match_buffer(o, (B, Hq, Nq, {Dv}), "{dt}")',
+          '    LSE = T.match_buffer(lse, (B, Hq, Nq), "float32")']
+    L += _common_buffers(v) + _header(v)
+    ind = "        "
+    L += ["    for bhq in T.parallel(B * Hq * NQT):",
+          f"{ind}b = bhq // (Hq * NQT)", f"{ind}h = bhq // NQT % Hq", f"{ind}hk = h // G",
+          f"{ind}q0 = bhq % NQT * {BQ}"]
+    L += _scratch(v, ind)
+    L += [f'{ind}P = T.alloc_buffer(({BQ}, {BK}), "{dt}", scope="local")',
+          f'{ind}ACC = T.alloc_buffer(({BQ}, {Dv}), "{dt}", scope="local")',
+          f'{ind}Mx = T.alloc_buffer(({BQ},), "{dt}", scope="local")',
+          f'{ind}Ls = T.alloc_buffer(({BQ},), "{dt}", scope="local")',
+          f'{ind}W = T.alloc_buffer((2,), "{dt}", scope="local")']
+    L += _load_q(v, ind) + _ksum_base(v, ind) + _query_summary(v, ind)
+    L += [f"{ind}for i in range({BQ}):",
+          f"{ind}    Mx[i] = {ninf}",
+          f"{ind}    Ls[i] = T.{dt}(0)",
+          f"{ind}    for e in T.vectorized({Dv}):",
+          f"{ind}        ACC[i, e] = T.{dt}(0)"]
+    L += _tile_range(v, ind)
+    L += [f"{ind}for kt in range(kt_lo, kt_hi):"]
+    ind2 = ind + "    "
+    visit = _tile_visit(v, "kt")
+    if visit:
+        L += [f"{ind2}if {visit}:"]
+        ind2 += "    "
+    L += [f"{ind2}k0 = kt * {BK}", f"{ind2}kn = T.min({BK}, Nk - k0)"]
+    L += _scores(v, ind2)
+    ind3 = ind2 + "    "
+    L += [f"{ind2}for i in range({BQ}):",
+          f"{ind3}W[0] = Mx[i]",
+          f"{ind3}for j in range({BK}):",
+          f"{ind3}    W[0] = T.max(W[0], S[i, j])",
+          f"{ind3}mu = T.if_then_else(W[0] == {ninf}, T.{dt}(0), W[0])",
+          f"{ind3}alpha = T.exp(Mx[i] - mu)",
+          f"{ind3}W[1] = T.{dt}(0)",
+          f"{ind3}for j in range({BK}):",
+          f"{ind3}    P[i, j] = T.exp(S[i, j] - mu)",
+          f"{ind3}    W[1] = W[1] + P[i, j]",
+          f"{ind3}Ls[i] = Ls[i] * alpha + W[1]",
+          f"{ind3}Mx[i] = W[0]",
+          f"{ind3}for e in T.vectorized({Dv}):",
+          f"{ind3}    ACC[i, e] = ACC[i, e] * alpha"]
+    if v.dropout:
+        L += [f"{ind3}for j in range({BK}):"]
+        L += _dropout_index(ind3 + "    ", "q0 + i", "k0 + j")
+        L += _hash_lines(ind3 + "    ", "du", "dx")
+        L += [f"{ind3}    P[i, j] = T.if_then_else(du >= drop_p, P[i, j], T.{dt}(0))"]
+    L += [f"{ind3}for j in range(kn):",
+          f"{ind3}    for e in T.vectorized({Dv}):",
+          f"{ind3}        ACC[i, e] = ACC[i, e] + P[i, j] * V[b, hk, k0 + j, e]"]
+    keep = f" * T.Cast(\"{dt}\", inv_keep)" if v.dropout else ""
+    L += [f"{ind}for i in range({BQ}):",
+          f"{ind}    if q0 + i < Nq:",
+          f"{ind}        W[0] = T.if_then_else(Ls[i] > T.{dt}(0), T.{dt}(1) / Ls[i], T.{dt}(0)){keep}",
+          f"{ind}        for e in T.vectorized({Dv}):",
+          f"{ind}            O[b, h, q0 + i, e] = ACC[i, e] * W[0]",
+          f"{ind}        LSE[b, h, q0 + i] = T.if_then_else(Ls[i] > T.{dt}(0), "
+          f"T.Cast(\"float32\", Mx[i] + T.log(Ls[i])), T.float32(\"-inf\"))"]
+    return "\n".join(L) + "\n"
+
+
+def _probs_bwd(v: Variant, ind: str) -> List[str]:
+    """P[i, j] = exp(S - lse) of kept entries (0 elsewhere and for rows without a kept key), then
+    dP = dO V^T, dropout applied to both, dS = P (dP - delta). Needs Do (BQ, Dv), Lr, Dl, Vt in scope."""
+    BQ, BK, Dv, dt = v.block_q, v.block_k, v.head_dim_v, v.dtype
+    L = [f"{ind}for j, e in T.grid({BK}, {Dv}):",
+         f"{ind}    Vt[e, j] = V[b, hk, {_clamp_k('k0 + j')}, e]",
+         f"{ind}for i, j in T.grid({BQ}, {BK}):",
+         f"{ind}    P[i, j] = T.if_then_else(Lr[i] == {_neg_inf(v)}, T.{dt}(0), T.exp(S[i, j] - Lr[i]))",
+         f"{ind}    Dp[i, j] = T.{dt}(0)",
+         f"{ind}for i, e in T.grid({BQ}, {Dv}):",
+         f"{ind}    for j in T.vectorized({BK}):",
+         f"{ind}        Dp[i, j] = Dp[i, j] + Do[i, e] * Vt[e, j]"]
+    if v.dropout:
+        L += [f"{ind}for i, j in T.grid({BQ}, {BK}):"]
+        L += _dropout_index(ind + "    ", "q0 + i", "k0 + j")
+        L += _hash_lines(ind + "    ", "du", "dx")
+        L += [f"{ind}    Pd[i, j] = T.if_then_else(du >= drop_p, P[i, j] * T.Cast(\"{dt}\", inv_keep), T.{dt}(0))",
+              f"{ind}    Dp[i, j] = T.if_then_else(du >= drop_p, Dp[i, j] * T.Cast(\"{dt}\", inv_keep), T.{dt}(0))"]
+    L += [f"{ind}for i, j in T.grid({BQ}, {BK}):",
+          f"{ind}    Ds[i, j] = P[i, j] * (Dp[i, j] - Dl[i])"]
+    return L
+
+
+def _bwd_scratch(v: Variant, ind: str) -> List[str]:
+    BQ, BK, Dv, dt = v.block_q, v.block_k, v.head_dim_v, v.dtype
+    L = _scratch(v, ind) + [
+        f'{ind}Vt = T.alloc_buffer(({Dv}, {BK}), "{dt}", scope="local")',
+        f'{ind}P = T.alloc_buffer(({BQ}, {BK}), "{dt}", scope="local")',
+        f'{ind}Dp = T.alloc_buffer(({BQ}, {BK}), "{dt}", scope="local")',
+        f'{ind}Ds = T.alloc_buffer(({BQ}, {BK}), "{dt}", scope="local")',
+        f'{ind}Do = T.alloc_buffer(({BQ}, {Dv}), "{dt}", scope="local")',
+        f'{ind}Lr = T.alloc_buffer(({BQ},), "{dt}", scope="local")',
+        f'{ind}Dl = T.alloc_buffer(({BQ},), "{dt}", scope="local")']
+    if v.dropout:
+        L.append(f'{ind}Pd = T.alloc_buffer(({BQ}, {BK}), "{dt}", scope="local")')
+    return L
+
+
+def _bwd_buffers(v: Variant, grads: List[str]) -> List[str]:
+    D, Dv, dt = v.head_dim, v.head_dim_v, v.dtype
+    L = [f'    Q = T.match_buffer(q, (B, Hq, Nq, {D}), "{dt}")',
+         f'    K = T.match_buffer(k, (B, Hk, Nk, {D}), "{dt}")',
+         f'    V = T.match_buffer(v, (B, Hk, Nk, {Dv}), "{dt}")',
+         f'    DO = T.match_buffer(do, (B, Hq, Nq, {Dv}), "{dt}")',
+         '    LSE = T.match_buffer(lse, (B, Hq, Nq), "float32")',
+         '    DELTA = T.match_buffer(delta, (B, Hq, Nq), "float32")']
+    shapes = {"dq": f"(B, Hq, Nq, {D})", "dk": f"(B, Hk, Nk, {D})", "dv": f"(B, Hk, Nk, {Dv})"}
+    for g in grads:
+        L.append(f'    {g.upper()}_ = T.match_buffer({g}, {shapes[g]}, "{dt}")')
+    return L
+
+
+def _load_rows(v: Variant, ind: str) -> List[str]:
+    dt = v.dtype
+    return [f"{ind}for i in range({v.block_q}):",
+            f"{ind}    Lr[i] = T.Cast(\"{dt}\", LSE[b, h, {_clamp_q('q0 + i')}])",
+            f"{ind}    Dl[i] = T.Cast(\"{dt}\", DELTA[b, h, {_clamp_q('q0 + i')}])",
+            f"{ind}    for e in T.vectorized({v.head_dim_v}):",
+            f"{ind}        Do[i, e] = DO[b, h, {_clamp_q('q0 + i')}, e]"]
+
+
+def dkdv_source(v: Variant) -> str:
+    """dK, dV: parallel over (b, hk, key tile); loops over the group's query heads and query tiles."""
+    BQ, BK, D, Dv, dt = v.block_q, v.block_k, v.head_dim, v.head_dim_v, v.dtype
+    L = _signature("attn_bwd_dkdv", arg_names("dkdv", v)[:8], v)
+    L += _bwd_buffers(v, ["dk", "dv"]) + _common_buffers(v) + _header(v)
+    ind = "        "
+    L += ["    for bkt in T.parallel(B * Hk * NKT):",
+          f"{ind}b = bkt // (Hk * NKT)", f"{ind}hk = bkt // NKT % Hk",
+          f"{ind}k0 = bkt % NKT * {BK}", f"{ind}kn = T.min({BK}, Nk - k0)"]
+    L += _bwd_scratch(v, ind)
+    L += [f'{ind}DK = T.alloc_buffer(({BK}, {D}), "{dt}", scope="local")',
+          f'{ind}DV = T.alloc_buffer(({BK}, {Dv}), "{dt}", scope="local")',
+          f"{ind}for j, d in T.grid({BK}, {D}):", f"{ind}    DK[j, d] = T.{dt}(0)",
+          f"{ind}for j, e in T.grid({BK}, {Dv}):", f"{ind}    DV[j, e] = T.{dt}(0)"]
+    L += _ksum_base(v, ind)
+    L += _query_tile_range(v, ind)
+    L += [f"{ind}for gh in range(G):"]
+    ind2 = ind + "    "
+    L += [f"{ind2}h = hk * G + gh", f"{ind2}for qt in range(qt_lo, qt_hi):"]
+    ind3 = ind2 + "    "
+    L += [f"{ind3}q0 = qt * {BQ}"]
+    L += _query_summary(v, ind3)
+    visit = _tile_visit(v, "(k0 // %d)" % BK)
+    if visit:
+        L += [f"{ind3}if {visit}:"]
+        ind3 += "    "
+    L += _load_q(v, ind3) + _load_rows(v, ind3) + _scores(v, ind3) + _probs_bwd(v, ind3)
+    pv = "Pd" if v.dropout else "P"
+    L += [f"{ind3}for j in range({BK}):",
+          f"{ind3}    for i in range({BQ}):",
+          f"{ind3}        for e in T.vectorized({Dv}):",
+          f"{ind3}            DV[j, e] = DV[j, e] + {pv}[i, j] * Do[i, e]",
+          f"{ind3}        for d in T.vectorized({D}):",
+          f"{ind3}            DK[j, d] = DK[j, d] + Ds[i, j] * Qs[i, d]"]
+    # Qs holds scale * q: dK = scale * dS^T q is exactly dS^T Qs
+    L += [f"{ind}for j in range(kn):",
+          f"{ind}    for d in T.vectorized({D}):",
+          f"{ind}        DK_[b, hk, k0 + j, d] = DK[j, d]",
+          f"{ind}    for e in T.vectorized({Dv}):",
+          f"{ind}        DV_[b, hk, k0 + j, e] = DV[j, e]"]
+    return "\n".join(L) + "\n"
+
+
+def dq_source(v: Variant) -> str:
+    BQ, BK, D, Dv, dt = v.block_q, v.block_k, v.head_dim, v.head_dim_v, v.dtype
+    L = _signature("attn_bwd_dq", arg_names("dq", v)[:7], v)
+    L += _bwd_buffers(v, ["dq"]) + _common_buffers(v) + _header(v)
+    ind = "        "
+    L += ["    for bhq in T.parallel(B * Hq * NQT):",
+          f"{ind}b = bhq // (Hq * NQT)", f"{ind}h = bhq // NQT % Hq", f"{ind}hk = h // G",
+          f"{ind}q0 = bhq % NQT * {BQ}"]
+    L += _bwd_scratch(v, ind)
+    L += [f'{ind}DQ = T.alloc_buffer(({BQ}, {D}), "{dt}", scope="local")',
+          f"{ind}for i, d in T.grid({BQ}, {D}):", f"{ind}    DQ[i, d] = T.{dt}(0)"]
+    L += _load_q(v, ind) + _load_rows(v, ind) + _ksum_base(v, ind) + _query_summary(v, ind) + _tile_range(v, ind)
+    L += [f"{ind}for kt in range(kt_lo, kt_hi):"]
+    ind2 = ind + "    "
+    visit = _tile_visit(v, "kt")
+    if visit:
+        L += [f"{ind2}if {visit}:"]
+        ind2 += "    "
+    L += [f"{ind2}k0 = kt * {BK}", f"{ind2}kn = T.min({BK}, Nk - k0)"]
+    L += _scores(v, ind2) + _probs_bwd(v, ind2)
+    L += [f"{ind2}for i in range({BQ}):",
+          f"{ind2}    for j in range(kn):",
+          f"{ind2}        for d in T.vectorized({D}):",
+          f"{ind2}            DQ[i, d] = DQ[i, d] + Ds[i, j] * K[b, hk, k0 + j, d]"]
+    L += [f"{ind}for i in range({BQ}):",
+          f"{ind}    if q0 + i < Nq:",
+          f"{ind}        for d in T.vectorized({D}):",
+          f"{ind}            DQ_[b, h, q0 + i, d] = DQ[i, d] * T.Cast(\"{dt}\", scale)"]
+    return "\n".join(L) + "\n"
+
