@@ -21,7 +21,7 @@ from .policy import Dense, Policy, policy_from_json
 __all__ = ["AttentionSpec", "MASK_KINDS", "BACKENDS"]
 
 MASK_KINDS = ("none", "bool", "float")
-BACKENDS = ("auto", "reference", "triton")
+BACKENDS = ("auto", "reference", "triton", "tvm")
 
 _DTYPES = {
     "float16": torch.float16,

@@ -12,6 +12,7 @@ __all__ = ["get_backend", "BACKEND_PATHS"]
 BACKEND_PATHS: Dict[str, str] = {
     "reference": "attncomp.codegen.reference:ReferenceBackend",
     "triton": "attncomp.codegen.triton:TritonBackend",
+    "tvm": "attncomp.codegen.tvm:TVMBackend",
 }
 
 _instances: Dict[str, object] = {}
