@@ -2,16 +2,36 @@
 
 from __future__ import annotations
 
-from typing import Optional, Union
+import functools
+from typing import Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
 from . import ops
 from .policy import Policy, get_policy
-from .spec import AttentionSpec, dtype_name
+from .spec import AttentionSpec, Predicates, dtype_name
 
 __all__ = ["attention"]
+
+
+def _fresh_seed() -> int:
+    # drawn from torch's CPU generator (so torch.manual_seed makes calls reproducible): a host-side
+    # scalar, never a read of device memory
+    return int(torch.randint(0, 2 ** 31 - 1, (1,), device="cpu").item())
+
+
+def _window(window) -> Tuple[Optional[int], Optional[int]]:
+    if window is None:
+        return None, None
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise ValueError(f"window must be a (left, right) pair of ints or None (unbounded), got {window!r}")
+    out = []
+    for w in window:
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int)):
+            raise ValueError(f"window must be a (left, right) pair of ints or None (unbounded), got {window!r}")
+        out.append(w)
+    return out[0], out[1]
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None, dropout_p: float = 0.0,
@@ -19,20 +39,31 @@ def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = Non
               policy: Union[str, Policy] = "dfss", backend: str = "auto",
               q_buckets: Optional[Tensor] = None, k_buckets: Optional[Tensor] = None,
               q_keep: Optional[Tensor] = None, k_keep: Optional[Tensor] = None,
-              block_pattern: Optional[Tensor] = None, seed: Optional[int] = None) -> Tensor:
-    """Attention with the semantics of DESIGN.md §4.
+              block_pattern: Optional[Tensor] = None, seed: Optional[int] = None, *,
+              q_pos: Optional[Tensor] = None, k_pos: Optional[Tensor] = None,
+              window: Optional[Tuple[Optional[int], Optional[int]]] = None, causal_align: str = "top_left",
+              q_seg: Optional[Tensor] = None, k_seg: Optional[Tensor] = None,
+              q_valid: Optional[Tensor] = None, k_valid: Optional[Tensor] = None) -> Tensor:
+    """Attention with the semantics of DESIGN.md §4 and §4.1.
 
     Arguments as in ``torch.nn.functional.scaled_dot_product_attention`` (q ``(B, Hq, Nq, D)``, k
     ``(B, Hk, Nk, D)``, v ``(B, Hk, Nk, Dv)``, bool or additive float ``attn_mask``, top-left
     ``is_causal``), plus the policy that decides which allowed entries are kept, and its tensors:
     ``q_buckets``/``k_buckets`` (int, ``(B, Hq, Nq)``/``(B, Hk, Nk)``) for ``hash``,
     ``q_keep``/``k_keep`` (bool, same shapes) for ``drop``, ``block_pattern`` for ``spion``.
+
+    Structured masks (no N×N tensor): ``window=(left, right)`` allows key j for query i iff
+    ``q_pos[i] - left <= k_pos[j] <= q_pos[i] + right`` (``None`` = unbounded side); ``is_causal``
+    caps ``right`` at 0. Positions ``q_pos (B or 1, Nq)``/``k_pos (B or 1, Nk)`` default to
+    ``arange``, with the queries shifted by ``Nk - Nq`` when ``causal_align="bottom_right"`` (decode
+    with a KV cache). ``q_seg``/``k_seg`` (int, both or neither) allow equal segment ids only (packed
+    documents); ``k_valid`` (bool) allows valid keys only; a query with ``q_valid`` False outputs
+    zeros. Everything given combines with AND, ``is_causal`` with ``attn_mask`` included.
+
     A query row with no kept key returns zeros. ``seed`` fixes dropout; by default it is drawn from
     torch's generator, so ``torch.manual_seed`` makes calls reproducible.
     """
     pol = get_policy(policy)
-    if is_causal and attn_mask is not None:
-        raise ValueError("pass either attn_mask or is_causal=True, not both (as scaled_dot_product_attention)")
     if not 0.0 <= float(dropout_p) < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
     if pol.name == "hash":
@@ -48,16 +79,26 @@ def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = Non
         raise ValueError(f"policy {pol.name!r} does not take the bucket/keep tensors given")
     if attn_mask is not None and not isinstance(attn_mask, Tensor):
         raise ValueError(f"attn_mask must be a tensor or None, got {type(attn_mask).__name__}")
+    left, right = _window(window)
     mask_kind = "none" if attn_mask is None else ("bool" if attn_mask.dtype == torch.bool else "float")
-    spec = AttentionSpec(causal=bool(is_causal), mask_kind=mask_kind, scale=None if scale is None else float(scale),
-                         dropout_p=float(dropout_p), dtype=dtype_name(q.dtype), head_dim=int(q.shape[-1]),
-                         gqa_groups=int(q.shape[1]) // max(1, int(k.shape[1])), policy=pol.resolved(q.dtype),
-                         backend=backend)
+    spec = _spec(bool(is_causal), mask_kind, None if scale is None else float(scale), float(dropout_p), q.dtype,
+                 int(q.shape[-1]), int(q.shape[1]) // max(1, int(k.shape[1])), pol, backend, left, right, causal_align)
+    preds = Predicates(q_pos, k_pos, q_seg, k_seg, q_valid, k_valid)
     # shapes first, so that deriving buckets or keep masks never runs on inputs that do not fit
-    ops.check_inputs(spec, q, k, v, attn_mask, enable_gqa=enable_gqa, policy_tensors=False)
+    ops.check_inputs(spec, q, k, v, attn_mask, enable_gqa=enable_gqa, policy_tensors=False, preds=preds)
     q_aux, k_aux = ops.materialize_aux(spec, q, k, q_aux, k_aux)
     ops.check_inputs(spec, q, k, v, attn_mask, q_aux, k_aux, block_pattern, enable_gqa=enable_gqa)
     if dropout_p > 0 and seed is None:
-        seed = int(torch.randint(0, 2 ** 31 - 1, (1,)).item())
-    return ops.attention(q, k, v, attn_mask, spec=spec, q_aux=q_aux, k_aux=k_aux, block_pattern=block_pattern,
-                         dropout_p=float(dropout_p), seed=int(seed or 0))
+        seed = _fresh_seed()
+    out, _ = torch.ops.attncomp.attention(q, k, v, attn_mask, q_aux, k_aux, block_pattern, *preds, spec.to_json(),
+                                          float(dropout_p), int(seed or 0))
+    return out
+
+
+@functools.lru_cache(maxsize=1024)
+def _spec(causal, mask_kind, scale, dropout_p, dtype, head_dim, groups, pol, backend, left, right, align
+          ) -> AttentionSpec:
+    # one spec per call signature: building and validating it is host time spent on every call
+    return AttentionSpec(causal=causal, mask_kind=mask_kind, scale=scale, dropout_p=dropout_p, dtype=dtype_name(dtype),
+                         head_dim=head_dim, gqa_groups=groups, policy=pol.resolved(dtype), backend=backend,
+                         window_left=left, window_right=right, causal_align=align)

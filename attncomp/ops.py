@@ -3,14 +3,21 @@
 Schema::
 
     attncomp::attention(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor? q_aux,
-                        Tensor? k_aux, Tensor? block_pattern, str spec, float dropout_p,
-                        int seed) -> (Tensor out, Tensor lse)
+                        Tensor? k_aux, Tensor? block_pattern, Tensor? q_pos, Tensor? k_pos,
+                        Tensor? q_seg, Tensor? k_seg, Tensor? q_valid, Tensor? k_valid,
+                        str spec, float dropout_p, int seed) -> (Tensor out, Tensor lse)
 
 ``spec`` is the canonical JSON of an :class:`~attncomp.spec.AttentionSpec`. ``q_aux``/``k_aux``
 are the policy's per-token tensors (hash buckets or keep masks), always explicit at the op: the
 Python entry point :func:`attention` derives them (LSH, seeded draws) before calling the op, so the
 forward and backward of one call see the same ones. ``lse`` is the float32 log-sum-exp of the kept
 logits per query row (``-inf`` for a row with no kept key); backends use it for the backward.
+``q_pos``..``k_valid`` are the structured-mask predicates of DESIGN.md §4.1 (see
+:class:`~attncomp.spec.Predicates`); backends receive them as one ``preds`` keyword argument.
+:data:`ARG_INDEX` gives each argument's position, for passes that build or read op nodes.
+
+The host path never synchronises with the device: checks that would read tensor data run only
+under ``ATTNCOMP_DEBUG=1``; spec parsing and backend choice are cached per spec, dtype and device.
 
 The op has a fake implementation (shapes only) and autograd, so graphs that contain it run forward
 and backward, and export with ``torch.export``.
@@ -19,19 +26,32 @@ and backward, and export with ``torch.export``.
 from __future__ import annotations
 
 import contextvars
+import functools
 import itertools
 import logging
+import os
 from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from .policy import Drop, Hash, SPION, ceil_div, keep_mask, lsh_buckets
-from .spec import AttentionSpec
+from .spec import AttentionSpec, Predicates
 
-__all__ = ["attention", "check_inputs", "materialize_aux", "site_dropout", "next_seed", "training_mode"]
+__all__ = ["attention", "check_inputs", "check_predicates", "materialize_aux", "site_dropout", "next_seed",
+           "training_mode", "ARG_INDEX", "PRED_NAMES"]
 
 log = logging.getLogger(__name__)
+
+#: the predicate tensors, in op-argument order (the fields of :class:`~attncomp.spec.Predicates`)
+PRED_NAMES = Predicates._fields
+#: position of each argument of ``attncomp::attention``
+ARG_INDEX = {n: i for i, n in enumerate(("q", "k", "v", "attn_mask", "q_aux", "k_aux", "block_pattern")
+                                        + PRED_NAMES + ("spec", "dropout_p", "seed"))}
+
+
+def _debug() -> bool:
+    return os.environ.get("ATTNCOMP_DEBUG", "") not in ("", "0")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -43,9 +63,11 @@ def _shape(t) -> Tuple:
 
 
 def check_inputs(spec: AttentionSpec, q, k, v, attn_mask=None, q_aux=None, k_aux=None,
-                 block_pattern=None, enable_gqa: bool = True, policy_tensors: bool = True) -> None:
+                 block_pattern=None, enable_gqa: bool = True, policy_tensors: bool = True,
+                 preds: Optional[Predicates] = None) -> None:
     """Raise ``ValueError`` naming the expected shape/dtype for any input that does not fit
-    (``policy_tensors=False``: only q, k, v and the mask)."""
+    (``policy_tensors=False``: only q, k, v, the mask and the predicates). Reads shapes and dtypes
+    only, never tensor data (no device synchronisation); ``ATTNCOMP_DEBUG=1`` adds data checks."""
     for nm, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
             raise ValueError(f"{nm} must be a torch.Tensor, got {type(t).__name__}")
@@ -76,15 +98,18 @@ def check_inputs(spec: AttentionSpec, q, k, v, attn_mask=None, q_aux=None, k_aux
         ms = _shape(attn_mask)
         if len(ms) > 4 or any(a not in (1, b) for a, b in zip(ms[::-1], full[::-1])):
             raise ValueError(f"attn_mask of shape {ms} does not broadcast to (B, Hq, Nq, Nk) = {full}")
+    if preds is not None:
+        check_predicates(preds, B, Nq, Nk, q.device)
     if not policy_tensors:
         return
     pol = spec.policy
     if isinstance(pol, Hash):
         _check_token(q_aux, "q_buckets", (B, Hq, Nq), "integer")
         _check_token(k_aux, "k_buckets", (B, Hk, Nk), "integer")
-        for t, nm in ((q_aux, "q_buckets"), (k_aux, "k_buckets")):
-            if t.numel() and (int(t.max().item()) >= 2 ** 31 or int(t.min().item()) < -(2 ** 31)):
-                raise ValueError(f"{nm} ids must fit in int32")
+        if _debug():  # reads the ids: a device synchronisation, so only when debugging
+            for t, nm in ((q_aux, "q_buckets"), (k_aux, "k_buckets")):
+                if t.numel() and (int(t.max().item()) >= 2 ** 31 or int(t.min().item()) < -(2 ** 31)):
+                    raise ValueError(f"{nm} ids must fit in int32")
     elif isinstance(pol, Drop):
         _check_token(q_aux, "q_keep", (B, Hq, Nq), "bool")
         _check_token(k_aux, "k_keep", (B, Hk, Nk), "bool")
@@ -102,6 +127,32 @@ def check_inputs(spec: AttentionSpec, q, k, v, attn_mask=None, q_aux=None, k_aux
             raise ValueError(f"block_pattern must be bool, got {block_pattern.dtype}")
     elif block_pattern is not None:
         raise ValueError(f"policy {pol.name!r} takes no block_pattern")
+
+
+def check_predicates(preds: Predicates, B, Nq, Nk, device=None) -> None:
+    """Shapes and dtypes of the predicate tensors (DESIGN.md §4.1): ``q_pos``/``q_seg``/``q_valid``
+    ``(B or 1, Nq)``, ``k_pos``/``k_seg``/``k_valid`` ``(B or 1, Nk)``; positions and segments integer,
+    validity bool; segments both or neither."""
+    if not isinstance(preds, Predicates):
+        raise ValueError(f"preds must be attncomp.spec.Predicates, got {type(preds).__name__}")
+    if (preds.q_seg is None) != (preds.k_seg is None):
+        raise ValueError("give both q_seg and k_seg (segment ids of queries and keys), or neither")
+    for nm, t in zip(PRED_NAMES, preds):
+        if t is None:
+            continue
+        n = Nq if nm.startswith("q_") else Nk
+        kind = "bool" if nm.endswith("_valid") else "integer"
+        if not isinstance(t, Tensor):
+            raise ValueError(f"{nm} must be a {kind} tensor of shape (B or 1, {n}), got {type(t).__name__}")
+        ok = (t.dtype == torch.bool) if kind == "bool" else (not t.is_floating_point() and not t.is_complex()
+                                                             and t.dtype != torch.bool)
+        if not ok:
+            raise ValueError(f"{nm} must be a {kind} tensor of shape (B or 1, {n}), got dtype {t.dtype}")
+        shp = _shape(t)
+        if len(shp) != 2 or shp[0] not in (1, B) or shp[1] != n:
+            raise ValueError(f"{nm} must have shape ({B} or 1, {n}), got {shp}")
+        if device is not None and t.device != device:
+            raise ValueError(f"{nm} is on {t.device}, q on {device}: predicate tensors must be on q's device")
 
 
 def _check_token(t, name: str, shape, kind: str) -> None:
@@ -176,10 +227,14 @@ def materialize_aux(spec: AttentionSpec, q, k, q_aux=None, k_aux=None, seed: Opt
 # ---------------------------------------------------------------------------------------------
 # The op.
 
-def _backend_for(spec: AttentionSpec, q: Tensor, k: Tensor, v: Tensor):
-    from .runtime.dispatch import select_backend
-
-    return select_backend(spec, q, k, v)
+@functools.lru_cache(maxsize=4096)
+def _resolved(spec_json: str, dtype: torch.dtype) -> AttentionSpec:
+    """The call's spec (parsed once per spec string and dtype): the dtype and the dtype-dependent
+    policy defaults filled in where the compiler could not know them."""
+    s = AttentionSpec.from_json(spec_json)
+    if s.dtype is None or s.policy.resolved(dtype) != s.policy:
+        s = s.replace(dtype=str(dtype).replace("torch.", ""), policy=s.policy.resolved(dtype))
+    return s
 
 
 def _resolve(s: AttentionSpec, q: Tensor) -> AttentionSpec:
@@ -189,18 +244,40 @@ def _resolve(s: AttentionSpec, q: Tensor) -> AttentionSpec:
     return s
 
 
+def _preds(q_pos, k_pos, q_seg, k_seg, q_valid, k_valid) -> Optional[Predicates]:
+    if q_pos is None and k_pos is None and q_seg is None and k_seg is None and q_valid is None and k_valid is None:
+        return None
+    return Predicates(q_pos, k_pos, q_seg, k_seg, q_valid, k_valid)
+
+
+def _backend_for(spec: AttentionSpec, q: Tensor, k: Tensor, v: Tensor, preds=None, dropout_p: float = 0.0,
+                 attn_mask: Optional[Tensor] = None):
+    from .runtime.dispatch import select_backend
+
+    return select_backend(spec, q, k, v, preds=preds, dropout_p=dropout_p, attn_mask=attn_mask)
+
+
+def _pkw(preds) -> dict:
+    # backends take ``preds`` as a keyword; it is passed only when a predicate tensor is present
+    return {} if preds is None else {"preds": preds}
+
+
 @torch.library.custom_op("attncomp::attention", mutates_args=())
 def _attention_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], q_aux: Optional[Tensor],
-                  k_aux: Optional[Tensor], block_pattern: Optional[Tensor], spec: str, dropout_p: float,
+                  k_aux: Optional[Tensor], block_pattern: Optional[Tensor], q_pos: Optional[Tensor],
+                  k_pos: Optional[Tensor], q_seg: Optional[Tensor], k_seg: Optional[Tensor],
+                  q_valid: Optional[Tensor], k_valid: Optional[Tensor], spec: str, dropout_p: float,
                   seed: int) -> Tuple[Tensor, Tensor]:
-    s = _resolve(AttentionSpec.from_json(spec), q)
-    be = _backend_for(s, q, k, v)
-    out, lse = be.forward(s, q, k, v, attn_mask, q_aux, k_aux, block_pattern, dropout_p, seed)
+    s = _resolved(spec, q.dtype)
+    preds = _preds(q_pos, k_pos, q_seg, k_seg, q_valid, k_valid)
+    be = _backend_for(s, q, k, v, preds, dropout_p, attn_mask)
+    out, lse = be.forward(s, q, k, v, attn_mask, q_aux, k_aux, block_pattern, dropout_p, seed, **_pkw(preds))
     return out, lse
 
 
 @_attention_op.register_fake
-def _(q, k, v, attn_mask, q_aux, k_aux, block_pattern, spec, dropout_p, seed):
+def _(q, k, v, attn_mask, q_aux, k_aux, block_pattern, q_pos, k_pos, q_seg, k_seg, q_valid, k_valid, spec,
+      dropout_p, seed):
     B, Hq, Nq, _ = q.shape
     out = q.new_empty((B, Hq, Nq, v.shape[-1]))
     lse = q.new_empty((B, Hq, Nq), dtype=torch.float32)
@@ -210,17 +287,20 @@ def _(q, k, v, attn_mask, q_aux, k_aux, block_pattern, spec, dropout_p, seed):
 @torch.library.custom_op("attncomp::attention_backward", mutates_args=())
 def _attention_backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
                            q_aux: Optional[Tensor], k_aux: Optional[Tensor], block_pattern: Optional[Tensor],
+                           q_pos: Optional[Tensor], k_pos: Optional[Tensor], q_seg: Optional[Tensor],
+                           k_seg: Optional[Tensor], q_valid: Optional[Tensor], k_valid: Optional[Tensor],
                            out: Tensor, lse: Tensor, spec: str, dropout_p: float, seed: int,
                            need_mask_grad: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    s = _resolve(AttentionSpec.from_json(spec), q)
-    be = _backend_for(s, q, k, v)
+    s = _resolved(spec, q.dtype)
+    preds = _preds(q_pos, k_pos, q_seg, k_seg, q_valid, k_valid)
+    be = _backend_for(s, q, k, v, preds, dropout_p, attn_mask)
     dq, dk, dv, dm = be.backward(s, q, k, v, attn_mask, q_aux, k_aux, block_pattern, dropout_p, seed,
-                                 out, lse, grad_out, need_mask_grad=need_mask_grad)
+                                 out, lse, grad_out, need_mask_grad=need_mask_grad, **_pkw(preds))
     if need_mask_grad and dm is None:
         from .codegen import get_backend
 
         dm = get_backend("reference").backward(s, q, k, v, attn_mask, q_aux, k_aux, block_pattern, dropout_p,
-                                               seed, out, lse, grad_out, need_mask_grad=True)[3]
+                                               seed, out, lse, grad_out, need_mask_grad=True, preds=preds)[3]
     if dm is None:
         dm = q.new_empty((0,))
     else:
@@ -238,27 +318,35 @@ def _reduce_to(g: Tensor, shape) -> Tensor:
 
 
 @_attention_backward_op.register_fake
-def _(grad_out, q, k, v, attn_mask, q_aux, k_aux, block_pattern, out, lse, spec, dropout_p, seed, need_mask_grad):
+def _(grad_out, q, k, v, attn_mask, q_aux, k_aux, block_pattern, q_pos, k_pos, q_seg, k_seg, q_valid, k_valid,
+      out, lse, spec, dropout_p, seed, need_mask_grad):
     dm = attn_mask.new_empty(attn_mask.shape) if need_mask_grad else q.new_empty((0,))
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dm
 
 
+_N_TENSORS = ARG_INDEX["spec"]
+
+
 def _setup_context(ctx, inputs, output):
-    q, k, v, attn_mask, q_aux, k_aux, block_pattern, spec, dropout_p, seed = inputs
+    tensors = inputs[:_N_TENSORS]
+    spec, dropout_p, seed = inputs[_N_TENSORS:]
     out, lse = output
-    ctx.save_for_backward(q, k, v, attn_mask, q_aux, k_aux, block_pattern, out, lse)
+    attn_mask = tensors[3]
+    ctx.save_for_backward(*tensors, out, lse)
     ctx.spec, ctx.dropout_p, ctx.seed = spec, dropout_p, seed
     ctx.need_mask_grad = attn_mask is not None and attn_mask.is_floating_point() and attn_mask.requires_grad
 
 
 def _backward(ctx, grad_out, grad_lse):
-    q, k, v, attn_mask, q_aux, k_aux, block_pattern, out, lse = ctx.saved_tensors
+    saved = ctx.saved_tensors
+    tensors, out, lse = saved[:_N_TENSORS], saved[_N_TENSORS], saved[_N_TENSORS + 1]
     if grad_out is None:
         grad_out = torch.zeros_like(out)
-    dq, dk, dv, dm = _attention_backward_op(grad_out.contiguous(), q, k, v, attn_mask, q_aux, k_aux,
-                                            block_pattern, out, lse, ctx.spec, ctx.dropout_p, ctx.seed,
-                                            ctx.need_mask_grad)
-    return dq, dk, dv, (dm if ctx.need_mask_grad else None), None, None, None, None, None, None
+    q, k, v, attn_mask = tensors[:4]
+    dq, dk, dv, dm = _attention_backward_op(grad_out.contiguous(), *tensors, out, lse, ctx.spec, ctx.dropout_p,
+                                            ctx.seed, ctx.need_mask_grad)
+    # no gradient for the policy tensors, the predicates, or the spec/dropout/seed
+    return (dq, dk, dv, (dm if ctx.need_mask_grad else None)) + (None,) * (_N_TENSORS - 4 + 3)
 
 
 _attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -267,11 +355,20 @@ _attention_op.register_autograd(_backward, setup_context=_setup_context)
 def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None, *, spec: AttentionSpec,
               q_aux: Optional[Tensor] = None, k_aux: Optional[Tensor] = None,
               block_pattern: Optional[Tensor] = None, dropout_p: float = 0.0, seed: int = 0,
-              draw_seed: Optional[int] = None) -> Tensor:
-    """Run one attention site: derive missing policy tensors, then call ``attncomp::attention``."""
+              draw_seed: Optional[int] = None, q_pos: Optional[Tensor] = None, k_pos: Optional[Tensor] = None,
+              q_seg: Optional[Tensor] = None, k_seg: Optional[Tensor] = None, q_valid: Optional[Tensor] = None,
+              k_valid: Optional[Tensor] = None, preds: Optional[Predicates] = None) -> Tensor:
+    """Run one attention site: derive missing policy tensors, then call ``attncomp::attention``.
+
+    The predicate tensors come as keywords or as one :class:`~attncomp.spec.Predicates` ``preds``
+    (not both)."""
+    if preds is not None:
+        if any(t is not None for t in (q_pos, k_pos, q_seg, k_seg, q_valid, k_valid)):
+            raise ValueError("give the predicate tensors either as keywords or as preds, not both")
+        q_pos, k_pos, q_seg, k_seg, q_valid, k_valid = preds
     q_aux, k_aux = materialize_aux(spec, q, k, q_aux, k_aux, draw_seed)
-    out, _ = torch.ops.attncomp.attention(q, k, v, attn_mask, q_aux, k_aux, block_pattern, spec.to_json(),
-                                          float(dropout_p), int(seed))
+    out, _ = torch.ops.attncomp.attention(q, k, v, attn_mask, q_aux, k_aux, block_pattern, q_pos, k_pos, q_seg,
+                                          k_seg, q_valid, k_valid, spec.to_json(), float(dropout_p), int(seed))
     return out
 
 

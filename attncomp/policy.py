@@ -12,6 +12,7 @@ device (CPU, CUDA, a Triton kernel) derives bit-identical values from the same s
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Dict, Optional, Tuple, Type, Union
@@ -59,12 +60,20 @@ class Policy:
         """The policy with dtype-dependent defaults filled in."""
         return self
 
+    def keeps_all(self) -> bool:
+        """Whether the policy keeps every allowed entry whatever the tensors hold (exact attention):
+        such sites may run any exact attention kernel, SDPA's included."""
+        return False
+
 
 @dataclass(frozen=True)
 class Dense(Policy):
     """Keep every allowed entry: exact attention."""
 
     name: ClassVar[str] = "dense"
+
+    def keeps_all(self) -> bool:
+        return True
 
 
 @dataclass(frozen=True)
@@ -176,6 +185,9 @@ class ET(Policy):
     reorder_scale: bool = True
     fold_wv_wo: Union[bool, str] = "auto"
 
+    def keeps_all(self) -> bool:
+        return True
+
     def __post_init__(self):
         if self.fold_wv_wo not in (True, False, "auto"):
             raise ValueError(f"ET fold_wv_wo must be True, False or 'auto', got {self.fold_wv_wo!r}")
@@ -254,7 +266,9 @@ def _stream_seed(seed: int, stream: int) -> int:
     return (int(seed) * 0x2545F491 + 0x6A09E667 * (stream + 1)) & 0xFFFFFFFF
 
 
+@functools.lru_cache(maxsize=256)
 def _rotation(head_dim: int, n_buckets: int, n_heads: int, seed: int, device, dtype) -> torch.Tensor:
+    # cached per device: built once on the host and copied, never per call
     g = torch.Generator(device="cpu").manual_seed(int(seed))
     r = torch.randn(n_heads, head_dim, n_buckets // 2, generator=g, dtype=torch.float64)
     return r.to(device=device, dtype=dtype)

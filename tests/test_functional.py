@@ -258,9 +258,11 @@ def test_default_policy_is_dfss_resolved_per_dtype(dtype):
 def test_backend_reference_equals_auto_on_cpu():
     seed = fresh_seed()
     q, k, v = rand_qkv(gen(seed), 1, 2, 2, 7, 9, 4, 4)
-    a = attention(q, k, v, policy="dense", backend="auto")
+    a = attention(q, k, v, policy="dense", backend="auto")       # SDPA's CPU kernel
     b = attention(q, k, v, policy="dense", backend="reference")
-    assert torch.equal(a, b)
+    assert_close(a, b, F64, msg=f"seed={seed}")
+    a = attention(q, k, v, policy="dfss", backend="auto")        # the reference
+    assert torch.equal(a, attention(q, k, v, policy="dfss", backend="reference"))
 
 
 def test_dropout_seed_reproducible_and_matches_reference():
@@ -529,9 +531,18 @@ def test_gqa_needs_enable_gqa(policy):
     _raises("enable_gqa", q, k, v, policy=policy)
 
 
-def test_is_causal_with_attn_mask():
-    q, k, v = _base()
-    _raises("is_causal", q, k, v, attn_mask=torch.zeros(13, 17), is_causal=True, enable_gqa=True)
+@pytest.mark.parametrize("policy", ("dense", "dfss"))
+def test_is_causal_with_attn_mask_is_and(policy):
+    """Unlike SDPA, is_causal and attn_mask may come together: both restrict (AND)."""
+    seed = fresh_seed()
+    g = gen(seed)
+    q, k, v = rand_qkv(g, 2, 4, 2, 13, 17, 8, 8)
+    m = torch.rand(13, 17, generator=g) < 0.6
+    got = attention(q, k, v, attn_mask=m, is_causal=True, enable_gqa=True, policy=policy)
+    tril = torch.ones(13, 17, dtype=torch.bool).tril()
+    want = attention(q, k, v, attn_mask=m & tril, enable_gqa=True, policy=policy, backend="reference")
+    assert_close(got, want, F64, msg=f"seed={seed}")
+    assert not torch.allclose(got, attention(q, k, v, attn_mask=m, enable_gqa=True, policy=policy))
 
 
 @pytest.mark.parametrize("p", (-0.1, 1.0, 1.5))

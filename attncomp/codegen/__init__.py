@@ -12,6 +12,7 @@ __all__ = ["get_backend", "BACKEND_PATHS"]
 BACKEND_PATHS: Dict[str, str] = {
     "reference": "attncomp.codegen.reference:ReferenceBackend",
     "triton": "attncomp.codegen.triton:TritonBackend",
+    "sdpa": "attncomp.codegen.sdpa:SdpaBackend",
     "tvm": "attncomp.codegen.tvm:TVMBackend",
 }
 

@@ -6,7 +6,11 @@ materialises the full ``(B, Hq, Nq, Nk)`` logits, so it is meant for correctness
 Rules implemented here (one place, so every backend is checked against the same statement):
 
 * logits ``s = scale * q·k + bias``; fp16/bf16 inputs are computed in float32, others in their own dtype;
-* allowed: bool mask True, float mask not ``-inf``, and ``j <= i`` when causal;
+* allowed: bool mask True, float mask not ``-inf``, and the structured predicates of DESIGN.md §4.1
+  (:func:`predicate_mask`): the position window ``q_pos[i] - left <= k_pos[j] <= q_pos[i] + right``
+  with ``right`` capped at 0 when causal (default positions ``arange``, the query positions shifted
+  by ``Nk - Nq`` for ``causal_align="bottom_right"``), equal segment ids, ``k_valid[j]`` and
+  ``q_valid[i]``, all combined with AND;
 * kept: allowed, and the policy's rule (N:M per group of ``m`` keys with lower-index ties, bucket
   equality, keep masks, block pattern with diagonal blocks);
 * ``out = softmax(kept logits) @ v``; a row with no kept key gives zeros and ``lse = -inf``;
@@ -22,9 +26,9 @@ from typing import Optional, Tuple
 import torch
 
 from ..policy import DFSS, Drop, Hash, SPION, uniform_hash
-from ..spec import AttentionSpec
+from ..spec import AttentionSpec, Predicates
 
-__all__ = ["attention", "keep_mask", "logits", "dropout_keep"]
+__all__ = ["attention", "keep_mask", "logits", "dropout_keep", "predicate_mask", "default_positions"]
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -36,7 +40,47 @@ def _expand_kv(x: torch.Tensor, hq: int) -> torch.Tensor:
     return x if hk == hq else x.repeat_interleave(hq // hk, dim=1)
 
 
-def logits(spec: AttentionSpec, q, k, attn_mask=None) -> Tuple[torch.Tensor, torch.Tensor]:
+def default_positions(spec: AttentionSpec, nq: int, nk: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(q_pos, k_pos)`` as ``(1, Nq)``/``(1, Nk)`` int64 when the caller gives none: ``arange``, the
+    queries shifted by ``Nk - Nq`` under bottom-right alignment (the last query sees the last key)."""
+    off = (nk - nq) if spec.causal_align == "bottom_right" else 0
+    qp = torch.arange(nq, device=device, dtype=torch.int64) + off
+    return qp[None], torch.arange(nk, device=device, dtype=torch.int64)[None]
+
+
+def predicate_mask(spec: AttentionSpec, nq: int, nk: int, device, preds: Optional[Predicates] = None,
+                   positions: bool = True) -> Optional[torch.Tensor]:
+    """The bool ``(B or 1, 1, Nq, Nk)`` conjunction of the structured predicates (causal, window,
+    segments, padding) of ``spec`` and ``preds``, or ``None`` when nothing restricts the keys.
+    ``positions=False`` leaves the position bound out (a caller that applies it otherwise)."""
+    preds = preds if preds is not None else Predicates.none()
+    allowed = None
+
+    def conj(a, b):
+        return b if a is None else a & b
+
+    left, right = spec.bounds() if positions else (None, None)
+    if left is not None or right is not None:
+        dq, dk = default_positions(spec, nq, nk, device)
+        qp = (preds.q_pos if preds.q_pos is not None else dq).to(device=device, dtype=torch.int64)[:, None, :, None]
+        kp = (preds.k_pos if preds.k_pos is not None else dk).to(device=device, dtype=torch.int64)[:, None, None, :]
+        if right is not None:
+            allowed = conj(allowed, kp <= qp + right)
+        if left is not None:
+            allowed = conj(allowed, kp >= qp - left)
+    if preds.q_seg is not None and preds.k_seg is not None:
+        allowed = conj(allowed, preds.q_seg.to(device)[:, None, :, None] == preds.k_seg.to(device)[:, None, None, :])
+    if preds.k_valid is not None:
+        allowed = conj(allowed, preds.k_valid.to(device=device, dtype=torch.bool)[:, None, None, :])
+    if preds.q_valid is not None:
+        allowed = conj(allowed, preds.q_valid.to(device=device, dtype=torch.bool)[:, None, :, None])
+    if allowed is not None:
+        allowed = allowed.expand(allowed.shape[0], 1, nq, nk)
+    return allowed
+
+
+def logits(spec: AttentionSpec, q, k, attn_mask=None, preds: Optional[Predicates] = None
+           ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Return ``(s, allowed)``: float logits ``(B, Hq, Nq, Nk)`` and the bool allowed mask."""
     ct = _compute_dtype(q.dtype)
     B, Hq, Nq, D = q.shape
@@ -52,10 +96,9 @@ def logits(spec: AttentionSpec, q, k, attn_mask=None) -> Tuple[torch.Tensor, tor
             bias = attn_mask.to(ct)
             s = s + bias
             allowed = allowed & (bias != float("-inf"))
-    if spec.causal:
-        i = torch.arange(Nq, device=q.device)[:, None]
-        j = torch.arange(Nk, device=q.device)[None, :]
-        allowed = allowed & (j <= i)
+    pm = predicate_mask(spec, Nq, Nk, q.device, preds)
+    if pm is not None:
+        allowed = allowed & pm
     allowed = allowed.expand(B, Hq, Nq, Nk)
     return s, allowed
 
@@ -129,6 +172,7 @@ def attention(
     block_pattern: Optional[torch.Tensor] = None,
     dropout_p: float = 0.0,
     seed: int = 0,
+    preds: Optional[Predicates] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Exact attention under ``spec``; returns ``(out, lse)``, ``lse`` float32 ``(B, Hq, Nq)``.
 
@@ -136,7 +180,7 @@ def attention(
     """
     if spec.policy.name == "dfss" and spec.dtype is None:
         spec = spec.replace(dtype=str(q.dtype).replace("torch.", ""))
-    s, allowed = logits(spec, q, k, attn_mask)
+    s, allowed = logits(spec, q, k, attn_mask, preds)
     keep = keep_mask(spec, s, allowed, q_aux, k_aux, block_pattern)
     ninf = torch.full_like(s, float("-inf"))
     sk = torch.where(keep, s, ninf)
@@ -161,7 +205,8 @@ def _sum_groups(x: torch.Tensor, hk: int) -> torch.Tensor:
 
 
 def attention_backward(q, k, v, attn_mask, grad_out, *, spec: AttentionSpec, q_aux=None, k_aux=None,
-                       block_pattern=None, dropout_p: float = 0.0, seed: int = 0, need_mask_grad: bool = False):
+                       block_pattern=None, dropout_p: float = 0.0, seed: int = 0, need_mask_grad: bool = False,
+                       preds: Optional[Predicates] = None):
     """Analytic gradients of :func:`attention` (the policy's selection is held fixed, so gradients
     flow only through kept entries). Returns ``(dq, dk, dv, dbias | None)``; ``dbias`` has the full
     ``(B, Hq, Nq, Nk)`` shape."""
@@ -170,7 +215,7 @@ def attention_backward(q, k, v, attn_mask, grad_out, *, spec: AttentionSpec, q_a
     D = q.shape[-1]
     Hq, Hk = q.shape[1], k.shape[1]
     scale = spec.scale if spec.scale is not None else 1.0 / math.sqrt(D)
-    s, allowed = logits(spec, q, k, attn_mask)
+    s, allowed = logits(spec, q, k, attn_mask, preds)
     keep = keep_mask(spec, s, allowed, q_aux, k_aux, block_pattern)
     sk = torch.where(keep, s, torch.full_like(s, float("-inf")))
     m = sk.amax(dim=-1, keepdim=True)
@@ -201,16 +246,16 @@ class ReferenceBackend:
 
     name = "reference"
 
-    def supports(self, spec: AttentionSpec, q: torch.Tensor) -> Optional[str]:
+    def supports(self, spec: AttentionSpec, q: torch.Tensor, preds: Optional[Predicates] = None) -> Optional[str]:
         return None
 
-    def forward(self, spec, q, k, v, attn_mask, q_aux, k_aux, block_pattern, dropout_p, seed):
+    def forward(self, spec, q, k, v, attn_mask, q_aux, k_aux, block_pattern, dropout_p, seed, preds=None):
         with torch.no_grad():
             return attention(q, k, v, attn_mask, spec=spec, q_aux=q_aux, k_aux=k_aux,
-                             block_pattern=block_pattern, dropout_p=dropout_p, seed=seed)
+                             block_pattern=block_pattern, dropout_p=dropout_p, seed=seed, preds=preds)
 
     def backward(self, spec, q, k, v, attn_mask, q_aux, k_aux, block_pattern, dropout_p, seed,
-                 out, lse, grad_out, need_mask_grad=False):
+                 out, lse, grad_out, need_mask_grad=False, preds=None):
         return attention_backward(q, k, v, attn_mask, grad_out, spec=spec, q_aux=q_aux, k_aux=k_aux,
                                   block_pattern=block_pattern, dropout_p=dropout_p, seed=seed,
-                                  need_mask_grad=need_mask_grad)
+                                  need_mask_grad=need_mask_grad, preds=preds)

@@ -1,9 +1,21 @@
 """Choose the backend that runs a spec on given tensors, per call.
 
-``auto``: on CUDA tensors with Triton importable and supporting the spec, the sequence-length rule
-below picks the fused (flash-style, on-the-fly) Triton kernel or the split form; elsewhere the
-reference backend. A named backend is used as asked; if it cannot run the spec, a clear error says
-why (nothing silently falls back to different numerics).
+``auto`` runs the fastest correct kernel (DESIGN.md §6):
+
+* sites whose policy keeps every allowed entry (``dense``, ``et``) and calls without dropout are
+  exact softmax attention, so PyTorch's SDPA kernels may run them (``attncomp.codegen.sdpa``):
+  on a CPU its CPU flash kernel always (the reference materialises N×N); on CUDA the faster of
+  SDPA and attncomp's Triton kernel for the site's predicates, measured once per shape bucket
+  (pow2 of Nq, Nk, D; dtype; predicate kind) and GPU and kept in the autotune store under
+  :data:`DENSE_CHOICE` (:func:`dense_choice_key`);
+* other sites on CUDA tensors with Triton importable and supporting the spec: the sequence-length
+  rule below picks the fused (flash-style, on-the-fly) Triton kernel or the split form;
+* elsewhere the reference backend (exact).
+
+:func:`describe_choice` says in words what ``auto`` runs for a spec on a device and why. A named
+backend is used as asked; if it cannot run the spec, a clear error says why (nothing silently
+falls back to different numerics). Backend choice does no device synchronisation; the per-call
+decision is memoised per (spec, device, dtype, sizes, predicate kind, dropout).
 
 Sequence-length rule (E.T. §3.2). The fused kernel re-reads K and V once per query tile; past some
 key length the split form (separate ``QK^T`` GEMM, softmax, ``AV`` GEMM, materialising the scores:
@@ -38,12 +50,16 @@ from ..spec import AttentionSpec, dtype_name
 log = logging.getLogger(__name__)
 
 __all__ = ["select_backend", "triton_available", "SEQ_RULE", "seq_rule_key", "seq_rule", "choose_form",
-           "describe_rule", "record_seq_rule", "clear_rule_cache"]
+           "describe_rule", "record_seq_rule", "clear_rule_cache", "DENSE_CHOICE", "dense_choice_key",
+           "dense_choice", "record_dense_choice", "describe_choice", "predicate_kind"]
 
 #: autotune-store name under which sequence-length rules are kept
 SEQ_RULE = "seq_len_rule"
+#: autotune-store name of the measured SDPA-vs-Triton choice for keep-everything sites on CUDA
+DENSE_CHOICE = "dense_kernel_choice"
 
 _rule_cache: Dict[tuple, Optional[Dict[str, Any]]] = {}
+_choice_cache: Dict[tuple, Optional[str]] = {}
 
 
 @functools.lru_cache(maxsize=None)
@@ -88,7 +104,10 @@ def seq_rule(policy: str, head_dim: int, dtype, arch: str) -> Optional[Dict[str,
 
 
 def clear_rule_cache() -> None:
+    """Forget this process's copies of stored rules and choices (the store keeps them)."""
     _rule_cache.clear()
+    _choice_cache.clear()
+    _arch_cache.clear()
 
 
 def _normalise(value: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
@@ -137,24 +156,172 @@ def record_seq_rule(policy: str, head_dim: int, dtype, arch: str, value: Dict[st
     _rule_cache.pop(_memo_key(key), None)
 
 
+_arch_cache: Dict[Any, str] = {}
+
+
 def _gpu_arch(q: torch.Tensor) -> Optional[str]:
     if not q.is_cuda:
         return None
-    major, minor = torch.cuda.get_device_capability(q.device)
-    return f"sm_{major}{minor}"
+    arch = _arch_cache.get(q.device)
+    if arch is None:
+        major, minor = torch.cuda.get_device_capability(q.device)
+        arch = _arch_cache[q.device] = f"sm_{major}{minor}"
+    return arch
 
 
-def _runs(be, spec: AttentionSpec, q: torch.Tensor, v: Optional[torch.Tensor]) -> bool:
-    if be.supports(spec, q) is not None:
+def _supports(be, spec: AttentionSpec, q: torch.Tensor, preds=None) -> Optional[str]:
+    # ``preds`` goes to backends only when present, so that older backends keep their signature
+    return be.supports(spec, q) if preds is None else be.supports(spec, q, preds=preds)
+
+
+def _runs(be, spec: AttentionSpec, q: torch.Tensor, v: Optional[torch.Tensor], preds=None) -> bool:
+    if _supports(be, spec, q, preds) is not None:
         return False
     # a folded site (W_V·W_O) has a value head dim other than q's; the backend must take both
-    return v is None or v.shape[-1] == q.shape[-1] or be.supports(spec, v) is None
+    return v is None or v.shape[-1] == q.shape[-1] or _supports(be, spec, v, preds) is None
 
 
-def _auto(spec: AttentionSpec, q: torch.Tensor, n_keys: int, v: Optional[torch.Tensor] = None) -> Tuple[Any, str]:
+# -- keep-everything sites: SDPA against attncomp's kernel -------------------------------------
+
+def predicate_kind(spec: AttentionSpec, preds=None, nq: Optional[int] = None, nk: Optional[int] = None,
+                   mask: bool = False) -> str:
+    """The mask class that decides which kernel is fastest: ``none``, ``causal`` (SDPA's top-left
+    ``is_causal`` alone), ``causal+mask``, or ``mask`` (anything SDPA takes as a dense mask)."""
+    from ..codegen.sdpa import top_left_causal_only
+
+    if nq is not None and nk is not None and top_left_causal_only(spec, nq, nk, preds):
+        causal_only = not (preds is not None and preds.any())
+        return "causal" if causal_only and not mask else "causal+mask"
+    if spec.uses_positions() or (preds is not None and preds.any()) or mask:
+        return "mask"
+    return "none"
+
+
+def dense_choice_key(nq: int, nk: int, head_dim: int, dtype, kind: str, arch: str, groups: int = 1) -> Dict[str, Any]:
+    """The store key of a measured SDPA-vs-Triton choice (sizes by power of two)."""
+    from .autotune import shape_bucket
+
+    dt = dtype if isinstance(dtype, str) or dtype is None else dtype_name(dtype)
+    return {"nq": shape_bucket(nq), "nk": shape_bucket(nk), "head_dim": int(head_dim), "dtype": dt,
+            "kind": kind, "arch": arch, "gqa": int(groups) > 1}
+
+
+def _time_candidates(names, spec, q, k, v, attn_mask, preds) -> Dict[str, float]:
+    """Milliseconds of forward + backward per candidate backend on these inputs (CUDA events)."""
+    times: Dict[str, float] = {}
+    for nm in names:
+        be = get_backend(nm)
+        qq, kk, vv = (t.detach() for t in (q, k, v))
+        kw = {} if preds is None else {"preds": preds}
+
+        def run():
+            out, lse = be.forward(spec, qq, kk, vv, attn_mask, None, None, None, 0.0, 0, **kw)
+            be.backward(spec, qq, kk, vv, attn_mask, None, None, None, 0.0, 0, out, lse, out, **kw)
+
+        try:
+            run()
+            torch.cuda.synchronize(q.device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            reps = 5
+            start.record()
+            for _ in range(reps):
+                run()
+            end.record()
+            torch.cuda.synchronize(q.device)
+            times[nm] = start.elapsed_time(end) / reps
+        except Exception as e:  # a candidate that fails is not chosen
+            log.warning("attncomp: timing %s for %s failed: %s", nm, spec.describe(), e)
+    return times
+
+
+def dense_choice(key: Dict[str, Any]) -> Optional[str]:
+    """The stored winner (``"sdpa"`` or ``"triton"``) for a :func:`dense_choice_key`, or None."""
+    mk = ("dense",) + _memo_key(key)
+    if mk not in _choice_cache:
+        val = _autotune_lookup(DENSE_CHOICE, key)
+        _choice_cache[mk] = _winner(val)
+    return _choice_cache[mk]
+
+
+def _winner(val: Optional[Dict[str, Any]]) -> Optional[str]:
+    if not val:
+        return None
+    if val.get("best"):
+        return str(val["best"])
+    t = val.get("timings") or {}
+    ok = {k: float(x) for k, x in t.items() if x is not None}
+    return min(ok, key=ok.get) if ok else None
+
+
+def record_dense_choice(key: Dict[str, Any], timings: Dict[str, float]) -> str:
+    """Store measured times ``{"sdpa": ms, "triton": ms}`` for a key; returns the winner."""
+    from . import autotune
+
+    best = _winner({"timings": timings})
+    if best is None:
+        raise ValueError(f"no usable timing in {timings!r}")
+    autotune.record(DENSE_CHOICE, key, {"best": best, "timings": timings})
+    _choice_cache[("dense",) + _memo_key(key)] = best
+    return best
+
+
+def _dense_on_cuda(spec, q, k, v, attn_mask, preds, arch: str, kind: str):
+    """SDPA or Triton for a keep-everything CUDA call: the stored winner, else measure now (once)."""
+    cands = []
+    for nm in ("sdpa", "triton"):
+        try:
+            be = get_backend(nm)
+        except (ImportError, ValueError):
+            continue
+        if nm == "triton" and not triton_available():
+            continue
+        if _runs(be, spec, q, v, preds):
+            cands.append(nm)
+    if not cands:
+        return None, "no fused kernel runs this call"
+    if len(cands) == 1:
+        return cands[0], f"only {cands[0]} runs this call"
+    key = dense_choice_key(q.shape[-2], k.shape[-2], q.shape[-1], q.dtype, kind, arch, q.shape[1] // k.shape[1])
+    best = dense_choice(key)
+    why = "measured faster for this shape bucket"
+    if best not in cands:
+        times = _time_candidates(cands, spec, q, k, v, attn_mask, preds)
+        if not times:
+            return cands[0], "timing failed; first candidate"
+        best = record_dense_choice(key, times)
+        why = f"measured now: {', '.join(f'{n} {t:.3g} ms' for n, t in sorted(times.items()))}"
+    return best, why
+
+
+# -- the choice --------------------------------------------------------------------------------
+
+def _auto(spec: AttentionSpec, q: torch.Tensor, n_keys: int, v: Optional[torch.Tensor] = None,
+          preds=None, dropout_p: Optional[float] = None, k: Optional[torch.Tensor] = None,
+          attn_mask: Optional[torch.Tensor] = None) -> Tuple[Any, str]:
+    be, form, _ = _auto_explained(spec, q, n_keys, v, preds, dropout_p, k, attn_mask)
+    return be, form
+
+
+def _auto_explained(spec, q, n_keys, v=None, preds=None, dropout_p=None, k=None, attn_mask=None):
+    """``(backend, form, why)`` for an ``auto`` call."""
+    p = spec.dropout_p if dropout_p is None else dropout_p
     arch = _gpu_arch(q)
+    if p == 0 and keeps_all(spec):
+        try:
+            sd = get_backend("sdpa")
+        except (ImportError, ValueError):
+            sd = None
+        if arch is None:
+            if sd is not None and _runs_sdpa(sd, spec, q, v, preds):
+                return sd, "sdpa", "keeps every allowed entry, no dropout: SDPA's CPU kernel"
+        elif k is not None:
+            kind = predicate_kind(spec, preds, q.shape[-2], n_keys, attn_mask is not None)
+            name, why = _dense_on_cuda(spec, q, k, v, attn_mask, preds, arch, kind)
+            if name is not None:
+                return get_backend(name), name, f"keeps every allowed entry: {name} ({why})"
     if arch is None or not triton_available():
-        return get_backend("reference"), "reference"
+        return get_backend("reference"), "reference", ("no CUDA tensors: the exact reference" if arch is None
+                                                       else "no Triton: the exact reference")
     rule = seq_rule(spec.policy.name, q.shape[-1], q.dtype, arch)
     form = choose_form(rule, n_keys)
     names = {"fused": (rule or {}).get("fused", "triton"), "split": (rule or {}).get("split", "reference")}
@@ -163,24 +330,77 @@ def _auto(spec: AttentionSpec, q: torch.Tensor, n_keys: int, v: Optional[torch.T
             be = get_backend(names[f])
         except (ImportError, ValueError):
             continue
-        if _runs(be, spec, q, v):
-            return be, f
-    return get_backend("reference"), "reference"
+        if _runs(be, spec, q, v, preds):
+            return be, f, f"{f} ({names[f]}): {describe_rule(rule)}"
+    return get_backend("reference"), "reference", "no fused kernel runs this site: the exact reference"
+
+
+def _runs_sdpa(sd, spec, q, v, preds) -> bool:
+    if _supports(sd, spec, q, preds) is not None:
+        return False
+    return v is None or v.shape[-1] == q.shape[-1]
+
+
+def keeps_all(spec: AttentionSpec) -> bool:
+    return bool(spec.policy.keeps_all())
 
 
 def select_backend(spec: AttentionSpec, q: torch.Tensor, k: Optional[torch.Tensor] = None,
-                   v: Optional[torch.Tensor] = None):
+                   v: Optional[torch.Tensor] = None, preds=None, dropout_p: Optional[float] = None,
+                   attn_mask: Optional[torch.Tensor] = None):
     """The backend object that runs ``spec`` on these tensors.
 
     ``k`` gives the key length for the sequence-length rule (else q's length is used); ``v`` lets
-    ``auto`` skip a backend that cannot take the value head dim.
+    ``auto`` skip a backend that cannot take the value head dim; ``preds`` (a
+    :class:`~attncomp.spec.Predicates` or None) and the call's ``dropout_p`` (default: the spec's)
+    decide whether SDPA's kernels may run it.
     """
     name = spec.backend
+    if preds is not None and not preds.any():
+        preds = None
     if name == "auto":
         n_keys = (k if k is not None else q).shape[-2]
-        return _auto(spec, q, n_keys, v)[0]
+        return _auto_explained(spec, q, n_keys, v, preds, dropout_p, k, attn_mask)[0]
     be = get_backend(name)
-    reason = be.supports(spec, q)
+    reason = _supports(be, spec, q, preds)
+    if reason is None and name == "sdpa":
+        reason = be.supports_call(spec, q, k, v, spec.dropout_p if dropout_p is None else dropout_p, preds)
     if reason is not None:
-        raise RuntimeError(f"backend {name!r} cannot run this site ({spec.describe()}): {reason}")
+        raise RuntimeError(f"backend {name!r} cannot run this site ({spec.describe(preds)}): {reason}")
     return be
+
+
+def describe_choice(spec: AttentionSpec, device, dtype=None, preds=None, n_keys: Optional[int] = None) -> str:
+    """What ``backend="auto"`` runs for ``spec`` on ``device`` and why, in words (for reports).
+
+    Without tensors the answer is the rule; ``dtype``/``preds``/``n_keys`` narrow it when known."""
+    device = torch.device(device)
+    if spec.backend != "auto":
+        return f"{spec.backend} (as asked)"
+    dropout = spec.dropout_p > 0
+    every = keeps_all(spec)
+    if device.type != "cuda":
+        if every and not dropout:
+            return ("sdpa: SDPA's CPU flash kernel (the policy keeps every allowed entry, no dropout; "
+                    "predicates as is_causal or one mask built from the per-token vectors)")
+        if every:
+            return ("sdpa in eval mode (no dropout); with dropout the exact reference "
+                    "(SDPA's dropout draws differ from attncomp's)")
+        return f"reference: the exact reference (policy {spec.policy.name} has no faster CPU kernel)"
+    if not triton_available():
+        return "sdpa (no Triton)" if every and not dropout else "reference (no Triton)"
+    if every and not dropout:
+        return ("the faster of SDPA (flash / memory-efficient) and attncomp's Triton kernel, measured once per "
+                "shape bucket (pow2 Nq, Nk, D; dtype; predicate kind) on this GPU and kept in the autotune store")
+    arch = None
+    try:
+        major, minor = torch.cuda.get_device_capability(device)
+        arch = f"sm_{major}{minor}"
+    except Exception:
+        pass
+    d = spec.head_dim
+    if arch is not None and d is not None and (dtype or spec.torch_dtype()) is not None:
+        rule = seq_rule(spec.policy.name, d, dtype or spec.torch_dtype(), arch)
+        return f"triton or split per key length: {describe_rule(rule)}"
+    return ("triton: the fused kernel when Nk is at most the measured threshold, the split form above it "
+            "(fused for every Nk when nothing is measured)")

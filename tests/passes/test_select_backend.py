@@ -11,7 +11,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 from attncomp import ops
 from attncomp.passes.base import CompileContext
 from attncomp.passes.select_backend import select_backend as select_pass
-from attncomp.policy import ET, Dense
+from attncomp.policy import DFSS, ET, Dense
 from attncomp.runtime import dispatch
 from attncomp.spec import AttentionSpec
 
@@ -79,8 +79,9 @@ def qk(n, d=64, dtype=torch.float16):
 
 def test_threshold_rule_per_call(table, fake_gpu):
     store, calls = table
-    store[("et", 64, "float16", "sm_90")] = {"split_above": 224}
-    spec = AttentionSpec(policy=ET())
+    # a policy that drops entries: keep-everything sites race SDPA instead (tests/runtime/test_dispatch.py)
+    store[("dfss", 64, "float16", "sm_90")] = {"split_above": 224}
+    spec = AttentionSpec(policy=DFSS(2, 4))
     for n, want in ((64, "triton"), (224, "triton"), (256, "reference"), (4096, "reference")):
         q, k = qk(n)
         assert dispatch.select_backend(spec, q, k).name == want, n
@@ -96,14 +97,14 @@ def test_threshold_rule_per_call(table, fake_gpu):
 
 def test_rule_from_timings_and_named_backends(table, fake_gpu):
     store, _ = table
-    store[("dense", 64, "bfloat16", "sm_90")] = {
+    store[("dfss", 64, "bfloat16", "sm_90")] = {
         "timings": [{"n": 128, "fused": 1.0, "split": 2.0}, {"n": 256, "fused": 2.0, "split": 2.5},
                     {"n": 512, "fused": 6.0, "split": 5.0}, {"n": 1024, "fused": 20.0, "split": 12.0}],
         "split": "sdpa"}
-    rule = dispatch.seq_rule("dense", 64, torch.bfloat16, "sm_90")
+    rule = dispatch.seq_rule("dfss", 64, torch.bfloat16, "sm_90")
     assert rule == {"split_above": 256, "split": "sdpa"}
     assert dispatch.choose_form(rule, 256) == "fused" and dispatch.choose_form(rule, 300) == "split"
-    spec = AttentionSpec()
+    spec = AttentionSpec(policy=DFSS(2, 4))
     assert dispatch.select_backend(spec, *qk(512, dtype=torch.bfloat16)).name == "sdpa"
     # a split backend that cannot run the spec falls back to the fused kernel (same numerics)
     fake_gpu["sdpa"].ok = False
@@ -115,15 +116,15 @@ def test_auto_skips_a_backend_that_cannot_take_the_value_head_dim(table, fake_gp
     monkeypatch.setattr(fake_gpu["triton"], "supports", lambda spec, t: None if t.shape[-1] <= 256 else "head dim")
     q, k = qk(128)
     v = torch.empty(1, 2, 128, 768, dtype=torch.float16)
-    assert dispatch.select_backend(AttentionSpec(), q, k, v).name == "reference"
-    assert dispatch.select_backend(AttentionSpec(), q, k, k).name == "triton"
+    assert dispatch.select_backend(AttentionSpec(policy=DFSS(2, 4)), q, k, v).name == "reference"
+    assert dispatch.select_backend(AttentionSpec(policy=DFSS(2, 4)), q, k, k).name == "triton"
 
 
 def test_no_measurement_means_fused_and_cpu_means_reference(table, monkeypatch):
     assert dispatch.choose_form(None, 10 ** 6) == "fused"
     store, _ = table
-    store[("dense", 64, "float32", "cpu")] = {"split_above": 1}
-    be = dispatch.select_backend(AttentionSpec(), *qk(512, dtype=torch.float32))
+    store[("dfss", 64, "float32", "cpu")] = {"split_above": 1}
+    be = dispatch.select_backend(AttentionSpec(policy=DFSS(1, 2)), *qk(512, dtype=torch.float32))
     assert be.name == "reference"                       # CPU tensors: the exact reference backend
 
 
@@ -159,7 +160,7 @@ def test_pass_annotates_auto_rule_on_cpu():
     text = ctx.sites[0].details["select_backend"]
     assert text.startswith("auto, per call: on CPU: reference")
     assert "split form" in text and "fused" in text
-    assert AttentionSpec.from_json(site(gm).args[7]).backend == "auto"
+    assert AttentionSpec.from_json(site(gm).args[ops.ARG_INDEX["spec"]]).backend == "auto"
     assert ctx.counters["select_backend"]["auto"] == 1
 
 
@@ -169,6 +170,6 @@ def test_pass_writes_named_backend():
     ctx = CompileContext(policy=Dense(), backend="reference")
     res = select_pass(gm, ctx)
     gm.recompile()
-    assert res.modified and AttentionSpec.from_json(site(gm).args[7]).backend == "reference"
+    assert res.modified and AttentionSpec.from_json(site(gm).args[ops.ARG_INDEX["spec"]]).backend == "reference"
     assert ctx.sites[0].details["select_backend"].startswith("reference (as asked)")
     torch.testing.assert_close(gm(*xs), Before()(*xs))

@@ -1,9 +1,13 @@
-"""Host side of the Triton backend: checks, argument preparation and kernel launches.
+"""Host side of the Triton backend: one site description, schedules, launches of the kernel template.
 
 :class:`TritonBackend` has the interface of ``attncomp.codegen.reference.ReferenceBackend``
-(``supports``, ``forward``, ``backward``) and computes the same function (DESIGN.md §4) with the
-fused kernels of :mod:`.forward` and :mod:`.backward`. Policies it runs: ``dense``, ``et`` (dense
-numerics) and ``dfss``; for the others :meth:`TritonBackend.supports` gives the reason.
+(``supports``, ``forward``, ``backward``, each with the ``preds`` keyword) and computes the same
+function (DESIGN.md §4, §4.1) with the kernels of :mod:`.template`: every policy (``dense``/``et``,
+``dfss``, ``hash``, ``drop``, ``spion``) with every predicate, the residual mask and dropout.
+
+The host path never reads the device: no ``.item()``/``.tolist()``, no data-dependent shapes.
+Grids are sized from shapes; tile lists are padded to the number of tiles and carry a count;
+sorted layouts come from the device (:mod:`.layout`).
 """
 
 from __future__ import annotations
@@ -14,24 +18,27 @@ from typing import Optional, Tuple
 import torch
 from triton.runtime.errors import OutOfResources
 
-from ...policy import DFSS
+from ...policy import DFSS, SPION
 from ...spec import AttentionSpec
 from . import configs
-from .backward import _bwd_dkdv, _bwd_dq, _bwd_preprocess
-from .common import LOG2E, MASK_BOOL, MASK_FLOAT, MASK_NONE, POLICY_DENSE, POLICY_DFSS
+from .common import LOG2E, MASK_BOOL, MASK_FLOAT, MASK_NONE
 from .common import cdiv as _cdiv, next_pow2 as _next_pow2, pow2_block as _pow2
-from .forward import _attn_fwd
+from .layout import Layout, layout_from_aux
+from .schedule import tile_lists, tile_summary
+from .template import (POLICY_DENSE, POLICY_DFSS, POLICY_SORTED, POLICY_SPION, POS_ARANGE, POS_NONE, POS_VECTOR,
+                       SCHED_LIST, SCHED_SPAN, _bwd_preprocess, _dkdv_kernel, _rows_kernel)
 
-__all__ = ["TritonBackend", "attention_forward", "attention_backward"]
+__all__ = ["TritonBackend", "attention_forward", "attention_backward", "Site"]
 
-_POLICIES = {"dense": POLICY_DENSE, "et": POLICY_DENSE, "dfss": POLICY_DFSS}
+_POLICIES = {"dense": POLICY_DENSE, "et": POLICY_DENSE, "dfss": POLICY_DFSS, "hash": POLICY_SORTED,
+             "drop": POLICY_SORTED, "spion": POLICY_SPION}
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_HEAD_DIM = 256
-
+_M32 = 0xFFFFFFFF
 
 #: the configuration of the latest forward and backward launch (read by benchmarks and reports)
 last_configs: dict = {}
-# configuration chosen per call signature in this process (see _Plan.signature)
+# configuration chosen per call signature in this process (see Site.signature)
 _config_memo: dict = {}
 
 
@@ -44,16 +51,35 @@ def _last_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-class _Plan:
+def _bstride(t) -> int:
+    return 0 if t is None or t.shape[0] == 1 else t.stride(0)
+
+
+def _token_tensor(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A ``(B or 1, N)`` predicate tensor as the kernels read it (bool as bytes, unit last stride)."""
+    if t is None:
+        return None
+    t = _last_contiguous(t)
+    return t.view(torch.uint8) if t.dtype == torch.bool else t
+
+
+def _seed_word(seed: int) -> int:
+    """The mixed seed of ``attncomp.policy.uniform_hash`` as a signed 32-bit kernel argument."""
+    s = (int(seed) * 0x9E3779B1 + 0x7F4A7C15) & _M32
+    return s - (1 << 32) if s >= (1 << 31) else s
+
+
+class Site:
     """Everything about one call that the kernels need, derived once from the spec and tensors."""
 
-    def __init__(self, spec: AttentionSpec, q, k, v, attn_mask, dropout_p: float, seed: int):
+    def __init__(self, spec: AttentionSpec, q, k, v, attn_mask, dropout_p: float, seed: int, preds=None,
+                 q_aux=None, k_aux=None, block_pattern=None, layout: Optional[Layout] = None):
         self.B, self.Hq, self.Nq, self.D = (int(s) for s in q.shape)
         self.Hk, self.Nk, self.Dv = int(k.shape[1]), int(k.shape[2]), int(v.shape[-1])
         self.groups = self.Hq // self.Hk
         self.dtype = q.dtype
+        self.device = q.device
         self.scale = spec.scale if spec.scale is not None else 1.0 / math.sqrt(self.D)
-        self.causal = bool(spec.causal)
         pol = spec.policy
         self.policy = _POLICIES[pol.name]
         if isinstance(pol, DFSS):
@@ -61,14 +87,17 @@ class _Plan:
             self.nm_n, self.nm_m = r.n, r.m
         else:
             self.nm_n, self.nm_m = 1, 1
+        self.exclude_self = bool(getattr(pol, "exclude_self", False))
         self.dropout_p = float(dropout_p)
         self.dropout = self.dropout_p > 0.0
-        self.seed_mixed = (int(seed) * 0x9E3779B1 + 0x7F4A7C15) & 0xFFFFFFFF
+        self.seed_word = _seed_word(seed)
         self.inv_keep = 1.0 / (1.0 - self.dropout_p) if self.dropout else 1.0
         self.block_d, self.block_dv = _pow2(self.D), _pow2(self.Dv)
+        dummy = q
 
+        # residual dense mask
         if attn_mask is None:
-            self.mask_kind, self.mask, self.mask_strides = MASK_NONE, q, (0, 0, 0, 0)
+            self.mask_kind, self.mask, self.mask_strides = MASK_NONE, dummy, (0, 0, 0, 0)
         else:
             m = attn_mask
             while m.dim() < 4:
@@ -81,38 +110,145 @@ class _Plan:
             self.mask_strides = tuple(0 if m.shape[i] == 1 else m.stride(i) for i in range(4))
             self.mask = m
 
-    def common_meta(self, block_q: int, block_k: int) -> dict:
+        # structured predicates (DESIGN §4.1)
+        get = (lambda nm: getattr(preds, nm, None)) if preds is not None else (lambda nm: None)
+        left, right = _bounds(spec)
+        self.win_left, self.win_right = left, right
+        self.pos_off = self.Nk - self.Nq if getattr(spec, "causal_align", "top_left") == "bottom_right" else 0
+        q_pos, k_pos = get("q_pos"), get("k_pos")
+        if left is None and right is None:
+            self.pos = POS_NONE
+            q_pos = k_pos = None
+        elif q_pos is None and k_pos is None:
+            self.pos = POS_ARANGE
+        else:
+            self.pos = POS_VECTOR
+            if q_pos is None:
+                q_pos = (torch.arange(self.Nq, device=self.device) + self.pos_off)[None]
+            if k_pos is None:
+                k_pos = torch.arange(self.Nk, device=self.device)[None]
+        self.q_pos, self.k_pos = _token_tensor(q_pos), _token_tensor(k_pos)
+        q_seg, k_seg = get("q_seg"), get("k_seg")
+        self.seg = q_seg is not None and k_seg is not None
+        self.q_seg, self.k_seg = (_token_tensor(q_seg), _token_tensor(k_seg)) if self.seg else (None, None)
+        self.q_val, self.k_val = _token_tensor(get("q_valid")), _token_tensor(get("k_valid"))
+        tok = (self.q_pos, self.k_pos, self.q_seg, self.k_seg, self.q_val, self.k_val)
+        self.tok_b = self.B if any(t is not None and t.shape[0] > 1 for t in tok) else 1
+
+        # policy tensors
+        self.pattern, self.spion_bs, self.pat_strides = dummy, 0, (0, 0, 0)
+        if isinstance(pol, SPION):
+            if block_pattern is None:
+                raise ValueError("policy 'spion' needs a block_pattern")
+            p = block_pattern.view(torch.uint8) if block_pattern.dtype == torch.bool else block_pattern
+            self.pattern, self.spion_bs = p, int(pol.block_size)
+            self.pat_strides = (0 if p.shape[0] == 1 else p.stride(0), p.stride(1), p.stride(2))
+        self.layout = None
+        if self.policy == POLICY_SORTED:
+            if layout is None:
+                if q_aux is None or k_aux is None:
+                    names = "q_buckets and k_buckets" if pol.name == "hash" else "q_keep and k_keep"
+                    raise ValueError(f"policy {pol.name!r} needs {names} (attncomp.ops.materialize_aux derives them)")
+                layout = _layout_for(spec, q_aux, k_aux)
+            self.layout = layout
+        self.sched = SCHED_LIST if (self.pos == POS_VECTOR or self.seg or self.q_val is not None
+                                    or self.k_val is not None or self.policy in (POLICY_SORTED, POLICY_SPION)) \
+            else SCHED_SPAN
+        self._dummy = dummy
+
+    # -- kernel arguments ------------------------------------------------------------------------
+    def meta(self, block_m: int, block_n: int) -> dict:
         return dict(
             GROUPS=self.groups, HEAD_D=self.D, HEAD_DV=self.Dv, BLOCK_D=self.block_d, BLOCK_DV=self.block_dv,
-            CAUSAL=self.causal, MASK_KIND=self.mask_kind,
-            CHECK_Q=self.Nq % block_q != 0, CHECK_K=self.Nk % block_k != 0,
-            POLICY=self.policy, NM_N=self.nm_n, NM_M=self.nm_m, DROPOUT=self.dropout,
-            PRESCALE=self.mask_kind == MASK_FLOAT or not self.scale > 0.0,
+            MASK_KIND=self.mask_kind, CHECK_Q=self.Nq % block_m != 0, CHECK_K=self.Nk % block_n != 0,
+            POLICY=self.policy, NM_N=self.nm_n, NM_M=self.nm_m, EXCLUDE_SELF=self.exclude_self,
+            DROPOUT=self.dropout, PRESCALE=self.mask_kind == MASK_FLOAT or not self.scale > 0.0,
+            POS=self.pos, HAS_LEFT=self.win_left is not None, HAS_RIGHT=self.win_right is not None,
+            SEG=self.seg, QVAL=self.q_val is not None, KVAL=self.k_val is not None,
+            SPION_BS=self.spion_bs, SCHED=self.sched,
         )
 
-    def signature(self, device) -> tuple:
-        """What the choice of launch configuration depends on (a dict key)."""
-        return (self.D, self.Dv, self.dtype, self.causal, self.mask_kind, self.policy, self.nm_n, self.nm_m,
-                self.dropout, self.groups, _next_pow2(self.Nq), _next_pow2(self.Nk), str(device))
+    def pred_args(self, lst, cnt) -> tuple:
+        d = self._dummy
+        lay = self.layout
 
-    def tune_key(self, device) -> dict:
-        arch = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-        return {
-            "D": self.D, "Dv": self.Dv, "dtype": str(self.dtype), "causal": self.causal,
-            "mask": self.mask_kind, "policy": self.policy, "nm": [self.nm_n, self.nm_m],
-            "dropout": self.dropout, "groups": self.groups,
-            # sequence lengths by power of two: one tuning per size class
-            "nq": _next_pow2(self.Nq), "nk": _next_pow2(self.Nk), "arch": arch,
-        }
+        def ptr(t):
+            return d if t is None else t
+
+        return (
+            ptr(lay and lay.q_perm), ptr(lay and lay.k_perm), ptr(lay and lay.lo), ptr(lay and lay.hi),
+            ptr(self.q_pos), ptr(self.k_pos), ptr(self.q_seg), ptr(self.k_seg), ptr(self.q_val), ptr(self.k_val),
+            self.mask, self.pattern, ptr(lst), ptr(cnt),
+            _bstride(self.q_pos), _bstride(self.k_pos), _bstride(self.q_seg), _bstride(self.k_seg),
+            _bstride(self.q_val), _bstride(self.k_val), *self.mask_strides, *self.pat_strides,
+            *((0, 0, 0) if lst is None else (_st(lst, 0), _st(lst, 1), lst.stride(2))),
+            *((0, 0) if cnt is None else (_st(cnt, 0), _st(cnt, 1))),
+            self.pos_off, _clamp(self.win_left), _clamp(self.win_right),
+        )
+
+    def lists(self, block_m: int, block_n: int, outer_q: bool):
+        """The tile lists for query tiles of ``block_m`` and key tiles of ``block_n`` (``None`` for a
+        span schedule): per query tile when ``outer_q``, else per key tile."""
+        if self.sched != SCHED_LIST:
+            return None, None
+        lay = self.layout
+        sorted_ = lay is not None
+        qsum = tile_summary(block_m, self.Nq, self.B if sorted_ else self.tok_b, self.Hq if sorted_ else 1,
+                            lay and lay.q_perm, self.q_pos, self.q_seg, self.q_val, lay and lay.lo, lay and lay.hi,
+                            self.pos_off, self.pos, self.device)
+        ksum = tile_summary(block_n, self.Nk, self.B if sorted_ else self.tok_b, self.Hk if sorted_ else 1,
+                            lay and lay.k_perm, self.k_pos, self.k_seg, self.k_val, None, None, 0, self.pos,
+                            self.device)
+        per_head = sorted_ or (self.spion_bs and self.pattern.shape[0] > 1)
+        return tile_lists(qsum, ksum, outer_q=outer_q, block_m=block_m, block_n=block_n,
+                          rows_h=self.Hq if per_head else 1, groups_k=self.groups if sorted_ else 1,
+                          pattern=self.pattern if self.spion_bs else None, spion_bs=self.spion_bs,
+                          pos_kind=self.pos, win_left=_clamp(self.win_left, None),
+                          win_right=_clamp(self.win_right, None), seg=self.seg, sorted_ranges=sorted_)
+
+    # -- configuration keys ----------------------------------------------------------------------
+    def signature(self) -> tuple:
+        """What the choice of launch configuration depends on (a dict key)."""
+        m = self.meta(16, 16)
+        m.pop("CHECK_Q")
+        m.pop("CHECK_K")
+        return (self.dtype, _next_pow2(self.Nq), _next_pow2(self.Nk), str(self.device)) + tuple(sorted(m.items()))
+
+    def tune_key(self) -> dict:
+        arch = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None
+        m = self.meta(16, 16)
+        m.pop("CHECK_Q")
+        m.pop("CHECK_K")
+        # sequence lengths by power of two: one tuning per size class
+        return {**m, "dtype": str(self.dtype), "nq": _next_pow2(self.Nq), "nk": _next_pow2(self.Nk), "arch": arch}
+
+
+def _st(t, d) -> int:
+    return 0 if t.shape[d] == 1 else t.stride(d)
+
+
+def _clamp(w, none=0):
+    """A window side as a kernel integer (``none`` when unbounded); far bounds are clipped to a
+    range that cannot overflow int64 arithmetic on positions."""
+    if w is None:
+        return none
+    return max(-(1 << 40), min(int(w), 1 << 40))
+
+
+def _bounds(spec: AttentionSpec) -> Tuple[Optional[int], Optional[int]]:
+    if hasattr(spec, "bounds"):
+        return spec.bounds()
+    return None, (0 if spec.causal else None)
 
 
 def attention_forward(spec: AttentionSpec, q, k, v, attn_mask=None, dropout_p: float = 0.0, seed: int = 0,
-                      config: Optional[dict] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(out, lse)`` of DESIGN.md §4 through the fused forward kernel."""
+                      config: Optional[dict] = None, *, preds=None, q_aux=None, k_aux=None, block_pattern=None,
+                      layout: Optional[Layout] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of DESIGN.md §4 through the template's forward."""
     q, k, v = _last_contiguous(q), _last_contiguous(k), _last_contiguous(v)
-    plan = _Plan(spec, q, k, v, attn_mask, dropout_p, seed)
-    B, Hq, Nq, Nk = plan.B, plan.Hq, plan.Nq, plan.Nk
-    out = _empty((B, Hq, Nq, plan.Dv), q.dtype, q.device)
+    site = Site(spec, q, k, v, attn_mask, dropout_p, seed, preds, q_aux, k_aux, block_pattern, layout)
+    B, Hq, Nq, Nk = site.B, site.Hq, site.Nq, site.Nk
+    out = _empty((B, Hq, Nq, site.Dv), q.dtype, q.device)
     lse = _empty((B, Hq, Nq), torch.float32, q.device)
     if Nq == 0 or B * Hq == 0:
         return out, lse
@@ -121,30 +257,28 @@ def attention_forward(spec: AttentionSpec, q, k, v, attn_mask=None, dropout_p: f
 
     def launch(cfg):
         bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
-        grid = (_cdiv(Nq, bm), B * Hq)
-        _attn_fwd[grid](
-            q, k, v, plan.mask, out, lse,
-            q.stride(0), q.stride(1), q.stride(2),
-            k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2),
-            out.stride(0), out.stride(1), out.stride(2),
-            *plan.mask_strides,
-            Hq, Nq, Nk, plan.scale * LOG2E, plan.seed_mixed, plan.dropout_p, plan.inv_keep,
-            BLOCK_M=bm, BLOCK_N=bn, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-            **plan.common_meta(bm, bn),
+        lst, cnt = site.lists(bm, bn, True)
+        _rows_kernel[(_cdiv(Nq, bm), B * Hq)](
+            q, k, v, out, out, lse, lse, out,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], 0, 0, 0, 0, 0, 0,
+            *site.pred_args(lst, cnt),
+            Hq, Nq, Nk, site.scale * LOG2E, site.scale, site.seed_word, site.dropout_p, site.inv_keep,
+            BLOCK_M=bm, BLOCK_N=bn, DQ_PASS=False, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            **site.meta(bm, bn),
         )
 
-    _run_tuned("fwd", plan, q, launch, configs.fwd_candidates, config)
+    _run_tuned("fwd", site, launch, configs.fwd_candidates, config)
     return out, lse
 
 
 def attention_backward(spec: AttentionSpec, q, k, v, attn_mask, out, lse, grad_out, dropout_p: float = 0.0,
-                       seed: int = 0, config: Optional[dict] = None):
+                       seed: int = 0, config: Optional[dict] = None, *, preds=None, q_aux=None, k_aux=None,
+                       block_pattern=None, layout: Optional[Layout] = None):
     """``(dq, dk, dv)`` of :func:`attention_forward`'s ``out`` for ``grad_out``."""
     q, k, v = _last_contiguous(q), _last_contiguous(k), _last_contiguous(v)
     out, grad_out = _last_contiguous(out), _last_contiguous(grad_out)
-    plan = _Plan(spec, q, k, v, attn_mask, dropout_p, seed)
-    B, Hq, Hk, Nq, Nk = plan.B, plan.Hq, plan.Hk, plan.Nq, plan.Nk
+    site = Site(spec, q, k, v, attn_mask, dropout_p, seed, preds, q_aux, k_aux, block_pattern, layout)
+    B, Hq, Hk, Nq, Nk = site.B, site.Hq, site.Hk, site.Nq, site.Nk
     dq = _empty(q.shape, q.dtype, q.device)
     dk = _empty(k.shape, k.dtype, k.device)
     dv = _empty(v.shape, v.dtype, v.device)
@@ -156,60 +290,49 @@ def attention_backward(spec: AttentionSpec, q, k, v, attn_mask, out, lse, grad_o
 
     pre_bm = 16 if configs.interpret_mode() else 64
     _bwd_preprocess[(_cdiv(Nq, pre_bm), B * Hq)](
-        out, grad_out, lse, delta, lse2,
-        out.stride(0), out.stride(1), out.stride(2), grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),
-        Hq, Nq, HEAD_DV=plan.Dv, BLOCK_DV=plan.block_dv, BLOCK_M=pre_bm,
+        out, grad_out, lse, delta, lse2, *out.stride()[:3], *grad_out.stride()[:3],
+        Hq, Nq, HEAD_DV=site.Dv, BLOCK_DV=site.block_dv, BLOCK_M=pre_bm,
         num_warps=1 if configs.interpret_mode() else 4,
     )
-    scalars = (plan.scale * LOG2E, plan.scale, plan.seed_mixed, plan.dropout_p, plan.inv_keep)
+    scalars = (Nq, Nk, site.scale * LOG2E, site.scale, site.seed_word, site.dropout_p, site.inv_keep)
 
     def launch(cfg):
         bm, bn, w, st = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"]
-        # orientation of the dK/dV tiles (see backward._dkdv_tiles): queries by keys by default
-        # for a row-wise selection, keys by queries otherwise
-        natural = bool(cfg.get("NATURAL", plan.policy == POLICY_DFSS))
-        _bwd_dkdv[(_cdiv(Nk, bn), B * Hk)](
-            q, k, v, plan.mask, grad_out, dk, dv, lse2, delta,
-            q.stride(0), q.stride(1), q.stride(2),
-            k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2),
-            grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),
-            dk.stride(0), dk.stride(1), dk.stride(2),
-            dv.stride(0), dv.stride(1), dv.stride(2),
-            *plan.mask_strides,
-            Hk, Nq, Nk, *scalars,
-            BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st, NATURAL=natural, **plan.common_meta(bm, bn),
+        # orientation of the dK/dV tiles: queries by keys for a row-wise selection, else keys by queries
+        natural = bool(cfg.get("NATURAL", site.policy == POLICY_DFSS))
+        lst, cnt = site.lists(bm, bn, False)
+        _dkdv_kernel[(_cdiv(Nk, bn), B * Hk)](
+            q, k, v, grad_out, dk, dv, lse2, delta,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3], *dk.stride()[:3],
+            *dv.stride()[:3], *site.pred_args(lst, cnt), Hk, *scalars,
+            BLOCK_M=bm, BLOCK_N=bn, NATURAL=natural, num_warps=w, num_stages=st, **site.meta(bm, bn),
         )
         # dQ: its own tiles when the config names them ("DQ": [queries, keys, warps, stages]),
         # else the dK/dV shape transposed (large query tile, small key tile)
         qm, qn, qw, qs = cfg.get("DQ") or (bn, bm, w, st)
-        _bwd_dq[(_cdiv(Nq, qm), B * Hq)](
-            q, k, v, plan.mask, grad_out, dq, lse2, delta,
-            q.stride(0), q.stride(1), q.stride(2),
-            k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2),
-            grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),
-            dq.stride(0), dq.stride(1), dq.stride(2),
-            *plan.mask_strides,
-            Hq, Nq, Nk, *scalars,
-            BLOCK_M=qm, BLOCK_N=qn, num_warps=qw, num_stages=qs, **plan.common_meta(qm, qn),
+        lst, cnt = site.lists(qm, qn, True)
+        _rows_kernel[(_cdiv(Nq, qm), B * Hq)](
+            q, k, v, out, grad_out, lse2, delta, dq,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], 0, 0, 0, *grad_out.stride()[:3], *dq.stride()[:3],
+            *site.pred_args(lst, cnt), Hq, *scalars,
+            BLOCK_M=qm, BLOCK_N=qn, DQ_PASS=True, num_warps=qw, num_stages=qs, **site.meta(qm, qn),
         )
 
-    _run_tuned("bwd", plan, q, launch, configs.bwd_candidates, config)
+    _run_tuned("bwd", site, launch, configs.bwd_candidates, config)
     return dq, dk, dv
 
 
-def _run_tuned(kind: str, plan, q, launch, candidates_fn, config: Optional[dict] = None) -> None:
+def _run_tuned(kind: str, site: Site, launch, candidates_fn, config: Optional[dict] = None) -> None:
     """Launch with ``config``, or with the remembered/tuned one for this call signature."""
     if config is None:
-        sig = (kind, configs.tuning_enabled()) + plan.signature(q.device)
+        sig = (kind, configs.tuning_enabled()) + site.signature()
         config = _config_memo.get(sig)
         if config is not None:
             launch(config)
         else:
-            cands = candidates_fn(plan.D, plan.Dv, q.dtype, plan.nm_m)
-            config = configs.choose(f"triton_attention_{kind}", plan.tune_key(q.device), cands,
-                                    _bencher(launch) if q.is_cuda else None)
+            cands = candidates_fn(site.D, site.Dv, site.dtype, site.nm_m)
+            config = configs.choose(f"triton_attention_{kind}", site.tune_key(), cands,
+                                    _bencher(launch) if site.device.type == "cuda" else None)
             config = _config_memo[sig] = _launch_with_fallback(launch, config, cands)
     else:
         launch(config)
@@ -239,23 +362,41 @@ def _bencher(launch):
     return bench
 
 
-_SCFA_POLICIES = ("hash", "drop")
+# A few recent layouts, so that the backward of a call (which gets the same bucket/keep tensors)
+# does not sort again. Keyed by the tensors' identity *and* version; the entry holds the tensors,
+# so their memory cannot be reused by others while cached.
+_LAYOUT_CACHE: dict = {}
+_LAYOUT_CACHE_SIZE = 4
+
+
+def _tensor_key(t: torch.Tensor):
+    return (t.data_ptr(), t._version, tuple(t.shape), tuple(t.stride()), t.dtype, str(t.device))
+
+
+def _layout_for(spec: AttentionSpec, q_aux, k_aux) -> Layout:
+    try:
+        key = (spec.policy.name, _tensor_key(q_aux), _tensor_key(k_aux))
+    except RuntimeError:  # inference tensors track no version: nothing to key a cache on
+        return layout_from_aux(spec, q_aux, k_aux)
+    hit = _LAYOUT_CACHE.get(key)
+    if hit is not None:
+        return hit[2]
+    lay = layout_from_aux(spec, q_aux, k_aux)
+    if len(_LAYOUT_CACHE) >= _LAYOUT_CACHE_SIZE:
+        _LAYOUT_CACHE.pop(next(iter(_LAYOUT_CACHE)))
+    _LAYOUT_CACHE[key] = (q_aux, k_aux, lay)
+    return lay
 
 
 class TritonBackend:
-    """Fused Triton kernels (forward and backward) for ``dense``, ``et`` and ``dfss`` (flash-style, N:M
-    selection in registers) and for ``hash``/``drop`` (sorted or compacted layouts, :mod:`.scfa`)."""
+    """Fused Triton kernels (forward and backward) of the one template for every policy and predicate."""
 
     name = "triton"
 
-    def supports(self, spec: AttentionSpec, q: torch.Tensor) -> Optional[str]:
+    def supports(self, spec: AttentionSpec, q: torch.Tensor, preds=None) -> Optional[str]:
         pol = spec.policy.name
-        if pol in _SCFA_POLICIES:
-            from . import scfa
-
-            return scfa.supports(spec, q)
         if pol not in _POLICIES:
-            return (f"policy {pol!r} has no Triton kernel yet (Triton runs: {', '.join(sorted(_POLICIES))})")
+            return f"policy {pol!r} has no Triton kernel (Triton runs: {', '.join(sorted(_POLICIES))})"
         if not (q.is_cuda or configs.interpret_mode()):
             return f"needs CUDA tensors (got {q.device.type}; TRITON_INTERPRET=1 runs it on the CPU)"
         if q.dtype not in _DTYPES:
@@ -268,28 +409,21 @@ class TritonBackend:
             return f"head dim {spec.head_dim} > {_MAX_HEAD_DIM}"
         return None
 
-    def forward(self, spec, q, k, v, attn_mask, q_aux, k_aux, block_pattern, dropout_p, seed):
-        self._check(spec, q, k, v)
-        if spec.policy.name in _SCFA_POLICIES:
-            from . import scfa
-
-            return scfa.scfa_forward(spec, q, k, v, attn_mask, q_aux, k_aux, dropout_p, seed)
-        return attention_forward(spec, q, k, v, attn_mask, dropout_p, seed)
+    def forward(self, spec, q, k, v, attn_mask, q_aux, k_aux, block_pattern, dropout_p, seed, preds=None):
+        self._check(spec, q, k, v, preds)
+        return attention_forward(spec, q, k, v, attn_mask, dropout_p, seed, preds=preds, q_aux=q_aux, k_aux=k_aux,
+                                 block_pattern=block_pattern)
 
     def backward(self, spec, q, k, v, attn_mask, q_aux, k_aux, block_pattern, dropout_p, seed,
-                 out, lse, grad_out, need_mask_grad=False):
+                 out, lse, grad_out, need_mask_grad=False, preds=None):
         # the mask gradient (a full B x H x Nq x Nk tensor) is left to the caller's fallback
-        self._check(spec, q, k, v)
-        if spec.policy.name in _SCFA_POLICIES:
-            from . import scfa
-
-            return scfa.scfa_backward(spec, q, k, v, attn_mask, q_aux, k_aux, dropout_p, seed, out, lse, grad_out,
-                                      need_mask_grad)
-        dq, dk, dv = attention_backward(spec, q, k, v, attn_mask, out, lse, grad_out, dropout_p, seed)
+        self._check(spec, q, k, v, preds)
+        dq, dk, dv = attention_backward(spec, q, k, v, attn_mask, out, lse, grad_out, dropout_p, seed, preds=preds,
+                                        q_aux=q_aux, k_aux=k_aux, block_pattern=block_pattern)
         return dq, dk, dv, None
 
-    def _check(self, spec, q, k, v) -> None:
-        reason = self.supports(spec, q)
+    def _check(self, spec, q, k, v, preds=None) -> None:
+        reason = self.supports(spec, q, preds)
         if reason is None and max(k.shape[-1], v.shape[-1]) > _MAX_HEAD_DIM:
             reason = f"head dim {max(k.shape[-1], v.shape[-1])} > {_MAX_HEAD_DIM}"
         if reason is not None:

@@ -1,0 +1,203 @@
+"""SDPA backend: PyTorch's own fused attention kernels for sites whose policy keeps every allowed entry.
+
+``dense`` and ``et`` sites without dropout compute exactly softmax attention over the allowed
+entries, which is what ``scaled_dot_product_attention`` computes; its kernels (the CPU flash kernel,
+and flash / memory-efficient on CUDA) are then the fastest correct choice, or compete with
+attncomp's own (``attncomp.runtime.dispatch`` decides). Dropout draws differ from attncomp's
+counter-based ones, so a call with dropout never runs here.
+
+The structured predicates (DESIGN.md §4.1) become ``is_causal`` when they are exactly SDPA's
+top-left causal mask, otherwise one additive mask built from the O(N) predicate vectors (and the
+residual ``attn_mask``). Rows with no allowed key give zeros and ``lse = -inf`` (fixed up on the
+device, no synchronisation). GQA expands k/v to the query heads; the backward sums the groups back.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ..spec import AttentionSpec, Predicates
+from .reference import predicate_mask
+
+__all__ = ["SdpaBackend", "keeps_all", "top_left_causal_only"]
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_CUDA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def keeps_all(spec: AttentionSpec) -> bool:
+    """Whether the spec's policy keeps every allowed entry (exact softmax attention)."""
+    return bool(getattr(spec.policy, "keeps_all", lambda: False)())
+
+
+def _has_positions(preds: Optional[Predicates]) -> bool:
+    return preds is not None and (preds.q_pos is not None or preds.k_pos is not None)
+
+
+def top_left_causal_only(spec: AttentionSpec, nq: int, nk: int, preds: Optional[Predicates]) -> bool:
+    """Whether the position bound is exactly SDPA's ``is_causal`` (``j <= i`` on default positions)."""
+    if not spec.causal or spec.window_left is not None or (spec.window_right is not None and spec.window_right < 0):
+        return False
+    if _has_positions(preds):
+        return False
+    return spec.causal_align == "top_left" or nq == nk
+
+
+def _expand(x: Tensor, hq: int) -> Tensor:
+    hk = x.shape[1]
+    return x if hk == hq else x.repeat_interleave(hq // hk, dim=1)
+
+
+def _sum_groups(x: Tensor, hk: int) -> Tensor:
+    B, H, N, D = x.shape
+    return x if H == hk else x.view(B, hk, H // hk, N, D).sum(2)
+
+
+def _plan(spec: AttentionSpec, q: Tensor, k: Tensor, attn_mask: Optional[Tensor], preds: Optional[Predicates]):
+    """``(is_causal, bias, row_ok)``: SDPA's causal flag, an additive mask in q's dtype (or None), and
+    the bool ``(B|1, H|1, Nq)`` rows that have an allowed key (None when every row has one)."""
+    nq, nk = q.shape[-2], k.shape[-2]
+    is_causal = top_left_causal_only(spec, nq, nk, preds)
+    pm = predicate_mask(spec, nq, nk, q.device, preds, positions=not is_causal)
+    if attn_mask is None and pm is None:
+        return is_causal, None, None
+    ninf = torch.full((), float("-inf"), dtype=q.dtype, device=q.device)
+    if attn_mask is None:
+        allowed, bias = pm, None
+    elif attn_mask.dtype == torch.bool:
+        allowed, bias = (attn_mask if pm is None else attn_mask & pm), None
+    else:
+        bias = attn_mask.to(q.dtype)
+        if pm is not None:
+            bias = torch.where(pm, bias, ninf)
+        allowed = None
+    if bias is None:
+        bias = torch.where(allowed, torch.zeros((), dtype=q.dtype, device=q.device), ninf)
+        row_ok = allowed.any(-1)
+    else:
+        row_ok = (bias != float("-inf")).any(-1)
+    if is_causal:
+        # a top-left causal row i keeps key 0 only if the mask allows it: recompute the rows with the bound
+        j = torch.arange(nk, device=q.device)
+        i = torch.arange(nq, device=q.device)
+        row_ok = ((bias != float("-inf")) & (j[None, :] <= i[:, None])).any(-1)
+    while bias.dim() < 4:
+        bias = bias.unsqueeze(0)
+    return is_causal, bias, row_ok
+
+
+def _scale(spec: AttentionSpec, d: int) -> float:
+    return spec.scale if spec.scale is not None else 1.0 / math.sqrt(d)
+
+
+class SdpaBackend:
+    """``torch.nn.functional.scaled_dot_product_attention``'s kernels, with attncomp's (out, lse) contract."""
+
+    name = "sdpa"
+
+    def supports(self, spec: AttentionSpec, q: Tensor, preds: Optional[Predicates] = None) -> Optional[str]:
+        if not keeps_all(spec):
+            return f"policy {spec.policy.name!r} does not keep every allowed entry (SDPA runs dense and et)"
+        if q.dtype not in (_CUDA_DTYPES if q.is_cuda else _DTYPES):
+            return f"dtype {q.dtype} not supported"
+        if q.device.type not in ("cpu", "cuda"):
+            return f"device {q.device.type} not supported"
+        return None
+
+    def supports_call(self, spec: AttentionSpec, q: Tensor, k: Tensor, v: Tensor, dropout_p: float,
+                      preds: Optional[Predicates] = None) -> Optional[str]:
+        """What the call adds to :meth:`supports`: no dropout, value head dim equal to q's."""
+        r = self.supports(spec, q, preds)
+        if r is not None:
+            return r
+        if dropout_p:
+            return "dropout draws differ from attncomp's (the reference or Triton run dropout)"
+        if v is not None and v.shape[-1] != q.shape[-1]:
+            return f"value head dim {v.shape[-1]} differs from q's {q.shape[-1]}"
+        return None
+
+    # -- forward ------------------------------------------------------------------------------
+    def forward(self, spec, q, k, v, attn_mask, q_aux, k_aux, block_pattern, dropout_p, seed, preds=None):
+        if dropout_p:
+            raise RuntimeError("SDPA backend: dropout is not run here (attncomp's dropout draws differ)")
+        out, lse, _ = self._forward(spec, q, k, v, attn_mask, preds)
+        # SDPA's kernels follow q's memory layout; the op's contract (and its fake) is contiguous
+        return out.contiguous(), lse
+
+    def _forward(self, spec, q, k, v, attn_mask, preds):
+        hq = q.shape[1]
+        kk, vv = _expand(k, hq), _expand(v, hq)
+        is_causal, bias, row_ok = _plan(spec, q, k, attn_mask, preds)
+        scale = _scale(spec, q.shape[-1])
+        if q.shape[-2] == 0 or k.shape[-2] == 0:
+            out = q.new_zeros(q.shape[:-1] + (v.shape[-1],))
+            lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+            return out, lse, lse
+        if q.is_cuda:
+            out, lse = _cuda_forward(q, kk, vv, bias, is_causal, scale)
+        else:
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q, kk, vv, 0.0, is_causal, attn_mask=bias, scale=scale)
+        raw_lse = lse
+        lse = lse.to(torch.float32)
+        if row_ok is not None:
+            out = torch.where(row_ok[..., None], out, torch.zeros((), dtype=out.dtype, device=out.device))
+            lse = torch.where(row_ok, lse, torch.full((), float("-inf"), device=lse.device))
+        return out, lse.expand(q.shape[:-1]).contiguous(), raw_lse
+
+    # -- backward -----------------------------------------------------------------------------
+    def backward(self, spec, q, k, v, attn_mask, q_aux, k_aux, block_pattern, dropout_p, seed,
+                 out, lse, grad_out, need_mask_grad=False, preds=None):
+        if dropout_p:
+            raise RuntimeError("SDPA backend: dropout is not run here (attncomp's dropout draws differ)")
+        hq, hk = q.shape[1], k.shape[1]
+        if q.is_cuda:
+            dq, dk, dv = _cuda_backward(spec, q, k, v, attn_mask, preds, grad_out)
+            return dq, dk, dv, None
+        kk, vv = _expand(k, hq), _expand(v, hq)
+        is_causal, bias, _ = _plan(spec, q, k, attn_mask, preds)
+        if q.dtype == torch.float64:
+            # attncomp's lse is float32: recompute SDPA's own for float64 accuracy
+            _, _, raw = self._forward(spec, q, k, v, attn_mask, preds)
+        else:
+            # an empty row's lse is -inf; SDPA's kernel wants a finite one there (its p is 0 anyway)
+            raw = torch.where(torch.isneginf(lse), torch.zeros((), dtype=lse.dtype, device=lse.device), lse)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out.to(q.dtype), q, kk, vv, out, raw, 0.0, is_causal, attn_mask=bias, scale=_scale(spec, q.shape[-1]))
+        return dq, _sum_groups(dk, hk), _sum_groups(dv, hk), None
+
+
+# -- CUDA (run by the GPU issue; the CPU tests cover the choice logic) ----------------------------
+
+def _cuda_forward(q, k, v, bias, is_causal, scale) -> Tuple[Tensor, Tensor]:
+    if bias is None and q.dtype in (torch.float16, torch.bfloat16):
+        r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)
+        return r[0], r[1]
+    if bias is not None:
+        # the memory-efficient kernel wants the bias's last dim 16-byte aligned: pad, then slice a view
+        nk = bias.shape[-1]
+        pad = (-nk) % 16
+        full = torch.nn.functional.pad(bias.expand(q.shape[0], q.shape[1], q.shape[2], nk), (0, pad))
+        bias = full[..., :nk]
+    r = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, 0.0, is_causal, scale=scale)
+    return r[0], r[1][..., : q.shape[-2]]
+
+
+def _cuda_backward(spec, q, k, v, attn_mask, preds, grad_out):
+    # recompute through SDPA's autograd: the kernel SDPA picks for these inputs runs forward and backward
+    hq = q.shape[1]
+    is_causal, bias, row_ok = _plan(spec, q, k, attn_mask, preds)
+    if row_ok is not None:
+        # rows with no allowed key: a finite bias keeps SDPA's softmax finite, a zero grad_out drops them
+        bias = torch.where(row_ok[..., None], bias, torch.zeros((), dtype=bias.dtype, device=bias.device))
+        grad_out = torch.where(row_ok[..., None], grad_out, torch.zeros((), dtype=grad_out.dtype, device=q.device))
+    with torch.enable_grad():
+        qq, kk0, vv0 = (t.detach().requires_grad_(True) for t in (q, k, v))
+        o = torch.nn.functional.scaled_dot_product_attention(qq, _expand(kk0, hq), _expand(vv0, hq), attn_mask=bias,
+                                                             is_causal=is_causal, scale=_scale(spec, q.shape[-1]))
+        dq, dk, dv = torch.autograd.grad(o, (qq, kk0, vv0), grad_out.to(o.dtype))
+    return dq, dk, dv
