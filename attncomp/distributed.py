@@ -232,20 +232,42 @@ def _block_forward(spec: AttentionSpec, q, k, v, q_aux, k_aux):
     return torch.ops.attncomp.attention(q, k, v, None, q_aux, k_aux, None, *_no_preds(), spec.to_json(), 0.0, 0)
 
 
+#: backends whose backward recomputes each probability from the ``lse`` it is given and takes
+#: ``delta`` from the ``out`` it is given (FlashAttention-2 style): given the global ones, they return
+#: a block's share of the global gradient
+_LSE_BACKWARDS = ("triton",)
+
+
+def _lse_backend(spec: AttentionSpec, q, k, v) -> Optional[str]:
+    """The flash-style backend that can run this block's backward, or ``None``."""
+    if not q.is_cuda:
+        return None
+    from .codegen import get_backend
+
+    for name in ([spec.backend] if spec.backend != "auto" else []) + list(_LSE_BACKWARDS):
+        if name not in _LSE_BACKWARDS:
+            continue
+        try:
+            be = get_backend(name)
+            if be.supports(spec, q) is None:
+                return name
+        except Exception:  # not installed, or cannot run here: the exact formula below runs instead
+            continue
+    return None
+
+
 def _block_backward(spec: AttentionSpec, q, k, v, q_aux, k_aux, out, lse, dout):
     """``(dq, dk, dv)`` of one block's share of the global attention: probabilities
     ``exp(s - lse)`` with the global ``lse`` of each query row, ``delta = rowsum(dO * O)`` of the
-    merged output. Backends with a flash-style backward (which use ``out`` and ``lse`` exactly so) run
-    it through ``attncomp::attention_backward``; the reference backward recomputes a block-local
-    softmax, so for it the same formula runs here on the reference's logits and keep rule."""
-    from .runtime.dispatch import select_backend
-
-    be = select_backend(spec, q, k, v)
-    if getattr(be, "name", "reference") != "reference":
+    merged output. On a GPU a flash-style backend (:data:`_LSE_BACKWARDS`) runs it through
+    ``attncomp::attention_backward``; elsewhere (the reference and SDPA backends recompute a
+    block-local softmax in their backward) the same formula runs here on the reference's logits and
+    keep rule, so the policy's selection is exactly the reference's."""
+    name = _lse_backend(spec, q, k, v)
+    if name is not None:
         dq, dk, dv, _ = torch.ops.attncomp.attention_backward(
             dout.contiguous(), q, k, v, None, q_aux, k_aux, None, *_no_preds(), out.contiguous(),
-            lse.float().contiguous(),
-            spec.to_json(), 0.0, 0, False)
+            lse.float().contiguous(), spec.replace(backend=name).to_json(), 0.0, 0, False)
         return dq, dk, dv
     from .codegen import reference as ref
 
