@@ -27,11 +27,12 @@ class PassError(RuntimeError):
 
 def default_passes() -> List[Tuple[str, Pass]]:
     """The compile pipeline after capture, in order."""
-    from . import canonicalize, match_attention, scale_reorder, fold_wv_wo, sparsify, select_backend
+    from . import analyze_mask, canonicalize, match_attention, scale_reorder, fold_wv_wo, sparsify, select_backend
 
     return [
         ("canonicalize", canonicalize.canonicalize),
         ("match_attention", match_attention.match_attention),
+        ("analyze_mask", analyze_mask.analyze_mask),
         ("scale_reorder", scale_reorder.scale_reorder),
         ("fold_wv_wo", fold_wv_wo.fold_wv_wo),
         ("sparsify", sparsify.sparsify),

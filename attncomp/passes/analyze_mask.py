@@ -1,0 +1,1125 @@
+"""Turn the masks models compute into the structured predicates of DESIGN.md §4.1.
+
+Matches: every ``attncomp::attention`` node whose ``attn_mask`` argument is computed in the graph.
+The subgraph that computes the mask is evaluated symbolically over the four axes ``(b, h, i, j)`` of
+the logits: ``arange``s and position vectors (``cache_position``, ``position_ids``) are integer
+vectors along one axis, comparisons of an ``i``-vector with a ``j``-vector are position bounds or
+segment equalities, boolean tensors that vary only along ``(b, j)`` or ``(b, i)`` are padding, and
+``&``/``where``/``masked_fill``/casts/additive ``0``-or-large-negative floats combine them. Shapes are
+followed through ``unsqueeze``/``None``-indexing/``expand``/``view``/``permute``/full slices and
+advanced indexing (``padding_mask[batch_idx, kv_idx]``, as Hugging Face's mask functions and
+``vmap`` write it): every tensor dim carries a label, labels of dims that meet in an elementwise
+operation are unified, and the mask's last four dims name ``b, h, i, j``. A tensor's broadcast value
+depends only on the axes its non-size-1 dims carry, whatever op computed it, which is what makes the
+classification sound for ops the pass does not otherwise understand.
+
+The mask is a conjunction; each conjunct becomes
+
+* position bounds ``lo <= k_expr[j] - q_expr[i] <= hi`` -> ``q_pos``/``k_pos`` and ``window(left, right)``
+  (``right == 0``: causal); plain ``arange``s from 0 need no tensors (top-left, or bottom-right when the
+  query offset is ``Nk - Nq``);
+* an equality of an ``i``-vector and a ``j``-vector -> ``q_seg``/``k_seg`` (packed documents);
+* a boolean vector along ``(b, j)`` -> ``k_valid``; along ``(b, i)`` -> ``q_valid`` (padding);
+* anything else (a value that depends on data along both ``i`` and ``j``, or on heads) -> the dense
+  residual ``attn_mask``, with the reason in the report.
+
+Requires: :mod:`.match_attention` ran (sites are ``attncomp::attention`` nodes) and the op has the
+predicate arguments of DESIGN.md §4.1. Leaves (inputs, parameters, ops the pass does not model) need
+shape metadata (``val``/``example_value`` or ``tensor_meta``); without it the mask stays materialised.
+
+Guarantees: the rewritten op computes the same allowed set as the original mask (float masks: entries
+``<= -1e4`` count as excluded, as in :mod:`.match_attention`); predicate tensors are O(N) values
+computed in the graph from the same vectors, so the N x N mask nodes become dead and are removed; a
+site whose mask cannot be proven is left unchanged. Each site's report gets a ``mask`` entry: the
+predicates in words, or ``materialised mask: <why>``.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from dataclasses import dataclass, field, replace
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.fx as fx
+
+from .base import CompileContext, PassResult
+from .node_info import attention_sites, describe, dtype_of, meta_shape, scalar_value, site_report, spec_of, \
+    spec_index, static_int, UNKNOWN
+
+log = logging.getLogger(__name__)
+
+__all__ = ["analyze_mask", "analyze", "MaskAnalysis"]
+
+aten = torch.ops.aten
+
+_FILL_MAX = -1e4          # additive values at or below this exclude an entry (as match_attention's fills)
+_PRED_NAMES = ("q_pos", "k_pos", "q_seg", "k_seg", "q_valid", "k_valid")
+_INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool)
+
+
+class _Fail(Exception):
+    """The mask cannot be analysed at all; the message is the reason."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Labels of tensor dims (union-find) and abstract values
+
+
+class _Labels:
+    def __init__(self):
+        self.parent: List[int] = []
+
+    def new(self) -> int:
+        self.parent.append(len(self.parent))
+        return len(self.parent) - 1
+
+    def find(self, a: int) -> int:
+        while self.parent[a] != a:
+            self.parent[a] = self.parent[self.parent[a]]
+            a = self.parent[a]
+        return a
+
+    def union(self, a: int, b: int) -> int:
+        ra, rb = self.find(a), self.find(b)
+        if ra != rb:
+            self.parent[rb] = ra
+        return ra
+
+
+Layout = Tuple[Optional[int], ...]   # a label per dim; None for a dim of size 1
+
+
+@dataclass(frozen=True)
+class _Src:
+    """A graph value equal to one conjunct: ``how`` says how to read it as "allowed"."""
+    node: fx.Node
+    layout: Layout
+    how: str = "bool"         # bool | not | nonzero | zero
+
+    def negated(self) -> "_Src":
+        flip = {"bool": "not", "not": "bool", "nonzero": "zero", "zero": "nonzero"}
+        return replace(self, how=flip[self.how])
+
+
+@dataclass(frozen=True)
+class _Leaf:
+    """A tensor the pass does not look into, with the labels of its dims."""
+    node: fx.Node
+    layout: Layout
+
+    def key(self):
+        n = self.node
+        if n.op == "call_function" and n.target in (torch.arange, aten.arange.default, aten.arange.start,
+                                                     aten.arange.start_step):
+            return ("arange", tuple(str(a) for a in n.args), str(n.kwargs.get("dtype")))
+        return ("node", n.name)
+
+
+@dataclass
+class _Num:
+    """``const + sum(coef * leaf) + sum(coef * scalar)``: a numeric tensor or scalar."""
+    layout: Layout
+    terms: Tuple[Tuple[Any, _Leaf], ...] = ()
+    const: Any = 0
+    syms: Tuple[Tuple[Any, fx.Node], ...] = ()
+
+    def is_const(self) -> bool:
+        return not self.terms and not self.syms
+
+
+@dataclass(frozen=True)
+class _Atom:
+    """One conjunct. ``cmp``: ``lo <= lin <= hi`` (``lin`` has no constant); ``leaf``: ``src`` itself."""
+    kind: str
+    src: _Src
+    lin: Optional[_Num] = None
+    lo: Optional[int] = None
+    hi: Optional[int] = None
+
+    def negated(self) -> Optional["_Atom"]:
+        if self.kind == "leaf":
+            return replace(self, src=self.src.negated())
+        if self.lo is not None and self.hi is not None:
+            return None   # the negation of a two-sided bound is a disjunction
+        if self.hi is not None:
+            return replace(self, src=self.src.negated(), lo=self.hi + 1, hi=None)
+        return replace(self, src=self.src.negated(), lo=None, hi=self.lo - 1)
+
+
+@dataclass
+class _Pred:
+    """A boolean tensor: the AND of ``atoms`` (or constant False)."""
+    layout: Layout
+    atoms: Tuple[_Atom, ...] = ()
+    false: bool = False
+
+
+@dataclass
+class _FMask:
+    """An additive float mask: 0 where ``pred`` holds, <= -1e4 elsewhere, plus ``biases`` (float leaves)."""
+    layout: Layout
+    pred: _Pred
+    biases: Tuple[_Leaf, ...] = ()
+
+
+@dataclass
+class _Ind:
+    """A numeric 0/1 tensor: 1 where ``pred`` holds."""
+    layout: Layout
+    pred: _Pred
+
+
+def _relayout(v, layout: Layout):
+    if isinstance(v, _FMask):
+        return replace(v, layout=layout, pred=replace(v.pred, layout=layout))
+    if isinstance(v, _Ind):
+        return replace(v, layout=layout, pred=replace(v.pred, layout=layout))
+    return replace(v, layout=layout)
+
+
+# ---------------------------------------------------------------------------------------------
+# Op tables (the three spellings of each op after canonicalize)
+
+def _fn(*names):
+    out = set()
+    for nm in names:
+        for mod in (torch, operator):
+            f = getattr(mod, nm, None)
+            if f is not None and callable(f):
+                out.add(f)
+    return out
+
+
+_CMP = {
+    "lt": _fn("lt") | {aten.lt.Tensor, aten.lt.Scalar}, "le": _fn("le") | {aten.le.Tensor, aten.le.Scalar},
+    "gt": _fn("gt") | {aten.gt.Tensor, aten.gt.Scalar}, "ge": _fn("ge") | {aten.ge.Tensor, aten.ge.Scalar},
+    "eq": _fn("eq") | {aten.eq.Tensor, aten.eq.Scalar}, "ne": _fn("ne") | {aten.ne.Tensor, aten.ne.Scalar},
+}
+_CMP_METHODS = {"lt": "lt", "le": "le", "gt": "gt", "ge": "ge", "eq": "eq", "ne": "ne", "__lt__": "lt",
+                "__le__": "le", "__gt__": "gt", "__ge__": "ge", "__eq__": "eq", "__ne__": "ne",
+                "less": "lt", "less_equal": "le", "greater": "gt", "greater_equal": "ge"}
+_SWAP = {"lt": "gt", "le": "ge", "gt": "lt", "ge": "le", "eq": "eq", "ne": "ne"}
+_FUNCS = {
+    "and": {operator.and_, torch.logical_and, torch.bitwise_and, aten.logical_and.default,
+            aten.bitwise_and.Tensor, aten.__and__.Tensor, aten.bitwise_and.Scalar},
+    "or": {operator.or_, torch.logical_or, torch.bitwise_or, aten.logical_or.default, aten.bitwise_or.Tensor,
+           aten.__or__.Tensor},
+    "not": {operator.invert, torch.logical_not, torch.bitwise_not, aten.logical_not.default,
+            aten.bitwise_not.default},
+    "add": {operator.add, torch.add, aten.add.Tensor, aten.add.Scalar},
+    "sub": {operator.sub, torch.sub, torch.subtract, aten.sub.Tensor, aten.sub.Scalar},
+    "rsub": {torch.rsub, aten.rsub.Scalar, aten.rsub.Tensor},
+    "mul": {operator.mul, torch.mul, aten.mul.Tensor, aten.mul.Scalar},
+    "neg": {operator.neg, torch.neg, aten.neg.default},
+    "where": {torch.where, aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar},
+    "masked_fill": {torch.masked_fill, aten.masked_fill.Scalar, aten.masked_fill.Tensor},
+    "unsqueeze": {torch.unsqueeze, aten.unsqueeze.default},
+    "squeeze": {torch.squeeze, aten.squeeze.dim, aten.squeeze.default, aten.squeeze.dims},
+    "expand": {aten.expand.default, torch.broadcast_to, aten.broadcast_to.default},
+    "reshape": {torch.reshape, aten.view.default, aten._unsafe_view.default, aten.reshape.default},
+    "permute": {torch.permute, aten.permute.default},
+    "transpose": {torch.transpose, aten.transpose.int, torch.swapaxes},
+    "identity": {torch.clone, aten.clone.default, aten.contiguous.default, aten.alias.default,
+                 aten.detach.default, torch.detach, aten.lift_fresh_copy.default},
+    "index": {aten.index.Tensor},
+    "slice": {aten.slice.Tensor},
+    "select": {aten.select.int, torch.select},
+    "arange": {torch.arange, aten.arange.default, aten.arange.start, aten.arange.start_step},
+    "full": {torch.ones, torch.full, aten.ones.default, aten.full.default, torch.zeros, aten.zeros.default},
+    "new_full": {aten.new_ones.default, aten.new_full.default, aten.new_zeros.default},
+    "like": {torch.ones_like, torch.zeros_like, torch.full_like, aten.ones_like.default, aten.zeros_like.default,
+             aten.full_like.default},
+    "cast": {aten._to_copy.default, aten.to.dtype, aten.to.device, aten.to.dtype_layout, aten.to.other},
+}
+_METHODS = {
+    "__and__": "and", "logical_and": "and", "bitwise_and": "and", "__or__": "or", "logical_or": "or",
+    "bitwise_or": "or", "__invert__": "not", "logical_not": "not", "bitwise_not": "not",
+    "add": "add", "__add__": "add", "__radd__": "add", "sub": "sub", "__sub__": "sub", "__rsub__": "rsub",
+    "mul": "mul", "__mul__": "mul", "__rmul__": "mul", "neg": "neg", "__neg__": "neg",
+    "masked_fill": "masked_fill", "unsqueeze": "unsqueeze", "squeeze": "squeeze", "expand": "expand",
+    "view": "reshape", "reshape": "reshape", "permute": "permute", "transpose": "transpose",
+    "contiguous": "identity", "clone": "identity", "detach": "identity", "to": "cast", "type": "cast",
+    "float": "cast", "double": "cast", "half": "cast", "bfloat16": "cast", "long": "cast", "int": "cast",
+    "bool": "cast", "type_as": "cast", "new_ones": "new_full", "new_zeros": "new_full", "new_full": "new_full",
+    "expand_as": "expand_as", "__getitem__": "getitem",
+}
+_CAST_METHOD_DTYPES = {"float": torch.float32, "double": torch.float64, "half": torch.float16,
+                       "bfloat16": torch.bfloat16, "long": torch.int64, "int": torch.int32, "bool": torch.bool}
+
+
+def _kind(n: fx.Node) -> Optional[str]:
+    if n.op == "call_method":
+        if n.target in _CMP_METHODS:
+            return "cmp:" + _CMP_METHODS[n.target]
+        return _METHODS.get(n.target)
+    if n.op != "call_function":
+        return None
+    t = n.target
+    if t is operator.getitem:
+        return "getitem"
+    for k, fs in _CMP.items():
+        if t in fs:
+            return "cmp:" + k
+    for k, fs in _FUNCS.items():
+        if t in fs:
+            return k
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# The evaluator
+
+
+def _is_big_negative(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v <= _FILL_MAX
+
+
+class _Eval:
+    """Abstract values of the nodes that compute masks (memoised per graph)."""
+
+    def __init__(self, gm: fx.GraphModule):
+        self.gm = gm
+        self.labels = _Labels()
+        self.memo: Dict[fx.Node, Any] = {}
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def fresh_layout(self, shape) -> Layout:
+        return tuple(None if static_int(s) == 1 else self.labels.new() for s in shape)
+
+    def broadcast(self, *layouts: Layout) -> Layout:
+        r = max((len(l) for l in layouts), default=0)
+        out: List[Optional[int]] = [None] * r
+        for l in layouts:
+            off = r - len(l)
+            for d, lab in enumerate(l):
+                if lab is None:
+                    continue
+                cur = out[off + d]
+                out[off + d] = lab if cur is None else self.labels.union(cur, lab)
+        return tuple(out)
+
+    def opaque(self, n: fx.Node, layout: Optional[Layout] = None):
+        """``n`` as a value the pass does not look into: a leaf over its own dims."""
+        if layout is None:
+            shape = meta_shape(n)
+            if shape is None:
+                v = n.meta.get("example_value")
+                shape = tuple(v.shape) if isinstance(v, torch.Tensor) else None
+            if shape is None:
+                raise _Fail(f"{n.name} ({describe(n)}) has no shape metadata")
+            layout = self.fresh_layout(shape)
+        dt = self.dtype(n)
+        if dt is None:
+            raise _Fail(f"{n.name} ({describe(n)}) has no dtype metadata")
+        if dt == torch.bool:
+            return _Pred(layout, (_Atom("leaf", _Src(n, layout)),))
+        return _Num(layout, ((1, _Leaf(n, layout)),))
+
+    def dtype(self, n: fx.Node) -> Optional[torch.dtype]:
+        dt = dtype_of(n)
+        if dt is None:
+            v = n.meta.get("example_value")
+            dt = v.dtype if isinstance(v, torch.Tensor) else None
+        return dt
+
+    def scalar(self, x):
+        """A Python number, or a graph scalar (SymInt) node, as a value; None if ``x`` is a tensor."""
+        if isinstance(x, bool):
+            return _Pred((), false=not x)
+        if isinstance(x, (int, float)):
+            return _Num((), const=x)
+        if isinstance(x, fx.Node):
+            v = x.meta.get("val", x.meta.get("example_value"))
+            if isinstance(v, (int, torch.SymInt)) and not isinstance(v, bool):
+                c = static_int(v)
+                return _Num((), const=c) if c is not None else _Num((), syms=((1, x),))
+            if isinstance(v, (float, torch.SymFloat)):
+                return _Num((), syms=((1, x),))
+            if not isinstance(v, torch.Tensor):
+                sv = scalar_value(self.gm, x)
+                if sv is not UNKNOWN:
+                    return _Num((), const=sv)
+        return None
+
+    # -- evaluation ------------------------------------------------------------------------------
+    def __call__(self, x):
+        s = self.scalar(x)
+        if s is not None:
+            return s
+        if not isinstance(x, fx.Node):
+            raise _Fail(f"unsupported mask operand {x!r}")
+        if x in self.memo:
+            return self.memo[x]
+        v = self._eval(x)
+        self.memo[x] = v
+        return v
+
+    def _eval(self, n: fx.Node):
+        k = _kind(n)
+        a = list(n.args)
+        if k is None:
+            sv = scalar_value(self.gm, n)  # 0-dim constants such as torch.tensor(0.0)
+            if sv is not UNKNOWN and (meta_shape(n) in (None, ()) ):
+                return _Num((), const=sv)
+            return self.opaque(n)
+        if k.startswith("cmp:"):
+            return self.compare(n, k[4:], self(a[0]), self(a[1]))
+        if k == "and":
+            return self.conj(n, self(a[0]), self(a[1]))
+        if k == "or":
+            x, y = self(a[0]), self(a[1])
+            for p, q in ((x, y), (y, x)):
+                if isinstance(p, _Pred) and p.false and not p.layout:
+                    return q
+            return self.opaque(n)
+        if k == "not":
+            x = self(a[0])
+            if isinstance(x, _Pred):
+                return self.negate(n, x)
+            return self.opaque(n)
+        if k in ("add", "sub", "rsub", "mul", "neg"):
+            return self.arith(n, k, a)
+        if k == "where":
+            return self.where(n, self(a[0]), self(a[1]), self(a[2]))
+        if k == "masked_fill":
+            return self.where(n, self(a[1]), self(a[2]), self(a[0]))
+        if k == "cast":
+            return self.cast(n, a)
+        if k == "identity":
+            return self(a[0])
+        if k == "arange":
+            return self.arange(n, a)
+        if k in ("full", "new_full", "like"):
+            return self.full(n, k, a)
+        return self.shape_op(n, k, a)
+
+    # boolean structure
+    def conj(self, n, x, y):
+        if isinstance(x, _Ind) and isinstance(y, _Ind):
+            return _Ind(self.broadcast(x.layout, y.layout), self.conj(n, x.pred, y.pred))
+        if not (isinstance(x, _Pred) and isinstance(y, _Pred)):
+            return self.opaque(n)
+        lay = self.broadcast(x.layout, y.layout)
+        return _Pred(lay, x.atoms + y.atoms, x.false or y.false)
+
+    def negate(self, n, x: _Pred):
+        if not x.atoms:
+            return _Pred(x.layout, (), not x.false)
+        if len(x.atoms) == 1 and not x.false:
+            na = x.atoms[0].negated()
+            if na is not None:
+                return _Pred(x.layout, (na,))
+        return self.opaque(n)
+
+    def compare(self, n, op, x, y):
+        # boolean / indicator / additive-mask operands compared with 0 or 1
+        for p, c, o in ((x, y, op), (y, x, _SWAP[op])):
+            if isinstance(c, _Num) and c.is_const() and not c.layout and op in ("eq", "ne"):
+                val = c.const
+                if isinstance(p, (_Pred, _Ind)):
+                    pred = p if isinstance(p, _Pred) else p.pred
+                    truth = val in (1, True) if op == "eq" else val in (0, False)
+                    if val not in (0, 1):
+                        return _Pred(p.layout, (), false=op == "eq")
+                    return pred if truth else self.negate(n, pred)
+                if isinstance(p, _FMask) and val == 0 and not p.biases:
+                    return p.pred if op == "eq" else self.negate(n, p.pred)
+        if not (isinstance(x, _Num) and isinstance(y, _Num)):
+            return self.opaque(n)
+        d = self.lin_sub(x, y)
+        lay = self.broadcast(x.layout, y.layout)
+        if d.is_const():
+            c = d.const
+            truth = {"lt": c < 0, "le": c <= 0, "gt": c > 0, "ge": c >= 0, "eq": c == 0, "ne": c != 0}[op]
+            return _Pred(lay, (), not truth)
+        if op == "ne":
+            return self.opaque(n)
+        if not self.integral(d):
+            return self.opaque(n)
+        c = d.const
+        lin = replace(d, const=0, layout=lay)
+        lo, hi = {"lt": (None, -c - 1), "le": (None, -c), "gt": (-c + 1, None), "ge": (-c, None),
+                  "eq": (-c, -c)}[op]
+        return _Pred(lay, (_Atom("cmp", _Src(n, lay), lin, lo, hi),))
+
+    def integral(self, d: _Num) -> bool:
+        if not isinstance(d.const, int) or isinstance(d.const, bool):
+            return False
+        for coef, leaf in d.terms:
+            if not isinstance(coef, int) or self.dtype(leaf.node) not in _INT_DTYPES:
+                return False
+        for coef, s in d.syms:
+            v = s.meta.get("val", s.meta.get("example_value"))
+            if not isinstance(coef, int) or not isinstance(v, (int, torch.SymInt)):
+                return False
+        return True
+
+    # numbers
+    def lin_scale(self, x: _Num, c) -> _Num:
+        return _Num(x.layout, tuple((coef * c, l) for coef, l in x.terms), x.const * c,
+                    tuple((coef * c, s) for coef, s in x.syms))
+
+    def lin_add(self, x: _Num, y: _Num) -> _Num:
+        return _Num(self.broadcast(x.layout, y.layout), x.terms + y.terms, x.const + y.const, x.syms + y.syms)
+
+    def lin_sub(self, x: _Num, y: _Num) -> _Num:
+        return self.lin_add(x, self.lin_scale(y, -1))
+
+    def arith(self, n, k, a):
+        if k == "neg":
+            x = self(a[0])
+            return self.lin_scale(x, -1) if isinstance(x, _Num) else self.opaque(n)
+        if any(kw not in ("alpha",) for kw in n.kwargs) or (n.kwargs.get("alpha", 1) != 1) or len(a) > 2:
+            return self.opaque(n)
+        x, y = self(a[0]), self(a[1])
+        if k == "rsub":
+            x, y, k = y, x, "sub"
+        if k == "mul":
+            return self.mul(n, x, y)
+        if isinstance(x, _Num) and isinstance(y, _Num):
+            return self.lin_add(x, y) if k == "add" else self.lin_sub(x, y)
+        if k == "add":
+            for p, q in ((x, y), (y, x)):
+                if isinstance(p, _FMask):
+                    if isinstance(q, _FMask):
+                        pred = self.conj(n, p.pred, q.pred)
+                        return _FMask(pred.layout, pred, p.biases + q.biases)
+                    if isinstance(q, _Num) and q.is_const() and q.const == 0:
+                        return p
+                    if isinstance(q, _Num) and not q.syms and q.const == 0 and len(q.terms) == 1 \
+                            and q.terms[0][0] == 1:
+                        lay = self.broadcast(p.layout, q.layout)
+                        return _FMask(lay, replace(p.pred, layout=lay), p.biases + (q.terms[0][1],))
+        if k == "sub" and isinstance(x, _Num) and x.is_const() and x.const == 1 and isinstance(y, _Ind):
+            neg = self.negate(n, y.pred)
+            if isinstance(neg, _Pred):
+                return _Ind(y.layout, neg)
+        return self.opaque(n)
+
+    def mul(self, n, x, y):
+        if isinstance(x, _Num) and isinstance(y, _Num):
+            if y.is_const() and not y.layout:
+                return self.lin_scale(x, y.const)
+            if x.is_const() and not x.layout:
+                return self.lin_scale(y, x.const)
+            return self.opaque(n)
+        if isinstance(x, _Pred) and isinstance(y, _Pred):
+            return self.conj(n, x, y)
+        for p, c in ((x, y), (y, x)):
+            if isinstance(p, _Ind) and isinstance(c, _Num) and c.is_const() and not c.layout:
+                if c.const == 1:
+                    return p
+                if _is_big_negative(c.const):
+                    neg = self.negate(n, p.pred)
+                    if isinstance(neg, _Pred):
+                        return _FMask(p.layout, neg)
+            if isinstance(p, _Ind) and isinstance(c, _Ind):
+                return _Ind(self.broadcast(p.layout, c.layout), self.conj(n, p.pred, c.pred))
+        return self.opaque(n)
+
+    def where(self, n, c, x, y):
+        if not isinstance(c, _Pred):
+            return self.opaque(n)
+        lay = self.broadcast(c.layout, x.layout, y.layout)
+
+        def const(v):
+            if isinstance(v, _Num) and v.is_const() and not v.layout:
+                return v.const
+            if isinstance(v, _Pred) and not v.atoms and not v.layout:
+                return not v.false
+            return None
+        cx, cy = const(x), const(y)
+        dt = self.dtype(n) if isinstance(n, fx.Node) else None
+        if cx is not None and cy is not None:
+            if cx is True and cy is False:
+                return _Pred(lay, c.atoms, c.false)
+            if cx is False and cy is True:
+                neg = self.negate(n, c)
+                return replace(neg, layout=lay) if isinstance(neg, _Pred) else neg
+            if cx == 0 and _is_big_negative(cy):
+                return _FMask(lay, replace(c, layout=lay))
+            if cy == 0 and _is_big_negative(cx):
+                neg = self.negate(n, c)
+                return _FMask(lay, replace(neg, layout=lay)) if isinstance(neg, _Pred) else neg
+            if cx == 1 and cy == 0 and dt != torch.bool:
+                return _Ind(lay, replace(c, layout=lay))
+            return self.opaque(n)
+        if cy is False and isinstance(x, _Pred):
+            return _Pred(lay, c.atoms + x.atoms, c.false or x.false)
+        if isinstance(x, _FMask) and cy is not None and _is_big_negative(cy):
+            return _FMask(lay, _Pred(lay, c.atoms + x.pred.atoms, c.false or x.pred.false), x.biases)
+        return self.opaque(n)
+
+    def cast(self, n, a):
+        x = self(a[0])
+        dt = None
+        if n.op == "call_method" and n.target in _CAST_METHOD_DTYPES:
+            dt = _CAST_METHOD_DTYPES[n.target]
+        else:
+            for v in list(a[1:]) + [n.kwargs.get("dtype")]:
+                if isinstance(v, torch.dtype):
+                    dt = v
+            if n.op == "call_method" and n.target == "type_as":
+                dt = self.dtype(a[1])
+                if dt is None:
+                    return self.opaque(n)
+        if dt is None:
+            return x      # a device move
+        if isinstance(x, _Pred):
+            return x if dt == torch.bool else _Ind(x.layout, x)
+        if isinstance(x, _Ind):
+            return x.pred if dt == torch.bool else x
+        if isinstance(x, _FMask):
+            return x if dt.is_floating_point else self.opaque(n)
+        if isinstance(x, _Num):
+            if dt == torch.bool:
+                return self.opaque(n)
+            if dt.is_floating_point or dt in _INT_DTYPES:
+                return x if x.is_const() or not dt.is_floating_point else self.opaque(n)
+        return self.opaque(n)
+
+    def arange(self, n, a):
+        shape = meta_shape(n)
+        if shape is not None:
+            lay = self.fresh_layout(shape)
+        else:
+            ends = [x for x in a if isinstance(x, int)]
+            lay = (None,) if len(a) == 1 and ends == [1] else (self.labels.new(),)
+        return _Num(lay, ((1, _Leaf(n, lay)),))
+
+    def full(self, n, k, a):
+        if k == "like":
+            base = self(a[0])
+            lay = base.layout
+            fill = {torch.ones_like: 1, aten.ones_like.default: 1, torch.zeros_like: 0,
+                    aten.zeros_like.default: 0}.get(n.target, a[1] if len(a) > 1 else n.kwargs.get("fill_value"))
+        else:
+            if k == "new_full":
+                shape = a[1] if len(a) > 1 else n.kwargs.get("size")
+                name = n.target if n.op == "call_method" else n.target.__name__
+                fill = 1 if "ones" in str(name) else 0 if "zeros" in str(name) else (a[2] if len(a) > 2 else
+                                                                                      n.kwargs.get("fill_value"))
+            else:
+                shape = a[0]
+                fill = 1 if n.target in (torch.ones, aten.ones.default) else 0 if n.target in (
+                    torch.zeros, aten.zeros.default) else (a[1] if len(a) > 1 else n.kwargs.get("fill_value"))
+            if isinstance(shape, int):
+                shape = [shape]
+            if not isinstance(shape, (list, tuple)):
+                return self.opaque(n)
+            lay = self.fresh_layout([s if isinstance(s, int) else 2 for s in shape])
+        fv = scalar_value(self.gm, fill) if not isinstance(fill, bool) else fill
+        if fv is UNKNOWN:
+            return self.opaque(n)
+        dt = self.dtype(n) or n.kwargs.get("dtype")
+        if dt == torch.bool or isinstance(fv, bool):
+            return _Pred(lay, (), false=not bool(fv))
+        return _Num(lay, const=fv)
+
+    # shapes
+    def shape_op(self, n, k, a):
+        if k == "getitem":
+            return self.getitem(n, self(a[0]), a[1])
+        x = self(a[0])
+        r = len(x.layout)
+        if k == "unsqueeze":
+            d = a[1] if len(a) > 1 else n.kwargs.get("dim")
+            d = d % (r + 1)
+            return _relayout(x, x.layout[:d] + (None,) + x.layout[d:])
+        if k == "squeeze":
+            dims = a[1:] if len(a) > 1 else None
+            if dims and isinstance(dims[0], (list, tuple)):
+                dims = dims[0]
+            dims = set(range(r)) if not dims else {d % r for d in dims}
+            return _relayout(x, tuple(l for d, l in enumerate(x.layout) if not (d in dims and l is None)))
+        if k == "expand_as":
+            other = self(a[1])
+            if len(other.layout) < r:
+                return self.opaque(n)
+            off = len(other.layout) - r
+            lay = list(other.layout[:off]) + [c if c is not None else o for c, o in zip(x.layout, other.layout[off:])]
+            return _relayout(x, self.broadcast(tuple(lay), other.layout))
+        if k == "expand":
+            sizes = list(a[1:])
+            if len(sizes) == 1 and isinstance(sizes[0], (list, tuple)):
+                sizes = list(sizes[0])
+            off = len(sizes) - r
+            if off < 0:
+                return self.opaque(n)
+            lay = []
+            for d, s in enumerate(sizes):
+                cur = x.layout[d - off] if d >= off else None
+                if cur is not None:
+                    lay.append(cur)
+                elif isinstance(s, int) and s in (1, -1):
+                    lay.append(None)
+                else:
+                    lay.append(self.labels.new())
+            return _relayout(x, tuple(lay))
+        if k == "reshape":
+            return self.reshape(n, x)
+        if k in ("permute", "transpose"):
+            if k == "transpose":
+                d0, d1 = a[1] % r, a[2] % r
+                perm = list(range(r))
+                perm[d0], perm[d1] = perm[d1], perm[d0]
+            else:
+                perm = list(a[1:])
+                if len(perm) == 1 and isinstance(perm[0], (list, tuple)):
+                    perm = list(perm[0])
+                perm = [p % r for p in perm]
+            return _relayout(x, tuple(x.layout[p] for p in perm))
+        if k == "slice":
+            d = (a[1] if len(a) > 1 else 0) % r
+            start = a[2] if len(a) > 2 else None
+            end = a[3] if len(a) > 3 else None
+            step = a[4] if len(a) > 4 else 1
+            if self.full_slice(x, n, d, start, end, step):
+                return x
+            return self.opaque(n)
+        if k == "select":
+            d = a[1] % r
+            if x.layout[d] is None:
+                return _relayout(x, x.layout[:d] + x.layout[d + 1:])
+            return self.opaque(n)
+        if k == "index":
+            return self.adv_index(n, x, list(a[1]))
+        return self.opaque(n)
+
+    def full_slice(self, x, n, d, start, end, step) -> bool:
+        if start not in (None, 0) or step not in (None, 1):
+            return False
+        if end is None or (isinstance(end, int) and end >= 2 ** 62):
+            return True
+        if x.layout[d] is None:
+            return True
+        src, out = meta_shape(n.args[0]) if isinstance(n.args[0], fx.Node) else None, meta_shape(n)
+        if src is not None and out is not None:
+            from .node_info import same_dim
+            return same_dim(src[d], out[d])
+        return False
+
+    def reshape(self, n, x):
+        src = meta_shape(n.args[0]) if isinstance(n.args[0], fx.Node) else None
+        out = meta_shape(n)
+        if src is None or out is None or len(src) != len(x.layout):
+            return self.opaque(n)
+        from .node_info import same_dim
+        big_in = [(s, l) for s, l in zip(src, x.layout) if static_int(s) != 1]
+        big_out = [s for s in out if static_int(s) != 1]
+        if len(big_in) != len(big_out) or not all(same_dim(s, t) for (s, _), t in zip(big_in, big_out)):
+            return self.opaque(n)
+        labs = iter(l for _, l in big_in)
+        return _relayout(x, tuple(None if static_int(s) == 1 else next(labs) for s in out))
+
+    def getitem(self, n, x, idx):
+        if not isinstance(idx, tuple):
+            idx = (idx,)
+        if any(isinstance(i, fx.Node) for i in idx):
+            tens = [i for i in idx if isinstance(i, fx.Node)]
+            if all(isinstance(i, fx.Node) or (isinstance(i, slice) and i == slice(None)) for i in idx) and \
+                    idx[:len(tens)] == tuple(tens):
+                return self.adv_index(n, x, list(tens))
+            return self.opaque(n)
+        n_real = sum(1 for i in idx if i is not None and i is not Ellipsis)
+        out: List[Optional[int]] = []
+        d = 0
+        r = len(x.layout)
+        for i in idx:
+            if i is Ellipsis:
+                k = r - n_real
+                out.extend(x.layout[d:d + k])
+                d += k
+            elif i is None:
+                out.append(None)
+            elif isinstance(i, slice):
+                if d >= r:
+                    return self.opaque(n)
+                if i == slice(None) or x.layout[d] is None and i.start in (None, 0) and i.step in (None, 1):
+                    out.append(x.layout[d])
+                elif i.start in (None, 0) and i.step in (None, 1) and self.full_slice_end(n, x, d, i.stop):
+                    out.append(x.layout[d])
+                else:
+                    return self.opaque(n)
+                d += 1
+            elif isinstance(i, int):
+                if d >= r or x.layout[d] is not None:
+                    return self.opaque(n)
+                d += 1
+            else:
+                return self.opaque(n)
+        out.extend(x.layout[d:])
+        return _relayout(x, tuple(out))
+
+    def full_slice_end(self, n, x, d, stop) -> bool:
+        if stop is None or (isinstance(stop, int) and stop >= 2 ** 62):
+            return True
+        return False
+
+    def adv_index(self, n, x, idx: List[Any]):
+        lays = []
+        for i in idx:
+            if i is None:
+                return self.opaque(n)
+            v = self(i)
+            if not isinstance(v, _Num) or self.dtype(i) == torch.bool:
+                return self.opaque(n)
+            lays.append(v.layout)
+        lay = self.broadcast(*lays) + tuple(x.layout[len(idx):])
+        return self.opaque(n, lay)
+
+
+# ---------------------------------------------------------------------------------------------
+# Classification: which conjuncts are predicates
+
+
+@dataclass
+class MaskAnalysis:
+    """What a mask is, in predicates. ``vectors`` map a predicate name to how to build it."""
+    positions: Optional[Tuple] = None      # (k_terms, q_terms, syms, left, right)
+    segments: Optional[Tuple] = None       # (k_terms, q_terms, syms, const)
+    k_valid: List[_Src] = field(default_factory=list)
+    q_valid: List[_Src] = field(default_factory=list)
+    residual: List[_Src] = field(default_factory=list)
+    biases: List[_Leaf] = field(default_factory=list)
+    reasons: List[str] = field(default_factory=list)
+    axis: Any = None
+    float_mask: bool = False
+
+    def words(self, default_positions: Optional[str]) -> List[str]:
+        out = []
+        if self.positions is not None:
+            left, right = self.positions[3], self.positions[4]
+            if right == 0 and left is None:
+                out.append(default_positions or "causal (positions)")
+            else:
+                f = (lambda w: "inf" if w is None else str(w))
+                out.append(f"window({f(left)}, {f(right)})" + ("" if default_positions in ("causal", None)
+                                                              else " bottom-right"))
+        if self.segments is not None:
+            out.append("documents")
+        if self.k_valid or self.q_valid:
+            out.append("padding" + ("" if self.k_valid and not self.q_valid else
+                                    " (queries)" if not self.k_valid else " (keys and queries)"))
+        return out
+
+
+_AXES = ("b", "h", "i", "j")
+
+
+def _classify(ev: _Eval, v, rank_ok=True) -> MaskAnalysis:
+    if isinstance(v, (_Num, _Ind)):
+        raise _Fail("the mask adds values that are not 0 / large negative (a bias)")
+    res = MaskAnalysis()
+    if isinstance(v, _FMask):
+        pred, res.biases, res.float_mask = v.pred, list(v.biases), True
+    else:
+        pred = v
+    if pred.false:
+        raise _Fail("the mask excludes every entry")
+    if len(v.layout) > 4:
+        raise _Fail(f"the mask has {len(v.layout)} dims")
+    lay = (None,) * (4 - len(v.layout)) + tuple(v.layout)
+    finals = {ev.labels.find(l): ax for l, ax in zip(lay, _AXES) if l is not None}
+
+    def axis(label):
+        return finals.get(ev.labels.find(label), "x")
+
+    res.axis = axis
+
+    def axes_of(layout):
+        return {axis(l) for l in layout if l is not None}
+
+    for b in res.biases:
+        if "x" in axes_of(b.layout):
+            raise _Fail(f"{b.node.name} ({describe(b.node)}) does not broadcast to the logits")
+    groups: Dict[Any, Dict[str, Any]] = {}
+    for at in pred.atoms:
+        if at.kind == "leaf":
+            ax = axes_of(at.src.layout)
+            if ax and ax <= {"b", "j"} and "j" in ax:
+                res.k_valid.append(at.src)
+            elif ax and ax <= {"b", "i"} and "i" in ax:
+                res.q_valid.append(at.src)
+            else:
+                _residual(res, at.src, ax)
+            continue
+        kt, qt, bad = [], [], []
+        for coef, leaf in at.lin.terms:
+            ax = axes_of(leaf.layout)
+            if ax <= {"b", "j"} and "j" in ax:
+                kt.append((coef, leaf))
+            elif ax <= {"b", "i"}:
+                qt.append((coef, leaf))
+            else:
+                bad.append(leaf)
+        has_i = any("i" in axes_of(l.layout) for _, l in qt)
+        if bad:
+            _residual(res, at.src, axes_of(at.src.layout), f"{bad[0].node.name} ({describe(bad[0].node)})")
+            continue
+        if not kt or not has_i:
+            ax = axes_of(at.src.layout)
+            if kt and ax <= {"b", "j"}:
+                res.k_valid.append(at.src)
+            elif has_i and ax <= {"b", "i"}:
+                res.q_valid.append(at.src)
+            else:
+                _residual(res, at.src, ax)
+            continue
+        lo, hi = at.lo, at.hi
+        if kt[0][0] < 0:
+            kt = [(-c, l) for c, l in kt]
+            qt = [(-c, l) for c, l in qt]
+            syms = tuple((-c, s) for c, s in at.lin.syms)
+            lo, hi = (None if hi is None else -hi), (None if lo is None else -lo)
+        else:
+            syms = at.lin.syms
+        key = (tuple(sorted((c, l.key()) for c, l in kt)), tuple(sorted((c, l.key()) for c, l in qt)),
+               tuple(sorted((c, s.name) for c, s in syms)))
+        g = groups.setdefault(key, {"k": kt, "q": qt, "syms": syms, "lo": None, "hi": None, "srcs": [],
+                                    "eq_only": True})
+        g["lo"] = lo if g["lo"] is None else (g["lo"] if lo is None else max(g["lo"], lo))
+        g["hi"] = hi if g["hi"] is None else (g["hi"] if hi is None else min(g["hi"], hi))
+        g["eq_only"] = g["eq_only"] and lo is not None and lo == hi
+        g["srcs"].append(at.src)
+
+    def arange_only(g):
+        return all(l.key()[0] == "arange" for _, l in g["k"] + g["q"])
+
+    order = sorted(groups.values(), key=lambda g: (g["eq_only"], not arange_only(g)))
+    for g in order:
+        if g["lo"] is not None and g["hi"] is not None and g["lo"] > g["hi"]:
+            raise _Fail("the position bounds exclude every entry")
+        if res.positions is None and (not g["eq_only"] or arange_only(g)):
+            # lo <= k + q' <= hi with q_pos = -q': q_pos + lo <= k_pos <= q_pos + hi
+            res.positions = (g["k"], [(-c, l) for c, l in g["q"]], tuple((-c, s) for c, s in g["syms"]),
+                             None if g["lo"] is None else -g["lo"], g["hi"])
+        elif res.segments is None and g["eq_only"]:
+            res.segments = (g["k"], [(-c, l) for c, l in g["q"]], tuple((-c, s) for c, s in g["syms"]), g["hi"])
+        else:
+            for s in g["srcs"]:
+                _residual(res, s, None, "a second pair of position vectors")
+    return res
+
+
+def _residual(res: MaskAnalysis, src: _Src, axes, what: Optional[str] = None) -> None:
+    res.residual.append(src)
+    words = {"b": "batch", "h": "heads", "i": "queries", "j": "keys", "x": "other dims"}
+    if what is None:
+        what = f"{src.node.name} ({describe(src.node)})"
+    if axes is None:
+        res.reasons.append(f"{what}")
+    elif "h" in axes:
+        res.reasons.append(f"{what} varies over heads")
+    elif {"i", "j"} <= axes:
+        res.reasons.append(f"{what} depends on data along both queries and keys")
+    else:
+        res.reasons.append(f"{what} varies over {', '.join(words[a] for a in sorted(axes)) or 'nothing'}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Emission: predicate vectors as graph values
+
+
+class _Emitter:
+    def __init__(self, g: fx.Graph, axis):
+        self.g, self.axis = g, axis
+
+    def layout_to(self, node: fx.Node, layout: Layout, axes: Tuple[str, ...]) -> fx.Node:
+        """``node`` (dims labelled ``layout``) as a tensor with dims ``axes`` (size 1 where absent)."""
+        g = self.g
+        present = [(d, self.axis(l)) for d, l in enumerate(layout) if l is not None]
+        names = [a for _, a in present]
+        if len(set(names)) != len(names) or any(a not in axes for a in names):
+            raise _Fail(f"{node.name} does not map onto {axes}")
+        x = node
+        if len(present) != len(layout):
+            x = g.call_function(operator.getitem, (x, tuple(0 if l is None else slice(None) for l in layout)))
+        want = [a for a in axes if a in names]
+        if names != want:
+            x = g.call_method("permute", (x, tuple(names.index(a) for a in want)))
+        if len(want) != len(axes):
+            x = g.call_function(operator.getitem, (x, tuple(slice(None) if a in want else None for a in axes)))
+        return x
+
+    def bool_of(self, src: _Src, axes) -> fx.Node:
+        x = self.layout_to(src.node, src.layout, axes)
+        g = self.g
+        if src.how == "not":
+            return g.call_function(torch.logical_not, (x,))
+        if src.how == "nonzero":
+            return g.call_function(torch.ne, (x, 0))
+        if src.how == "zero":
+            return g.call_function(torch.eq, (x, 0))
+        return x
+
+    def all_of(self, srcs: List[_Src], axes) -> Optional[fx.Node]:
+        out = None
+        for s in srcs:
+            b = self.bool_of(s, axes)
+            out = b if out is None else self.g.call_function(torch.logical_and, (out, b))
+        return out
+
+    def vector(self, terms, syms, const, axes) -> fx.Node:
+        g = self.g
+        out = None
+        for coef, leaf in terms:
+            x = self.layout_to(leaf.node, leaf.layout, axes)
+            x = g.call_method("to", (x, torch.int64))
+            if coef == -1:
+                x = g.call_function(torch.neg, (x,))
+            elif coef != 1:
+                x = g.call_function(torch.mul, (x, coef))
+            out = x if out is None else g.call_function(torch.add, (out, x))
+        for coef, s in syms:
+            term = s if coef == 1 else g.call_function(operator.mul, (s, coef))
+            out = g.call_function(torch.add, (out, term))
+        if const:
+            out = g.call_function(torch.add, (out, const))
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The pass
+
+
+def _op_args() -> Dict[str, int]:
+    schema = torch.ops.attncomp.attention.default._schema
+    return {a.name: i for i, a in enumerate(schema.arguments)}
+
+
+def _is_plain_arange(leaf: _Leaf, start_zero=True) -> Optional[Any]:
+    """The length of ``arange(n)`` (from 0, step 1, integer), else None."""
+    n = leaf.node
+    if n.op != "call_function" or n.target not in _FUNCS["arange"]:
+        return None
+    a = list(n.args)
+    if len(a) == 1:
+        return a[0]
+    if len(a) == 2 and a[0] == 0:
+        return a[1]
+    if len(a) == 3 and a[0] == 0 and a[2] == 1:
+        return a[1]
+    return None
+
+
+def analyze(gm: fx.GraphModule, mask: fx.Node, ev: Optional[_Eval] = None) -> MaskAnalysis:
+    """The predicates of the mask computed at ``mask`` (raises ``_Fail`` with the reason)."""
+    ev = ev or _Eval(gm)
+    return _classify(ev, ev(mask))
+
+
+def analyze_mask(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
+    modified = False
+    ev = _Eval(gm)
+    try:
+        idx = _op_args()
+    except Exception:
+        idx = {}
+    has_preds = all(nm in idx for nm in _PRED_NAMES)
+    for node in attention_sites(gm):
+        mask = node.args[idx["attn_mask"]] if "attn_mask" in idx and len(node.args) > idx["attn_mask"] else None
+        if not isinstance(mask, fx.Node):
+            continue
+        rep = site_report(node, ctx)
+        try:
+            res = _classify(ev, ev(mask))
+        except _Fail as e:
+            rep.details["mask"] = f"materialised mask: {e}"
+            ctx.count("analyze_mask", "materialised")
+            continue
+        except Exception as e:  # an op the evaluator mis-reads must never break compilation
+            log.debug("analyze_mask: %s", e, exc_info=True)
+            rep.details["mask"] = f"materialised mask: analysis failed ({type(e).__name__}: {e})"
+            ctx.count("analyze_mask", "materialised")
+            continue
+        if not has_preds:
+            rep.details["mask"] = "materialised mask: the op takes no predicate arguments"
+            continue
+        try:
+            words = _rewrite(gm, node, idx, res, ev)
+        except _Fail as e:
+            rep.details["mask"] = f"materialised mask: {e}"
+            ctx.count("analyze_mask", "materialised")
+            continue
+        rep.details["mask"] = words
+        if rep.spec is not None:
+            rep.spec = spec_of(node).describe()
+        ctx.count("analyze_mask", "rewritten")
+        modified = True
+    return PassResult(gm, modified)
+
+
+def _rewrite(gm: fx.GraphModule, node: fx.Node, idx: Dict[str, int], res: MaskAnalysis, ev: _Eval) -> str:
+    spec = spec_of(node)
+    g = gm.graph
+    em = _Emitter(g, res.axis)
+    new: Dict[str, Any] = {}
+    fields: Dict[str, Any] = {}
+    default_words = None
+    if res.positions is not None and spec.causal:
+        # the site is already causal on default positions: keep the found bounds in the residual
+        raise _Fail("the site is causal (is_causal or a causal buffer) and the mask has its own position bounds")
+    q_node, k_node = node.args[idx["q"]], node.args[idx["k"]]
+    with g.inserting_before(node):
+        if res.positions is not None:
+            kt, qt, syms, left, right = res.positions
+            qs, ks = meta_shape(q_node), meta_shape(k_node)
+            nq = static_int(qs[-2]) if qs else None
+            nk = static_int(ks[-2]) if ks else None
+            align = None
+            if len(kt) == 1 and kt[0][0] == 1 and len(qt) == 1 and qt[0][0] == 1 and not syms \
+                    and _is_plain_arange(kt[0][1]) is not None and _is_plain_arange(qt[0][1]) is not None:
+                ln_q, ln_k = _is_plain_arange(qt[0][1]), _is_plain_arange(kt[0][1])
+                if ev.dtype(qt[0][1].node) in _INT_DTYPES and ev.dtype(kt[0][1].node) in _INT_DTYPES:
+                    align = "top_left"
+                    if nq is not None and nk is not None and nq != nk and isinstance(ln_q, int) and \
+                            isinstance(ln_k, int) and (ln_q, ln_k) != (nq, nk):
+                        align = None
+            if align is None:
+                new["q_pos"] = em.vector(qt, syms, 0, ("b", "i"))
+                new["k_pos"] = em.vector(kt, (), 0, ("b", "j"))
+            causal = right == 0
+            fields.update(causal=causal or spec.causal, window_left=left, window_right=None if causal else right,
+                          causal_align="top_left")
+            if align is not None:
+                default_words = "causal"
+        if res.segments is not None:
+            kt, qt, syms, c = res.segments
+            new["q_seg"] = em.vector(qt, syms, c, ("b", "i"))
+            new["k_seg"] = em.vector(kt, (), 0, ("b", "j"))
+        if res.k_valid:
+            new["k_valid"] = em.all_of(res.k_valid, ("b", "j"))
+        if res.q_valid:
+            new["q_valid"] = em.all_of(res.q_valid, ("b", "i"))
+        mask = None
+        kind = "none"
+        if res.residual:
+            mask = em.all_of(res.residual, _AXES)
+            kind = "bool"
+        if res.biases:
+            bias = None
+            for b in res.biases:
+                x = em.layout_to(b.node, b.layout, _AXES)
+                bias = x if bias is None else g.call_function(torch.add, (bias, x))
+            if mask is not None:
+                bias = g.call_function(torch.where, (mask, bias, float("-inf")))
+            mask, kind = bias, "float"
+    for nm, val in new.items():
+        old = node.args[idx[nm]]
+        if old is not None:
+            raise _Fail(f"the site already has {nm}")
+    args = list(node.args)
+    for nm, val in new.items():
+        args[idx[nm]] = val
+    args[idx["attn_mask"]] = mask
+    spec = spec.replace(mask_kind=kind, **fields)
+    args[spec_index(node)] = spec.to_json()
+    node.args = tuple(args)
+    words = res.words(default_words)
+    if res.residual or res.biases:
+        why = "; ".join(res.reasons) if res.reasons else "an additive bias"
+        words.append(f"materialised mask: {why}")
+    return ", ".join(words) if words else "no predicate (the mask allows every entry)"
