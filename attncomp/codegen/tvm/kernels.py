@@ -9,7 +9,7 @@ source text is what the kernel cache hashes).
 Kernels (all ``float32`` or ``float64`` compute; the host converts half types):
 
 * ``attn_fwd``: ``(out, lse)``; parallel over batch x heads x query tiles; per query tile, key tiles
-  of ``BK`` keys: ``S = (scale q) k^T`` on a transposed key tile (vectorised over keys), predicate,
+  of ``BK`` keys: ``S = scale (q k^T)`` on a transposed key tile (vectorised over keys), predicate,
   N:M selection inside the tile (groups of ``m`` keys never straddle tiles: ``BK % m == 0``), online
   softmax, ``P V`` vectorised over the value dim. ``N x N`` is never built.
 * ``attn_bwd_dkdv``: ``(dk, dv)`` per KV head and key tile, looping over the query heads of its GQA
@@ -128,7 +128,7 @@ def _extra_args(v: Variant) -> List[Tuple[str, str]]:
         a += [("kval", "handle"), ("kval_sb", "int32")]
     if v.summaries:
         a += [("ksum", "handle"), ("ksum_sb", "int32")]
-    a += [("scale", "float32"), ("qoff", "int32")]
+    a += [("scale", v.dtype), ("qoff", "int32")]
     if v.dropout:
         a += [("seed", "int64"), ("drop_p", "float32"), ("inv_keep", "float32")]
     return a
@@ -322,7 +322,7 @@ def _tile_visit(v: Variant, kt: str) -> str:
 def _scores(v: Variant, ind: str) -> List[str]:
     """S[BQ, BK] = logits of the tile (q0, k0) with disallowed / unkept entries at -inf.
 
-    Needs in scope: b, h, hk, q0, k0; local Qs (scaled query tile, (BQ, D)); allocates Kt, S (, R).
+    Needs in scope: b, h, hk, q0, k0; local Qs (the query tile, (BQ, D)); allocates Kt, S (, R).
     """
     BQ, BK, D = v.block_q, v.block_k, v.head_dim
     ninf = _neg_inf(v)
@@ -340,9 +340,11 @@ def _scores(v: Variant, ind: str) -> List[str]:
     # every read in the predicate uses clamped indices; the true bounds are its first conjuncts
     conds = _allowed(v, qc, kc)
     conds[0], conds[1] = f"{qi} < Nq", f"{kj} < Nk"
-    val = "S[i, j]"
+    # the scale multiplies the finished dot product (as the reference does), so equal dot products
+    # stay equal logits and N:M ties break by key index alike
+    val = f"S[i, j] * T.Cast(\"{v.dtype}\", scale)"
     if v.mask == "float":
-        val = f"S[i, j] + MASK[b * m_sb + h * m_sh + {qc} * m_si + {kc} * m_sj]"
+        val = f"S[i, j] * T.Cast(\"{v.dtype}\", scale) + MASK[b * m_sb + h * m_sh + {qc} * m_si + {kc} * m_sj]"
     L += [f"{ind}for i, j in T.grid({BQ}, {BK}):",
           f"{ind}    S[i, j] = T.if_then_else({_and(conds)}, {val}, {ninf})"]
     if v.policy == "dfss":
@@ -399,7 +401,7 @@ def _scratch(v: Variant, ind: str) -> List[str]:
 
 def _load_q(v: Variant, ind: str) -> List[str]:
     return [f"{ind}for i, d in T.grid({v.block_q}, {v.head_dim}):",
-            f"{ind}    Qs[i, d] = Q[b, h, {_clamp_q('q0 + i')}, d] * T.Cast(\"{v.dtype}\", scale)"]
+            f"{ind}    Qs[i, d] = Q[b, h, {_clamp_q('q0 + i')}, d]"]
 
 
 def _ksum_base(v: Variant, ind: str) -> List[str]:
@@ -570,10 +572,9 @@ def dkdv_source(v: Variant) -> str:
           f"{ind3}            DV[j, e] = DV[j, e] + {pv}[i, j] * Do[i, e]",
           f"{ind3}        for d in T.vectorized({D}):",
           f"{ind3}            DK[j, d] = DK[j, d] + Ds[i, j] * Qs[i, d]"]
-    # Qs holds scale * q: dK = scale * dS^T q is exactly dS^T Qs
     L += [f"{ind}for j in range(kn):",
           f"{ind}    for d in T.vectorized({D}):",
-          f"{ind}        DK_[b, hk, k0 + j, d] = DK[j, d]",
+          f"{ind}        DK_[b, hk, k0 + j, d] = DK[j, d] * T.Cast(\"{dt}\", scale)",
           f"{ind}    for e in T.vectorized({Dv}):",
           f"{ind}        DV_[b, hk, k0 + j, e] = DV[j, e]"]
     return "\n".join(L) + "\n"
