@@ -19,7 +19,7 @@ import torch
 
 from attncomp.codegen import reference as R
 from attncomp.policy import DFSS, ET, SPION, Dense, Drop, Hash, Policy, uniform_hash
-from attncomp.spec import AttentionSpec
+from attncomp.spec import AttentionSpec, Predicates
 from tests.utils import assert_close
 
 F64 = torch.float64
@@ -42,9 +42,10 @@ def _default_nm(dtype: torch.dtype):
     return (2, 4) if dtype in (torch.float16, torch.bfloat16) else (1, 2)
 
 
-def _full_bias_allowed(mask, causal, full):
-    """Per-entry additive bias (float64) and allowed flags of the mask and causality, as nested lists
-    for the selection and as a float64 tensor for the differentiable part."""
+def _full_bias_allowed(mask, causal, full, pred=None):
+    """Per-entry additive bias (float64) and allowed flags of the mask, causality and the structured
+    predicates ``pred`` (see :func:`_pred_allows`), as nested lists for the selection and as a float64
+    tensor for the differentiable part."""
     B, Hq, Nq, Nk = full
     if mask is None:
         bias = torch.zeros(full, dtype=F64)
@@ -56,7 +57,14 @@ def _full_bias_allowed(mask, causal, full):
         bias = torch.broadcast_to(mask.detach().to(F64), full).clone()
         allowed = bias != float("-inf")
     allowed = allowed.tolist()
-    if causal:
+    if pred is not None:
+        for b in range(B):
+            for h in range(Hq):
+                for i in range(Nq):
+                    for j in range(Nk):
+                        if not _pred_allows(pred, causal, b, i, j, Nq, Nk):
+                            allowed[b][h][i][j] = False
+    elif causal:
         for b in range(B):
             for h in range(Hq):
                 for i in range(Nq):
@@ -66,8 +74,36 @@ def _full_bias_allowed(mask, causal, full):
     return bias, allowed
 
 
+def _at(t, b, i):
+    """Element (b, i) of a (B or 1, N) tensor, as a Python value."""
+    return t[b if t.shape[0] > 1 else 0, i].item()
+
+
+def _pred_allows(pred, causal, b, i, j, Nq, Nk):
+    """DESIGN.md §4.1 for one entry, written out: the window on positions (causal caps the right side
+    at 0; default positions arange, queries shifted by Nk - Nq when bottom-right), equal segments,
+    valid key, valid query."""
+    win, p = pred["win"], pred["preds"]
+    qp = _at(p.q_pos, b, i) if p.q_pos is not None else i + (Nk - Nq if win.get("causal_align") == "bottom_right" else 0)
+    kp = _at(p.k_pos, b, j) if p.k_pos is not None else j
+    left, right = win.get("window_left"), win.get("window_right")
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    if left is not None and not kp >= qp - left:
+        return False
+    if right is not None and not kp <= qp + right:
+        return False
+    if p.q_seg is not None and _at(p.q_seg, b, i) != _at(p.k_seg, b, j):
+        return False
+    if p.k_valid is not None and not _at(p.k_valid, b, j):
+        return False
+    if p.q_valid is not None and not _at(p.q_valid, b, i):
+        return False
+    return True
+
+
 def brute_force(q, k, v, mask=None, *, causal=False, scale=None, policy: Policy = Dense(), dtype=None,
-                q_aux=None, k_aux=None, block_pattern=None, dropout_p=0.0, seed=0, bias_leaf=None):
+                q_aux=None, k_aux=None, block_pattern=None, dropout_p=0.0, seed=0, bias_leaf=None, pred=None):
     """Return ``(out, lse, keep)`` in float64; ``keep`` a bool ``(B, Hq, Nq, Nk)`` tensor.
 
     ``q, k, v`` are float64 (they may require grad). ``dtype`` is the input dtype the policy's
@@ -78,7 +114,7 @@ def brute_force(q, k, v, mask=None, *, causal=False, scale=None, policy: Policy 
     Hk, Nk, Dv = k.shape[1], k.shape[2], v.shape[3]
     grp = Hq // Hk
     scale = 1.0 / math.sqrt(D) if scale is None else scale
-    bias, allowed = _full_bias_allowed(mask, causal, (B, Hq, Nq, Nk))
+    bias, allowed = _full_bias_allowed(mask, causal, (B, Hq, Nq, Nk), pred)
     if bias_leaf is not None:
         bias = bias_leaf
     qd, kd = q.detach(), k.detach()
@@ -257,13 +293,19 @@ def make_case(pc: PolicyCase, shape, mask_kind, dtype, seed, *, integer=None):
 
 def spec_of(c, dtype=None, dropout_p=0.0):
     mk = "none" if c["mask"] is None else ("bool" if c["mask"].dtype == torch.bool else "float")
+    win = c["pred"]["win"] if c.get("pred") else {}
     return AttentionSpec(causal=c["causal"], mask_kind=mk, scale=c["scale"], dropout_p=dropout_p,
-                         dtype=None if dtype is None else str(dtype).replace("torch.", ""), policy=c["policy"])
+                         dtype=None if dtype is None else str(dtype).replace("torch.", ""), policy=c["policy"],
+                         **win)
+
+
+def preds_of(c):
+    return c["pred"]["preds"] if c.get("pred") else None
 
 
 def run_reference(c, spec, dropout_p=0.0, seed=0):
     return R.attention(c["q"], c["k"], c["v"], c["mask"], spec=spec, q_aux=c["q_aux"], k_aux=c["k_aux"],
-                       block_pattern=c["block_pattern"], dropout_p=dropout_p, seed=seed)
+                       block_pattern=c["block_pattern"], dropout_p=dropout_p, seed=seed, preds=preds_of(c))
 
 
 def run_brute(c, dtype, dropout_p=0.0, seed=0, grad=False):
@@ -276,12 +318,14 @@ def run_brute(c, dtype, dropout_p=0.0, seed=0, grad=False):
     out, lse, keep = brute_force(q, k, v, mask, causal=c["causal"], scale=c["scale"], policy=c["policy"],
                                  dtype=dtype, q_aux=c["q_aux"], k_aux=c["k_aux"],
                                  block_pattern=c["block_pattern"], dropout_p=dropout_p, seed=seed,
-                                 bias_leaf=bias_leaf)
+                                 bias_leaf=bias_leaf, pred=c.get("pred"))
     return out, lse, keep, (q, k, v, bias_leaf)
 
 
 def grads_of(out, go, leaves):
     live = [t for t in leaves if t is not None]
+    if not out.requires_grad:  # every row empty: nothing depends on the inputs
+        return [None if t is None else torch.zeros_like(t) for t in leaves]
     gs = torch.autograd.grad((out * go.to(F64)).sum(), live, allow_unused=True)
     gs = [torch.zeros_like(t) if gr is None else gr for t, gr in zip(live, gs)]
     it = iter(gs)
@@ -296,7 +340,7 @@ def check_against_brute(c, dtype, seed, *, dropout_p=0.0, drop_seed=0, backward=
 
     # the selection itself, through the reference's public keep_mask
     s, allowed = R.logits(spec if spec.dtype else spec.replace(dtype=str(dtype).replace("torch.", "")),
-                          c["q"], c["k"], c["mask"])
+                          c["q"], c["k"], c["mask"], preds_of(c))
     sel = R.keep_mask(spec.replace(dtype=str(dtype).replace("torch.", "")), s, allowed, c["q_aux"], c["k_aux"],
                       c["block_pattern"])
     if not torch.equal(sel, bf_keep):
@@ -321,7 +365,8 @@ def check_against_brute(c, dtype, seed, *, dropout_p=0.0, drop_seed=0, backward=
     float_mask = c["mask"] is not None and c["mask"].is_floating_point()
     dq, dk, dv, dbias = R.attention_backward(c["q"], c["k"], c["v"], c["mask"], go, spec=spec, q_aux=c["q_aux"],
                                              k_aux=c["k_aux"], block_pattern=c["block_pattern"],
-                                             dropout_p=dropout_p, seed=drop_seed, need_mask_grad=float_mask)
+                                             dropout_p=dropout_p, seed=drop_seed, need_mask_grad=float_mask,
+                                             preds=preds_of(c))
     for nm, got, exp, ref_in in (("dq", dq, want[0], c["q"]), ("dk", dk, want[1], c["k"]),
                                  ("dv", dv, want[2], c["v"])):
         assert got.dtype == ref_in.dtype and got.shape == ref_in.shape, f"{nm} {msg}"
@@ -517,3 +562,129 @@ def test_reference_backend_object_matches_functions():
     bf_out, bf_lse, _, _ = run_brute(c, F64)
     assert_close(out, bf_out, F64)
     assert_close(lse, bf_lse.detach().float(), torch.float32)
+
+
+# -- structured mask predicates (DESIGN.md §4.1) -------------------------------------------------
+
+
+def _sorted_ids(g, B, N, n_ids):
+    return torch.sort(torch.randint(0, n_ids, (B, N), generator=g), dim=1).values
+
+
+def make_pred(kind, B, Nq, Nk, seed):
+    """``{"win": AttentionSpec fields, "preds": Predicates, "causal": bool}`` for a predicate kind;
+    rows with no allowed key are planted where the kind allows it."""
+    g = torch.Generator().manual_seed(seed ^ 0x5A5A)
+    win, causal = {}, False
+    p = dict(q_pos=None, k_pos=None, q_seg=None, k_seg=None, q_valid=None, k_valid=None)
+    if kind == "causal_bottom_right":
+        win, causal = {"causal_align": "bottom_right"}, True
+    elif kind == "window":
+        win = {"window_left": 3, "window_right": 2}
+    elif kind == "window_causal":
+        win, causal = {"window_left": 4}, True
+    elif kind == "window_left_bottom_right":
+        win = {"window_left": 2, "causal_align": "bottom_right"}
+    elif kind == "window_negative_right":
+        win = {"window_left": 5, "window_right": -1}      # strictly earlier keys, at most 5 back
+    elif kind == "positions":
+        # packed documents: positions restart; a window on them, causal
+        starts = torch.randint(0, max(Nq, Nk), (B, 1), generator=g)
+        p["q_pos"] = (torch.arange(Nq)[None] + starts) % 7
+        p["k_pos"] = (torch.arange(Nk)[None] + starts) % 7
+        win, causal = {"window_left": 3}, True
+    elif kind == "segments":
+        p["q_seg"], p["k_seg"] = _sorted_ids(g, B, Nq, 3), _sorted_ids(g, B, Nk, 3).to(torch.int32)
+        p["q_seg"][0, 0] = 9                             # a query whose segment has no key
+    elif kind == "k_valid":
+        p["k_valid"] = torch.rand(B, Nk, generator=g) < 0.7
+        p["k_valid"][0] = False                          # batch 0: no valid key at all
+    elif kind == "q_valid":
+        p["q_valid"] = torch.rand(B, Nq, generator=g) < 0.6
+    elif kind == "broadcast":
+        p["q_seg"], p["k_seg"] = _sorted_ids(g, 1, Nq, 2), _sorted_ids(g, 1, Nk, 2)
+        p["k_valid"] = torch.rand(1, Nk, generator=g) < 0.8
+        p["q_pos"] = torch.arange(Nq, dtype=torch.int32)[None] * 2
+        win = {"window_right": 3}
+    elif kind == "all":
+        p["q_pos"] = torch.randint(0, Nk, (B, Nq), generator=g)
+        p["k_pos"] = torch.arange(Nk, dtype=torch.int32)[None].expand(B, Nk).contiguous()
+        p["q_seg"], p["k_seg"] = _sorted_ids(g, B, Nq, 2), _sorted_ids(g, B, Nk, 2)
+        p["q_valid"] = torch.rand(B, Nq, generator=g) < 0.8
+        p["k_valid"] = torch.rand(B, Nk, generator=g) < 0.8
+        win, causal = {"window_left": 6, "causal_align": "bottom_right"}, True
+    else:
+        raise AssertionError(kind)
+    return {"win": win, "preds": Predicates(**p), "causal": causal}
+
+
+PREDS = ("causal_bottom_right", "window", "window_causal", "window_left_bottom_right", "window_negative_right",
+         "positions", "segments", "k_valid", "q_valid", "broadcast", "all")
+
+
+def pred_case(pname, shape, mask_kind, pred_kind, dtype, seed):
+    c = make_case(PC[pname], SHAPES[shape] if isinstance(shape, str) else shape, mask_kind, dtype, seed)
+    B, Nq, Nk = c["q"].shape[0], c["q"].shape[2], c["k"].shape[2]
+    pred = make_pred(pred_kind, B, Nq, Nk, seed)
+    c["pred"] = pred
+    c["causal"] = c["causal"] or pred["causal"]
+    return c
+
+
+#: one case per policy family (the N:M variants differ only in the selection, tested above)
+PRED_POLICIES = ("dense", "et", "dfss_default", "dfss_3_8", "hash", "hash_exclude_self", "drop", "spion_one")
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("pname", PRED_POLICIES)
+@pytest.mark.parametrize("pred_kind", PREDS)
+def test_predicates_every_policy_float64(pred_kind, pname, shape):
+    """Every predicate kind alone (and all together), every policy, MHA and GQA cross-attention
+    (Nq != Nk: bottom-right alignment is decode), forward, lse, selection and backward."""
+    seed = fresh_seed()
+    c = pred_case(pname, shape, "none", pred_kind, F64, seed)
+    check_against_brute(c, F64, seed)
+
+
+@pytest.mark.parametrize("mask_kind", ("bool_full", "float_1hqk", "causal_float"))
+@pytest.mark.parametrize("pname", ("dense", "dfss_3_4", "hash", "drop", "spion_one", "et"))
+@pytest.mark.parametrize("pred_kind", ("window", "segments", "k_valid", "all"))
+def test_predicates_with_residual_mask(pred_kind, pname, mask_kind):
+    """Predicates AND a dense residual mask (bool or float, with the mask's own gradient)."""
+    seed = fresh_seed()
+    c = pred_case(pname, "gqa_cross", mask_kind, pred_kind, F64, seed)
+    check_against_brute(c, F64, seed)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+@pytest.mark.parametrize("pname", ("dense", "dfss_2_4", "hash"))
+def test_predicates_low_precision(pname, dtype):
+    seed = fresh_seed()
+    c = pred_case(pname, "gqa_cross", "float_2d", "all", dtype, seed)
+    check_against_brute(c, dtype, seed)
+
+
+def test_predicates_decode_single_query():
+    """One new token over a KV cache: bottom-right causal lets it see every key; top-left only key 0."""
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, 2, 1, 8, generator=g, dtype=F64)
+    k = torch.randn(1, 2, 11, 8, generator=g, dtype=F64)
+    v = torch.randn(1, 2, 11, 4, generator=g, dtype=F64)
+    full, _ = R.attention(q, k, v, spec=AttentionSpec())
+    br, _ = R.attention(q, k, v, spec=AttentionSpec(causal=True, causal_align="bottom_right"))
+    tl, _ = R.attention(q, k, v, spec=AttentionSpec(causal=True))
+    assert_close(br, full, F64, msg=f"seed={seed}")
+    assert_close(tl, v[:, :, :1], F64, msg=f"seed={seed}")
+    win, _ = R.attention(q, k, v, spec=AttentionSpec(causal=True, causal_align="bottom_right", window_left=2))
+    assert_close(win, R.attention(q, k[:, :, -3:], v[:, :, -3:], spec=AttentionSpec())[0], F64)
+
+
+def test_predicate_mask_is_not_larger_than_the_logits():
+    """The predicates are built from O(N) vectors into at most (B, 1, Nq, Nk), never per head."""
+    spec = AttentionSpec(causal=True, window_left=3)
+    preds = Predicates(q_seg=torch.zeros(3, 5, dtype=torch.long), k_seg=torch.zeros(3, 7, dtype=torch.long),
+                       k_valid=torch.ones(1, 7, dtype=torch.bool))
+    m = R.predicate_mask(spec, 5, 7, "cpu", preds)
+    assert m.shape == (3, 1, 5, 7) and m.dtype == torch.bool
+    assert R.predicate_mask(AttentionSpec(), 5, 7, "cpu", Predicates.none()) is None
