@@ -176,8 +176,17 @@ def canonicalize(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
     return PassResult(gm, modified)
 
 
+def _scalar_valued(n: fx.Node) -> bool:
+    """Whether the node computes a Python/symbolic scalar (dynamo's size arithmetic on SymInts), not a
+    tensor: such nodes keep their spelling (``torch.add`` on two ints would return a tensor)."""
+    val = n.meta.get("val", n.meta.get("example_value"))
+    return isinstance(val, (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool))
+
+
 def _canon_node(gm: fx.GraphModule, n: fx.Node, modules) -> Optional[fx.Node]:
     op, t, a, kw = n.op, n.target, n.args, n.kwargs
+    if op in ("call_function", "call_method") and _scalar_valued(n):
+        return None
     if op == "call_module":
         mod = modules.get(t)
         if isinstance(mod, nn.Softmax):
@@ -214,6 +223,21 @@ def _canon_node(gm: fx.GraphModule, n: fx.Node, modules) -> Optional[fx.Node]:
         return None
     if t is getattr and len(a) == 2 and a[1] == "mT":
         return _replace(gm, n, TRANSPOSE, (a[0], -2, -1))
+    if t in (torch.baddbmm, aten.baddbmm.default) or (op == "call_method" and t == "baddbmm"):
+        # input*beta + alpha*(b1 @ b2): Bloom adds its alibi bias this way
+        inp, b1, b2 = _kw(n, "input", 0), _kw(n, "batch1", 1), _kw(n, "batch2", 2)
+        beta, alpha = kw.get("beta", 1), kw.get("alpha", 1)
+        if not all(isinstance(x, (int, float)) for x in (beta, alpha)) or None in (inp, b1, b2):
+            return None
+        with gm.graph.inserting_before(n):
+            mm = _with_val(gm.graph.call_function(MATMUL, (b1, b2)), n)
+            if alpha != 1:
+                mm = _with_val(gm.graph.call_function(MUL, (mm, float(alpha))), n)
+            if beta == 0:
+                return _swap(n, mm)
+            if beta != 1:
+                inp = _with_val(gm.graph.call_function(MUL, (inp, float(beta))), n)
+        return _replace(gm, n, ADD, (mm, inp))
     if t in _MATMULS and t is not MATMUL:
         return _replace(gm, n, MATMUL, (a[0], a[1]))
     if t in (torch.einsum, aten.einsum.default):
@@ -276,6 +300,27 @@ def _canon_node(gm: fx.GraphModule, n: fx.Node, modules) -> Optional[fx.Node]:
             return _replace(gm, n, "to", (a[0], d), op="call_method")
         return None
     return None
+
+
+def _with_val(new: fx.Node, like: fx.Node) -> fx.Node:
+    """Shape metadata for a node built from a rewritten one: evaluated on its inputs' fake values."""
+    key = "val" if "val" in like.meta else ("example_value" if "example_value" in like.meta else None)
+    if key is None:
+        return new
+    try:
+        vals = [a.meta.get(key) if isinstance(a, fx.Node) else a for a in new.args]
+        if all(not isinstance(a, fx.Node) or isinstance(v, torch.Tensor) for a, v in zip(new.args, vals)):
+            new.meta[key] = new.target(*vals)
+    except Exception:  # metadata only: the matcher copes without it
+        pass
+    return new
+
+
+def _swap(n: fx.Node, new: fx.Node) -> fx.Node:
+    new.meta.update(n.meta)
+    n.replace_all_uses_with(new)
+    n.graph.erase_node(n)
+    return new
 
 
 def _dtype_kw(n: fx.Node, pos: int) -> Dict[str, Any]:

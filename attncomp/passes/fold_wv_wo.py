@@ -52,6 +52,7 @@ from typing import List, Optional, Tuple
 import torch
 import torch.fx as fx
 
+from .. import ops
 from ..policy import ET
 from . import costmodel
 from .node_info import (
@@ -166,9 +167,10 @@ def _rows_sum_to_one(site: fx.Node, spec) -> str:
     """"" when every row of S sums to 1 by construction, else why not."""
     if spec.policy.name not in ("dense", "et"):
         return f"policy {spec.policy.name!r} may drop every key of a row"
-    if spec.mask_kind != "none" or site.args[3] is not None:
+    if spec.mask_kind != "none" or site.args[ops.ARG_INDEX['attn_mask']] is not None or any(
+            site.args[ops.ARG_INDEX[p]] is not None for p in ops.PRED_NAMES):
         return "a mask may leave a row without an allowed key"
-    dp = site.args[8]
+    dp = site.args[ops.ARG_INDEX['dropout_p']]
     if spec.dropout_p or not isinstance(dp, (int, float)) or dp != 0:
         return "dropout rescales rows"
     return ""

@@ -8,16 +8,21 @@ Guarantees: each site's spec carries the compile policy, resolved for the site's
 (DFSS 2:4 for fp16/bf16, 1:2 for fp32); for ``hash``/``drop`` without caller-given tensors, a node
 computing the buckets (LSH) or keep masks (a fresh seeded draw per training call) feeds the op, so
 the op always receives explicit per-token tensors. ``dense`` and ``et`` keep every allowed entry:
-those sites compute exactly what the model computed.
+those sites compute exactly what the model computed. ``spion`` sites without a caller-given pattern get
+an ``attncomp::spion_pattern`` node (:mod:`attncomp.spion`) that feeds the op every block while the
+site is in its dense phase (recording the averaged attention statistic) and its calibrated pattern
+after it switches (Alg. 2); the pattern also lives in a graph constant, so exported packages keep it.
 """
 
 from __future__ import annotations
 
 import operator
+import weakref
 
+import torch
 import torch.fx as fx
 
-from .. import ops
+from .. import ops, spion
 from ..policy import SPION, Drop, Hash
 from ..spec import AttentionSpec
 from .base import SITE_META, CompileContext, PassResult
@@ -28,28 +33,30 @@ __all__ = ["sparsify"]
 def sparsify(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
     modified = False
     pol = ctx.policy
+    n_spion = 0
     for n in list(gm.graph.nodes):
         if not ops.is_attention_node(n):
             continue
         rep = n.meta.get(SITE_META)
-        spec = AttentionSpec.from_json(n.args[7])
+        A = ops.ARG_INDEX
+        spec = AttentionSpec.from_json(n.args[A["spec"]])
         dt = spec.torch_dtype()
         new_pol = pol.resolved(dt) if dt is not None else pol
-        if isinstance(pol, SPION) and n.args[6] is None:
-            if rep is not None:
-                rep.details["sparsify"] = ("kept dense: policy 'spion' needs a block pattern per layer "
-                                           "(calibration not run)")
-            ctx.count("sparsify", "skipped")
-            continue
         args = list(n.args)
-        args[7] = spec.replace(policy=new_pol).to_json()
-        if isinstance(pol, (Hash, Drop)) and n.args[4] is None:
+        if isinstance(pol, SPION):
+            # kernels depend only on the block size; the training knobs stay in the compile's state
+            new_pol = SPION(block_size=pol.block_size)
+        args[A["spec"]] = spec.replace(policy=new_pol).to_json()
+        if isinstance(pol, SPION) and n.args[A["block_pattern"]] is None:
+            args[A["block_pattern"]] = _spion_pattern_node(gm, ctx, n, args, pol, rep, n_spion)
+            n_spion += 1
+        if isinstance(pol, (Hash, Drop)) and n.args[A["q_aux"]] is None:
             with gm.graph.inserting_before(n):
                 draw = gm.graph.call_function(ops.next_seed, (getattr(pol, "seed", 0),)) \
                     if isinstance(pol, Drop) else None
-                aux = gm.graph.call_function(ops.policy_aux, (args[7], args[0], args[1], draw))
-                args[4] = gm.graph.call_function(operator.getitem, (aux, 0))
-                args[5] = gm.graph.call_function(operator.getitem, (aux, 1))
+                aux = gm.graph.call_function(ops.policy_aux, (args[A["spec"]], args[0], args[1], draw))
+                args[A["q_aux"]] = gm.graph.call_function(operator.getitem, (aux, 0))
+                args[A["k_aux"]] = gm.graph.call_function(operator.getitem, (aux, 1))
         n.args = tuple(args)
         if rep is not None:
             rep.policy = pol.name
@@ -59,3 +66,37 @@ def sparsify(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
         ctx.count("sparsify", pol.name)
         modified = True
     return PassResult(gm, modified)
+
+
+def _spion_pattern_node(gm: fx.GraphModule, ctx: CompileContext, n: fx.Node, args, pol: SPION, rep,
+                        i: int) -> fx.Node:
+    """A node computing the site's block pattern per call (:func:`attncomp.spion._spion_pattern`):
+    every block during the site's dense phase (recording its statistic), its pattern after."""
+    A = ops.ARG_INDEX
+    st = spion.state_for(pol)
+    qv = getattr(args[0], "meta", {}).get("val")
+    heads = 1
+    if isinstance(qv, torch.Tensor) and qv.dim() == 4 and isinstance(qv.shape[1], int):
+        heads = qv.shape[1]
+    elif pol.per_head and rep is not None:
+        rep.details.setdefault("notes", []).append(
+            "per-head patterns need the head count at compile time: one pattern for all heads")
+    site = st.site(rep.name if rep is not None else n.name, heads)
+    stored_attr = None
+    if "dynamo" not in ctx.capture and "torch.compile" not in ctx.capture:
+        # graphs that torch.export may trace (attncomp.export) hold the pattern as a plain tensor
+        # attribute, a constant of the exported program; dynamo graphs read the live state only
+        stored_attr = f"_spion_pattern_{i}"
+        while hasattr(gm, stored_attr):
+            stored_attr += "_"
+        setattr(gm, stored_attr, st.stored(site))
+        site.buffers.append((weakref.ref(gm), stored_attr))
+    if rep is not None:
+        site.reports.append(rep)
+        rep.details["spion"] = site.describe()
+    preds = [args[A[p]] if p in A else None for p in ops.PRED_NAMES] if hasattr(ops, "PRED_NAMES") else [None] * 6
+    with gm.graph.inserting_before(n):
+        stored = gm.graph.get_attr(stored_attr) if stored_attr is not None else None
+        return gm.graph.call_function(torch.ops.attncomp.spion_pattern.default,
+                                      (args[0], args[1], args[A["attn_mask"]], *preds, stored, args[A["spec"]],
+                                       st.key(site), pol.block_size, heads if pol.per_head else 1))

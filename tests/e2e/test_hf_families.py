@@ -65,7 +65,12 @@ def graphs(fast):
     return attncomp.report(fast).graphs
 
 
-@pytest.mark.parametrize("name", list(ZOO))
+def _cases(names):
+    return [pytest.param(n, marks=[pytest.mark.xfail(strict=True, reason=ZOO[n].gap)] if ZOO[n].gap else [])
+            for n in names]
+
+
+@pytest.mark.parametrize("name", _cases(ZOO))
 def test_family_compiles_and_matches_eager(name):
     fam = ZOO[name]
     torch.manual_seed(0)
@@ -90,7 +95,7 @@ def test_family_compiles_and_matches_eager(name):
 CAUSAL = [n for n, f in ZOO.items() if f.causal_lm]
 
 
-@pytest.mark.parametrize("name", CAUSAL)
+@pytest.mark.parametrize("name", _cases(CAUSAL))
 def test_generate_equals_eager(name):
     fam = ZOO[name]
     torch.manual_seed(1)
@@ -115,6 +120,9 @@ def _no_dropout(model):
     for m in model.modules():
         if isinstance(m, torch.nn.Dropout):
             m.p = 0.0
+        for attr in ("dropout", "attention_dropout", "dropout_rate"):  # rates read at call time
+            if isinstance(getattr(m, attr, None), float):
+                setattr(m, attr, 0.0)
     for k in ("attention_dropout", "attention_probs_dropout_prob", "dropout_rate", "hidden_dropout_prob"):
         if hasattr(model.config, k):
             setattr(model.config, k, 0.0)
