@@ -1,0 +1,230 @@
+"""The ``attncomp::attention`` op: schema, fake kernel, autograd, predicate checks, and a host path
+that never reads tensor data (every policy, through the functional API and the raw op, forward and
+backward, under :func:`tests.sync_trap.sync_trap`)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import attncomp
+from attncomp import ops
+from attncomp.codegen import reference as R
+from attncomp.functional import attention
+from attncomp.policy import SPION, get_policy
+from attncomp.spec import AttentionSpec, Predicates
+from tests.sync_trap import SyncError, sync_trap
+from tests.utils import assert_close
+
+F64 = torch.float64
+
+SCHEMA = ("attncomp::attention(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor? q_aux, Tensor? k_aux, "
+          "Tensor? block_pattern, Tensor? q_pos, Tensor? k_pos, Tensor? q_seg, Tensor? k_seg, Tensor? q_valid, "
+          "Tensor? k_valid, str spec, float dropout_p, SymInt seed) -> (Tensor, Tensor)")
+
+
+def fresh_seed() -> int:
+    return int(torch.randint(0, 2**31 - 1, (1,)).item())
+
+
+def test_schema_is_the_agreed_one():
+    assert str(torch.ops.attncomp.attention.default._schema) == SCHEMA
+    bw = str(torch.ops.attncomp.attention_backward.default._schema)
+    assert "Tensor? block_pattern, Tensor? q_pos, Tensor? k_pos, Tensor? q_seg, Tensor? k_seg, Tensor? q_valid, " \
+           "Tensor? k_valid, Tensor out, Tensor lse, str spec" in bw
+    assert [n for n, i in sorted(ops.ARG_INDEX.items(), key=lambda t: t[1])] == [
+        a.name for a in torch.ops.attncomp.attention.default._schema.arguments]
+    assert ops.PRED_NAMES == Predicates._fields
+
+
+def _case(policy, B=2, Hq=4, Hk=2, Nq=11, Nk=13, D=8, dtype=F64, seed=0, grad=True):
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda *s: torch.randn(*s, generator=g, dtype=F64).to(dtype).requires_grad_(grad)  # noqa: E731
+    q, k, v = mk(B, Hq, Nq, D), mk(B, Hk, Nk, D), mk(B, Hk, Nk, D)
+    extra = {}
+    if policy == "hash":
+        extra = dict(q_buckets=torch.randint(0, 4, (B, Hq, Nq), generator=g),
+                     k_buckets=torch.randint(0, 4, (B, Hk, Nk), generator=g))
+    elif policy == "drop":
+        extra = dict(q_keep=torch.rand(B, Hq, Nq, generator=g) < 0.7, k_keep=torch.rand(B, Hk, Nk, generator=g) < 0.7)
+    elif policy == "spion":
+        extra = dict(block_pattern=torch.rand(1, 1, 1, generator=g) < 0.5)
+    return q, k, v, extra
+
+
+def _preds(B, Nq, Nk, seed=0):
+    g = torch.Generator().manual_seed(seed + 1)
+    return dict(q_seg=torch.sort(torch.randint(0, 2, (B, Nq), generator=g)).values,
+                k_seg=torch.sort(torch.randint(0, 2, (B, Nk), generator=g)).values,
+                k_valid=torch.rand(B, Nk, generator=g) < 0.8, q_valid=torch.rand(B, Nq, generator=g) < 0.9,
+                q_pos=torch.arange(Nq)[None] + (Nk - Nq))
+
+
+POLICIES = ("dense", "dfss", "hash", "drop", "spion", "et")
+POLICY_OBJ = {"spion": SPION(block_size=16)}
+
+
+@pytest.mark.parametrize("variant", ("plain", "causal_mask", "predicates", "dropout"))
+@pytest.mark.parametrize("policy", POLICIES + ("hash_lsh", "drop_drawn"))
+def test_functional_host_path_never_syncs(policy, variant):
+    """Forward and backward of every policy through ``attncomp.functional.attention`` with every
+    host-side data read trapped (derived LSH buckets and drawn keep masks included)."""
+    seed = fresh_seed()
+    base = policy.split("_")[0]
+    q, k, v, extra = _case(base, seed=seed)
+    if policy in ("hash_lsh", "drop_drawn"):
+        extra = {}
+    kw = dict(policy=POLICY_OBJ.get(base, base), enable_gqa=True, **extra)
+    if variant == "causal_mask":
+        kw.update(is_causal=True, attn_mask=torch.randn(11, 13, dtype=F64).requires_grad_(True))
+    elif variant == "predicates":
+        kw.update(_preds(2, 11, 13, seed), window=(5, 0), causal_align="bottom_right")
+    elif variant == "dropout":
+        kw.update(dropout_p=0.3, seed=seed)
+    ref = attention(q, k, v, backend="reference", **kw)
+    with sync_trap() as trap:
+        out = attention(q, k, v, **kw)
+        grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    assert "attncomp.attention" in trap.seen_ops and "attncomp.attention_backward" in trap.seen_ops
+    assert len([o for o in trap.seen_ops if o.startswith("aten.")]) > 3, "the trap must see inside the op"
+    assert_close(out, ref, F64, msg=f"{policy} {variant} seed={seed}")
+    want = torch.autograd.grad(ref, (q, k, v), torch.ones_like(ref))
+    for a, b in zip(grads, want):
+        assert_close(a, b, F64, msg=f"grad {policy} {variant} seed={seed}")
+
+
+def test_fresh_dropout_seed_is_allowed_host_scalar():
+    """A dropout seed drawn from torch's CPU generator is host data, not device data: allowed by name."""
+    q, k, v, _ = _case("dense", grad=False)
+    with pytest.raises(SyncError, match="_fresh_seed"):
+        with sync_trap():
+            attention(q, k, v, policy="dense", enable_gqa=True, dropout_p=0.2)
+    with sync_trap(allow=("functional.py:_fresh_seed",)):
+        attention(q, k, v, policy="dense", enable_gqa=True, dropout_p=0.2)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_raw_op_host_path_never_syncs(policy):
+    """``torch.ops.attncomp.attention`` itself, with predicates, forward and backward."""
+    seed = fresh_seed()
+    q, k, v, extra = _case(policy, seed=seed)
+    pol = get_policy(POLICY_OBJ.get(policy, policy)).resolved(F64)
+    spec = AttentionSpec(causal=True, window_left=4, causal_align="bottom_right", policy=pol).to_json()
+    qa = extra.get("q_buckets", extra.get("q_keep"))
+    ka = extra.get("k_buckets", extra.get("k_keep"))
+    P = _preds(2, 11, 13, seed)
+    args = (q, k, v, None, qa, ka, extra.get("block_pattern"), P["q_pos"], None, P["q_seg"], P["k_seg"],
+            P["q_valid"], P["k_valid"], spec, 0.0, 0)
+    with sync_trap():
+        out, lse = torch.ops.attncomp.attention(*args)
+        out.sum().backward()
+    want, wlse = R.attention(q.detach(), k.detach(), v.detach(), spec=AttentionSpec.from_json(spec), q_aux=qa,
+                             k_aux=ka, block_pattern=extra.get("block_pattern"),
+                             preds=Predicates(P["q_pos"], None, P["q_seg"], P["k_seg"], P["q_valid"], P["k_valid"]))
+    assert_close(out, want, F64, msg=f"{policy} seed={seed}")
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(wlse))
+    assert q.grad is not None and not q.grad.isnan().any()
+
+
+def test_trap_catches_a_host_read_in_attncomp_code(monkeypatch):
+    """Negative twin: the hash id range check reads data; it runs only under ATTNCOMP_DEBUG=1, and
+    the trap catches it there."""
+    q, k, v, extra = _case("hash", grad=False)
+    monkeypatch.setenv("ATTNCOMP_DEBUG", "1")
+    with pytest.raises(SyncError, match="ops.py"):
+        with sync_trap():
+            attention(q, k, v, policy="hash", enable_gqa=True, **extra)
+    monkeypatch.setenv("ATTNCOMP_DEBUG", "0")
+    with sync_trap():
+        attention(q, k, v, policy="hash", enable_gqa=True, **extra)
+
+
+def test_trap_catches_dispatch_level_reads():
+    from attncomp import policy as P
+
+    x = torch.arange(6)
+    # code compiled under an attncomp file name counts as attncomp code
+    for src, what in (("x.nonzero()", "nonzero"), ("x[x > 2]", "bool index"), ("x.unique()", "unique"),
+                      ("int(x.sum())", "__int__"), ("x.tolist()", "tolist")):
+        with pytest.raises(SyncError, match=what):
+            with sync_trap():
+                exec(compile(src, P.__file__, "exec"), {"x": x})
+    with sync_trap():
+        x.nonzero()                                           # test code may read data freely
+
+
+def test_fake_kernel_and_opcheck():
+    q, k, v, _ = _case("dense", grad=True, dtype=torch.float32)
+    P = _preds(2, 11, 13)
+    spec = AttentionSpec(causal=True, causal_align="bottom_right").to_json()
+    args = (q, k, v, None, None, None, None, P["q_pos"], None, P["q_seg"], P["k_seg"], P["q_valid"], P["k_valid"],
+            spec, 0.0, 0)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fargs = tuple(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args)
+        out, lse = torch.ops.attncomp.attention(*fargs)
+    assert out.shape == (2, 4, 11, 8) and lse.shape == (2, 4, 11) and lse.dtype == torch.float32
+    torch.library.opcheck(torch.ops.attncomp.attention.default, args,
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+def _raises(match, **kw):
+    q, k, v, _ = _case("dense", grad=False)
+    with pytest.raises(ValueError, match=match):
+        attention(q, k, v, policy="dense", enable_gqa=True, **kw)
+
+
+def test_predicate_checks():
+    _raises("q_pos must have shape", q_pos=torch.arange(10)[None])
+    _raises("k_pos must be a integer", k_pos=torch.zeros(1, 13))
+    _raises("k_valid must be a bool", k_valid=torch.ones(2, 13, dtype=torch.long))
+    _raises("q_valid must have shape", q_valid=torch.ones(3, 11, dtype=torch.bool))
+    _raises("both q_seg and k_seg", q_seg=torch.zeros(2, 11, dtype=torch.long))
+    _raises("window must be a", window=(1,))
+    _raises("window must be a", window=(1.5, None))
+    _raises("causal_align", causal_align="middle")
+    _raises("allows no key", window=(-3, 1))
+
+
+def test_spec_fields_and_words():
+    s = AttentionSpec(causal=True, causal_align="bottom_right", window_left=128)
+    assert AttentionSpec.from_json(s.to_json()) == s
+    assert s.bounds() == (128, 0)
+    assert "causal (bottom-right)" in s.describe() and "window(128, inf)" in s.describe()
+    d = s.describe(Predicates(k_valid=torch.ones(1, 3, dtype=torch.bool), q_seg=torch.zeros(1, 2),
+                              k_seg=torch.zeros(1, 3)))
+    assert "segments" in d and "key padding" in d
+    assert AttentionSpec(causal=True).describe().endswith("causal")
+    old = '{"backend":"auto","causal":true,"dropout_p":0.0,"dtype":null,"gqa_groups":1,"head_dim":null,' \
+          '"mask_kind":"none","policy":{"name":"dense"},"scale":null}'
+    assert AttentionSpec.from_json(old) == AttentionSpec(causal=True)     # specs from before still load
+    assert not Predicates.none().any() and Predicates(q_valid=torch.ones(1, 1, dtype=torch.bool)).any()
+    with pytest.raises(ValueError, match="window_left"):
+        AttentionSpec(window_left=2.5)
+    with pytest.raises(ValueError, match="causal_align"):
+        AttentionSpec(causal_align="bottom-right")
+
+
+def test_predicate_tensors_get_no_gradient_and_mask_does():
+    q, k, v, _ = _case("dense", dtype=F64)
+    m = torch.randn(11, 13, dtype=F64, requires_grad=True)
+    kv = torch.rand(2, 13) < 0.8
+    out = attention(q, k, v, attn_mask=m, k_valid=kv, policy="dense", enable_gqa=True)
+    gm, = torch.autograd.grad(out.sum(), (m,))
+    ref = attention(q, k, v, attn_mask=m, k_valid=kv, policy="dense", enable_gqa=True, backend="reference")
+    want, = torch.autograd.grad(ref.sum(), (m,))
+    assert_close(gm, want, F64)
+
+
+@pytest.mark.skipif(os.environ.get("ATTNCOMP_DEBUG") not in (None, "", "0"), reason="debug checks read data")
+def test_ops_attention_python_entry_takes_preds_or_keywords():
+    q, k, v, _ = _case("dense", grad=False)
+    spec = AttentionSpec(causal=True, causal_align="bottom_right")
+    kv = torch.rand(2, 13) < 0.7
+    a = ops.attention(q, k, v, spec=spec, k_valid=kv)
+    b = ops.attention(q, k, v, spec=spec, preds=Predicates(k_valid=kv))
+    assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="not both"):
+        ops.attention(q, k, v, spec=spec, k_valid=kv, preds=Predicates(k_valid=kv))
