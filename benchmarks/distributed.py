@@ -284,7 +284,7 @@ def cp_rows(args, rank, world, device, dtype) -> List[dict]:
     import attncomp
     from attncomp.distributed import context_parallel_attention, shard_sequence
 
-    ns = [int(x) for x in args.ns.split(",")] if args.ns else ([64, 128] if args.smoke else [65536, 131072])
+    ns = [int(x) for x in args.ns.split(",")] if args.ns else ([64] if args.smoke else [65536, 131072])
     B, Hq, Hk, D = (1, 4, 2, 16) if args.smoke else (1, 32, 8, 64)
     rows = []
     for N in ns:
