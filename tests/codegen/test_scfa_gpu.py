@@ -1,4 +1,4 @@
-"""SCFA ``hash``/``drop`` kernels on a CUDA GPU at realistic sizes, against the reference.
+"""``hash``/``drop`` on the kernel template on a CUDA GPU at realistic sizes, against the reference.
 
 Run in a process of their own (``pytest -m gpu tests/codegen/test_scfa_gpu.py``): a test module
 that sets ``TRITON_INTERPRET=1`` makes every Triton kernel of its process interpreted.
@@ -23,7 +23,7 @@ from tests.utils import assert_close, poison, qkv  # noqa: E402
 @pytest.fixture
 def scfa(monkeypatch):
     pytest.importorskip("triton")
-    from attncomp.codegen.triton import scfa as mod
+    from attncomp.codegen.triton import backend as mod
 
     monkeypatch.setattr(mod, "_empty", lambda shape, dtype, device: poison(torch.empty(shape, dtype=dtype, device=device)))
     return mod
@@ -40,16 +40,14 @@ def _grads_close(got, ref, dtype):
 def _run(scfa, spec, q, k, v, qa, ka, mask=None, p=0.0, seed=0):
     from attncomp.codegen import reference as R
 
-    name = spec.policy.name
-    fwd = getattr(scfa, f"{name}_attention_forward")
-    bwd = getattr(scfa, f"{name}_attention_backward")
-    out, lse = fwd(spec, q, k, v, mask, qa, ka, p, seed)
+    be = scfa.TritonBackend()
+    out, lse = be.forward(spec, q, k, v, mask, qa, ka, None, p, seed)
     f = torch.float32
     ro, rl = R.attention(q.to(f), k.to(f), v.to(f), mask, spec=spec, q_aux=qa, k_aux=ka, dropout_p=p, seed=seed)
     assert_close(out, ro, q.dtype, "out")
     assert torch.equal(torch.isneginf(lse), torch.isneginf(rl))
     go = torch.randn_like(out)
-    got = bwd(spec, q, k, v, mask, qa, ka, p, seed, out, lse, go)[:3]
+    got = be.backward(spec, q, k, v, mask, qa, ka, None, p, seed, out, lse, go)[:3]
     ref = R.attention_backward(q.to(f), k.to(f), v.to(f), mask, go.to(f), spec=spec, q_aux=qa, k_aux=ka,
                                dropout_p=p, seed=seed)[:3]
     _grads_close(got, ref, q.dtype)
@@ -90,15 +88,14 @@ def test_hash_exclude_self_padding_mask_fp32_d96(scfa):
     _run(scfa, spec, q, k, v, qb, kb, mask=mask)
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_counting_sort_layout_equals_torch_sort(scfa, causal):
+def test_counting_sort_layout_equals_torch_sort(scfa):
     """The Triton counting-sort layout and the torch.sort/searchsorted one agree exactly (GQA, Nq != Nk)."""
+    from attncomp.codegen.triton import layout as L
+
     g = torch.Generator(device="cuda").manual_seed(0)
     qb = torch.randint(0, 16, (2, 8, 16384), device="cuda", dtype=torch.int32, generator=g)
     kb = torch.randint(0, 16, (2, 2, 9000), device="cuda", dtype=torch.int32, generator=g)
-    a = scfa.build_layout(qb, kb, causal, method="count")
-    b = scfa.build_layout(qb, kb, causal, method="sort")
+    a = L.counting_layout(qb, kb, 16, kind=L.GK_IDS, q_shape=tuple(qb.shape), k_shape=tuple(kb.shape))
+    b = L.sorted_layout(qb, kb)
     for name in ("q_perm", "k_perm", "lo", "hi"):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
-    for x, y in zip(a.backward_intervals(), b.backward_intervals()):
-        assert torch.equal(x, y)

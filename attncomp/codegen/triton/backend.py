@@ -25,8 +25,8 @@ from .common import LOG2E, MASK_BOOL, MASK_FLOAT, MASK_NONE
 from .common import cdiv as _cdiv, next_pow2 as _next_pow2, pow2_block as _pow2
 from .layout import Layout, layout_from_aux
 from .schedule import tile_lists, tile_summary
-from .template import (POLICY_DENSE, POLICY_DFSS, POLICY_SORTED, POLICY_SPION, POS_ARANGE, POS_NONE, POS_VECTOR,
-                       SCHED_LIST, SCHED_SPAN, _bwd_preprocess, _dkdv_kernel, _rows_kernel)
+from .template import (MODE_DKDV, MODE_DQ, MODE_FWD, POLICY_DENSE, POLICY_DFSS, POLICY_SORTED, POLICY_SPION,
+                       POS_ARANGE, POS_NONE, POS_VECTOR, SCHED_LIST, SCHED_SPAN, _attention_kernel, _bwd_preprocess)
 
 __all__ = ["TritonBackend", "attention_forward", "attention_backward", "Site"]
 
@@ -223,6 +223,11 @@ class Site:
         return {**m, "dtype": str(self.dtype), "nq": _next_pow2(self.Nq), "nk": _next_pow2(self.Nk), "arch": arch}
 
 
+def _strides(*tensors) -> tuple:
+    """Batch, head and row strides of each (B, H, N, D) tensor (zeros for an absent one)."""
+    return tuple(x for t in tensors for x in ((0, 0, 0) if t is None else t.stride()[:3]))
+
+
 def _st(t, d) -> int:
     return 0 if t.shape[d] == 1 else t.stride(d)
 
@@ -258,13 +263,12 @@ def attention_forward(spec: AttentionSpec, q, k, v, attn_mask=None, dropout_p: f
     def launch(cfg):
         bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
         lst, cnt = site.lists(bm, bn, True)
-        _rows_kernel[(_cdiv(Nq, bm), B * Hq)](
-            q, k, v, out, out, lse, lse, out,
-            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], 0, 0, 0, 0, 0, 0,
-            *site.pred_args(lst, cnt),
+        _attention_kernel[(_cdiv(Nq, bm), B * Hq)](
+            q, k, v, out, out, lse, lse, out, out, out,
+            *_strides(q, k, v, out, None, None, None, None), *site.pred_args(lst, cnt),
             Hq, Nq, Nk, site.scale * LOG2E, site.scale, site.seed_word, site.dropout_p, site.inv_keep,
-            BLOCK_M=bm, BLOCK_N=bn, DQ_PASS=False, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-            **site.meta(bm, bn),
+            BLOCK_M=bm, BLOCK_N=bn, MODE=MODE_FWD, NATURAL=False, num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"], **site.meta(bm, bn),
         )
 
     _run_tuned("fwd", site, launch, configs.fwd_candidates, config)
@@ -294,28 +298,26 @@ def attention_backward(spec: AttentionSpec, q, k, v, attn_mask, out, lse, grad_o
         Hq, Nq, HEAD_DV=site.Dv, BLOCK_DV=site.block_dv, BLOCK_M=pre_bm,
         num_warps=1 if configs.interpret_mode() else 4,
     )
-    scalars = (Nq, Nk, site.scale * LOG2E, site.scale, site.seed_word, site.dropout_p, site.inv_keep)
+    tensors = (q, k, v, out, grad_out, lse2, delta, dq, dk, dv)
+    strides = _strides(q, k, v, None, grad_out, dq, dk, dv)
+    scalars = (Hq, Nq, Nk, site.scale * LOG2E, site.scale, site.seed_word, site.dropout_p, site.inv_keep)
 
     def launch(cfg):
         bm, bn, w, st = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"]
         # orientation of the dK/dV tiles: queries by keys for a row-wise selection, else keys by queries
         natural = bool(cfg.get("NATURAL", site.policy == POLICY_DFSS))
         lst, cnt = site.lists(bm, bn, False)
-        _dkdv_kernel[(_cdiv(Nk, bn), B * Hk)](
-            q, k, v, grad_out, dk, dv, lse2, delta,
-            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3], *dk.stride()[:3],
-            *dv.stride()[:3], *site.pred_args(lst, cnt), Hk, *scalars,
-            BLOCK_M=bm, BLOCK_N=bn, NATURAL=natural, num_warps=w, num_stages=st, **site.meta(bm, bn),
+        _attention_kernel[(_cdiv(Nk, bn), B * Hk)](
+            *tensors, *strides, *site.pred_args(lst, cnt), *scalars,
+            BLOCK_M=bm, BLOCK_N=bn, MODE=MODE_DKDV, NATURAL=natural, num_warps=w, num_stages=st, **site.meta(bm, bn),
         )
         # dQ: its own tiles when the config names them ("DQ": [queries, keys, warps, stages]),
         # else the dK/dV shape transposed (large query tile, small key tile)
         qm, qn, qw, qs = cfg.get("DQ") or (bn, bm, w, st)
         lst, cnt = site.lists(qm, qn, True)
-        _rows_kernel[(_cdiv(Nq, qm), B * Hq)](
-            q, k, v, out, grad_out, lse2, delta, dq,
-            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], 0, 0, 0, *grad_out.stride()[:3], *dq.stride()[:3],
-            *site.pred_args(lst, cnt), Hq, *scalars,
-            BLOCK_M=qm, BLOCK_N=qn, DQ_PASS=True, num_warps=qw, num_stages=qs, **site.meta(qm, qn),
+        _attention_kernel[(_cdiv(Nq, qm), B * Hq)](
+            *tensors, *strides, *site.pred_args(lst, cnt), *scalars,
+            BLOCK_M=qm, BLOCK_N=qn, MODE=MODE_DQ, NATURAL=False, num_warps=qw, num_stages=qs, **site.meta(qm, qn),
         )
 
     _run_tuned("bwd", site, launch, configs.bwd_candidates, config)

@@ -2,10 +2,8 @@
 
 The softmax runs in log2 units, ``exp2(q·k * scale * log2(e) + bias * log2(e) - m)``, so that the
 scale costs one fused multiply-add per logit (without a float mask the tiles hold raw ``q·k`` and
-the scale is applied inside that multiply-add). A logit that is not kept (disallowed by the causal
-rule or the mask, out of bounds, or dropped by the policy) is ``-inf``. :func:`_score_tile` is the single place where masks and the policy's rule are applied, so
-the forward, dK/dV and dQ kernels keep exactly the same entries; a new policy adds its branch there
-(and, if it needs per-token tensors, their pointers to the kernels' signatures).
+the scale is applied inside that multiply-add). A logit that is not kept is ``-inf``; the single
+place where predicates, masks and the policy's rule are applied is ``template._entry``.
 
 The DFSS selection (:func:`_nm_select`) runs on the logits tile in registers, right after the
 ``QK^T`` product and before the online softmax, as the epilogue the DFSS paper describes: nothing
@@ -22,17 +20,13 @@ import triton
 import triton.language as tl
 
 __all__ = [
-    "POLICY_DENSE",
-    "POLICY_DFSS",
     "MASK_NONE",
     "MASK_BOOL",
     "MASK_FLOAT",
     "LOG2E",
 ]
 
-# Policy and mask kinds as kernel constants (``tl.constexpr``): one compiled variant per kind.
-POLICY_DENSE = 0
-POLICY_DFSS = 1
+# Mask kinds as kernel constants (``tl.constexpr``): one compiled variant per kind.
 MASK_NONE = 0
 MASK_BOOL = 1
 MASK_FLOAT = 2
@@ -176,61 +170,6 @@ def _dropout_scale(seed, row_base, kj, dropout_p, inv_keep):
     idx = row_base + kj.to(tl.uint32)
     u = _uniform_hash(seed, idx)
     return tl.where(u >= dropout_p, inv_keep, 0.0)
-
-
-@triton.jit
-def _score_tile(
-    qk, qi, kj, mask_ptrs, Nq, Nk, qk_scale,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, CHECK_Q: tl.constexpr, CHECK_K: tl.constexpr,
-    POLICY: tl.constexpr, NM_N: tl.constexpr, NM_M: tl.constexpr, TRANSPOSED: tl.constexpr,
-    PRESCALE: tl.constexpr,
-):
-    """Logits of one tile with every rule of DESIGN.md §4 applied; ``-inf`` = not kept.
-
-    ``qk`` is the raw ``q·k`` tile: ``BLOCK_M x BLOCK_N`` (queries by keys), or its transpose when
-    ``TRANSPOSED`` (the dK/dV kernel). ``qi``/``kj`` are the query/key indices broadcastable to the
-    tile, ``mask_ptrs`` the attention-mask element pointers (ignored without a mask).
-    ``CHECK_Q``/``CHECK_K`` add bounds checks for the last partial tiles.
-
-    With ``PRESCALE`` (a float mask, or a scale <= 0) the result is in log2 units,
-    ``qk * qk_scale + bias * log2(e)``. Without it the tile stays in raw ``q·k`` units and the
-    caller applies ``qk_scale`` inside the fused multiply-add that feeds ``exp2`` (one multiply per
-    element less); ranking raw products also matches the reference's ties exactly.
-    """
-    if PRESCALE:
-        s = qk * qk_scale
-    else:
-        s = qk
-    if MASK_KIND != 0:
-        if CHECK_Q and CHECK_K:
-            inb = (qi < Nq) & (kj < Nk)
-        elif CHECK_Q:
-            inb = qi < Nq
-        elif CHECK_K:
-            inb = kj < Nk
-        if MASK_KIND == 1:
-            if CHECK_Q or CHECK_K:
-                am = tl.load(mask_ptrs, mask=inb, other=0)
-            else:
-                am = tl.load(mask_ptrs)
-            s = tl.where(am != 0, s, float("-inf"))
-        else:
-            if CHECK_Q or CHECK_K:
-                bias = tl.load(mask_ptrs, mask=inb, other=0.0)
-            else:
-                bias = tl.load(mask_ptrs)
-            s = s + bias.to(tl.float32) * 1.4426950408889634
-    if CAUSAL:
-        s = tl.where(kj <= qi, s, float("-inf"))
-    if CHECK_K:
-        s = tl.where(kj < Nk, s, float("-inf"))
-    if POLICY == 1:
-        if TRANSPOSED:
-            s = tl.trans(_nm_select(tl.trans(s), BLOCK_M, BLOCK_N, NM_N, NM_M))
-        else:
-            s = _nm_select(s, BLOCK_M, BLOCK_N, NM_N, NM_M)
-    return s
 
 
 # ---------------------------------------------------------------------------------------------

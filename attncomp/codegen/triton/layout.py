@@ -1,0 +1,267 @@
+"""Sorted layouts of ``hash`` and ``drop`` (Sparse Causal Flash Attention, seed 002), built on the device,
+and the policy derivations fused with them.
+
+Both policies reduce to one schedule: queries (per query head) and keys (per KV head) are stably
+sorted by a per-token group id, the hash bucket; for ``drop`` 0 for kept tokens, 1 for dropped
+queries and 2 for dropped keys (so a dropped query shares a group with no key, and the stable sort
+is the compaction "kept tokens first, in order"). Sorted query ``m`` then keeps exactly the sorted
+keys ``lo[m] <= p < hi[m]`` of its group (before the other predicates, which the kernels apply on
+original positions). The kernel template reads the permutations to gather rows, so no sorted copy
+of q, k or v is made.
+
+Two ways to build it, both without a device-to-host read:
+
+* a counting sort in Triton when the ids lie in a known range (``drop``; ``hash`` with buckets
+  derived here): per-chunk histograms, a scan over chunks, a stable scatter that also writes the
+  ranges (three launches per side). The group ids themselves are computed in the histogram kernel
+  (:func:`_group_ids`): read as given, drawn (the ``drop`` keep draw,
+  :func:`attncomp.policy.keep_mask` bit for bit, through the same counter-based hash), or hashed
+  (angular LSH, :func:`attncomp.policy.lsh_buckets`: one random rotation per KV head, shared by its
+  queries and keys, on L2-normalised vectors);
+* ``torch.sort(stable=True)`` and ``searchsorted`` for caller-given bucket ids of any range.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ...policy import Drop, Hash, _rotation, _stream_seed
+from .common import _uniform_hash, cdiv, next_pow2
+
+__all__ = ["Layout", "layout_from_aux", "derive_layout", "counting_layout", "sorted_layout",
+           "GK_IDS", "GK_KEEP", "GK_DRAW", "GK_LSH"]
+
+GK_IDS = 0   # group ids given (int), shifted by g_off
+GK_KEEP = 1  # keep mask given (bool): kept -> 0, dropped -> DROP_ID
+GK_DRAW = 2  # keep mask drawn here (counter-based hash of the flat token index)
+GK_LSH = 3   # angular LSH buckets of the token vectors
+
+_CHUNK = 32
+_M32 = 0xFFFFFFFF
+
+
+class Layout(NamedTuple):
+    """Sorted order and kept ranges, all int32: ``q_perm``/``lo``/``hi`` ``(B, Hq, Nq)``, ``k_perm``
+    ``(B, Hk, Nk)``; ``q_groups``/``k_groups`` the ids the sort used (in original order)."""
+
+    q_perm: torch.Tensor
+    k_perm: torch.Tensor
+    lo: torch.Tensor
+    hi: torch.Tensor
+    q_groups: Optional[torch.Tensor] = None
+    k_groups: Optional[torch.Tensor] = None
+
+
+@triton.jit
+def _group_ids(Src, Rot, row, h_rot, offs, valid, N, sb, sh, sn, H, g_off, rate, seed_word,
+               GK: tl.constexpr, DROP_ID: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
+               NB2: tl.constexpr, NB2P: tl.constexpr):
+    """Group ids (int32, from 0) of tokens ``offs`` of row ``row = b * H + h`` of one side."""
+    if GK == 0:
+        g = (tl.load(Src + row * N + offs, mask=valid, other=0).to(tl.int64) - g_off).to(tl.int32)
+    elif GK == 1:
+        keep = tl.load(Src + row * N + offs, mask=valid, other=0) != 0
+        g = tl.where(keep, 0, DROP_ID)
+    elif GK == 2:
+        u = _uniform_hash(seed_word, (row * N + offs).to(tl.uint32))
+        g = tl.where(u >= rate, 0, DROP_ID)
+    else:
+        b = row // H
+        h = row % H
+        offs_d = tl.arange(0, BLOCK_D)
+        x = tl.load(Src + b * sb + h * sh + offs[:, None].to(tl.int64) * sn + offs_d[None, :],
+                    mask=valid[:, None] & (offs_d[None, :] < HEAD_D), other=0.0).to(tl.float32)
+        nrm = tl.sqrt(tl.sum(x * x, 1))
+        x = x / tl.maximum(nrm, 1e-12)[:, None]
+        offs_c = tl.arange(0, NB2P)
+        rot = tl.load(Rot + h_rot * (HEAD_D * NB2) + offs_d[:, None] * NB2 + offs_c[None, :],
+                      mask=(offs_d[:, None] < HEAD_D) & (offs_c[None, :] < NB2), other=0.0)
+        xr = tl.dot(x, rot, input_precision="ieee")
+        cval = offs_c[None, :] < NB2
+        pos = tl.where(cval, xr, float("-inf"))
+        neg = tl.where(cval, -xr, float("-inf"))
+        # argmax of [xr, -xr], the first index on ties (as torch.argmax)
+        pmax = tl.max(pos, 1)
+        nmax = tl.max(neg, 1)
+        ip = tl.min(tl.where(pos == pmax[:, None], offs_c[None, :], NB2P), 1)
+        ineg = tl.min(tl.where(neg == nmax[:, None], offs_c[None, :], NB2P), 1)
+        g = tl.where(pmax >= nmax, ip, NB2 + ineg).to(tl.int32)
+    return tl.where(valid, g, 0)
+
+
+@triton.jit
+def _layout_hist(Src, Rot, Grp, Hist, N, n_chunks, H, G_ROT, sb, sh, sn, g_off, rate, seed_word,
+                 GK: tl.constexpr, DROP_ID: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
+                 NB2: tl.constexpr, NB2P: tl.constexpr, CHUNK: tl.constexpr, R_P2: tl.constexpr):
+    """Group ids of a chunk of CHUNK tokens (written to ``Grp``) and their histogram."""
+    c = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    valid = offs < N
+    g = _group_ids(Src, Rot, row, (row % H) // G_ROT, offs, valid, N, sb, sh, sn, H, g_off, rate, seed_word,
+                   GK, DROP_ID, HEAD_D, BLOCK_D, NB2, NB2P)
+    tl.store(Grp + row * N + offs, g, mask=valid)
+    hist = tl.histogram(g, R_P2, mask=valid)
+    tl.store(Hist + (row * n_chunks + c) * R_P2 + tl.arange(0, R_P2), hist)
+
+
+@triton.jit
+def _layout_scan(Hist, StartPos, Start, Count, n_chunks, CB: tl.constexpr, R_P2: tl.constexpr):
+    """Per row: group sizes ``Count``, group starts ``Start`` and ``StartPos[chunk, g]``, the first
+    sorted slot of the chunk's tokens of group ``g``."""
+    row = tl.program_id(0).to(tl.int64)
+    r = tl.arange(0, R_P2)
+    tot = tl.zeros([R_P2], tl.int32)
+    for c0 in range(0, n_chunks, CB):
+        cc = c0 + tl.arange(0, CB)
+        h = tl.load(Hist + (row * n_chunks + cc[:, None]) * R_P2 + r[None, :], mask=(cc < n_chunks)[:, None], other=0)
+        tot += tl.sum(h, 0)
+    start = tl.cumsum(tot, 0) - tot
+    tl.store(Start + row * R_P2 + r, start)
+    tl.store(Count + row * R_P2 + r, tot)
+    carry = start
+    for c0 in range(0, n_chunks, CB):
+        cc = c0 + tl.arange(0, CB)
+        cm = (cc < n_chunks)[:, None]
+        h = tl.load(Hist + (row * n_chunks + cc[:, None]) * R_P2 + r[None, :], mask=cm, other=0)
+        tl.store(StartPos + (row * n_chunks + cc[:, None]) * R_P2 + r[None, :], tl.cumsum(h, 0) - h + carry[None, :],
+                 mask=cm)
+        carry += tl.sum(h, 0)
+
+
+@triton.jit
+def _layout_scatter(Grp, StartPos, Perm, N, n_chunks, KStart, KCount, Lo, Hi, H, GROUPS,
+                    RANGES: tl.constexpr, CHUNK: tl.constexpr, R_P2: tl.constexpr):
+    """Tokens to their sorted slots (stable: rank among the chunk's earlier tokens of the group);
+    with ``RANGES`` (query side) also each sorted query's range of sorted keys of its group."""
+    c = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
+    ar = tl.arange(0, CHUNK)
+    offs = c * CHUNK + ar
+    valid = offs < N
+    g = tl.load(Grp + row * N + offs, mask=valid, other=0)
+    rank = tl.sum(((g[:, None] == g[None, :]) & (ar[None, :] < ar[:, None])).to(tl.int32), 1)
+    pos = tl.load(StartPos + (row * n_chunks + c) * R_P2 + g, mask=valid, other=0) + rank
+    tl.store(Perm + row * N + pos, offs, mask=valid)
+    if RANGES:
+        rk = (row // H) * (H // GROUPS) + (row % H) // GROUPS
+        kst = tl.load(KStart + rk * R_P2 + g, mask=valid, other=0)
+        kct = tl.load(KCount + rk * R_P2 + g, mask=valid, other=0)
+        tl.store(Lo + row * N + pos, kst, mask=valid)
+        tl.store(Hi + row * N + pos, kst + kct, mask=valid)
+
+
+def _side_source(kind: int, src: torch.Tensor):
+    if kind == GK_LSH:
+        x = src if src.stride(-1) == 1 else src.contiguous()
+        return x, (x.stride(0), x.stride(1), x.stride(2))
+    if kind in (GK_IDS, GK_KEEP):
+        x = src.contiguous()
+        return (x.view(torch.uint8) if x.dtype == torch.bool else x), (0, 0, 0)
+    return src, (0, 0, 0)
+
+
+def counting_layout(q_src: torch.Tensor, k_src: torch.Tensor, n_groups: int, *, kind: int,
+                    q_shape: Tuple[int, int, int], k_shape: Tuple[int, int, int], g_off: int = 0,
+                    rot: Optional[torch.Tensor] = None, q_rate: float = 0.0, k_rate: float = 0.0,
+                    q_seed_word: int = 0, k_seed_word: int = 0) -> Layout:
+    """The layout by counting sort; group ids computed on the device per ``kind`` (``GK_*``) from
+    ``q_src``/``k_src`` (ids, keep masks, or the q/k tensors for LSH; ignored for draws).
+    Ids must lie in ``[g_off, g_off + n_groups)``."""
+    (B, Hq, Nq), (_, Hk, Nk) = q_shape, k_shape
+    dev = q_src.device
+    i32 = torch.int32
+    R_P2 = next_pow2(max(n_groups, 2))
+    CB = max(1, min(256, 2048 // R_P2))
+    D = q_src.shape[-1] if kind == GK_LSH else 16
+    nb2 = rot.shape[-1] if kind == GK_LSH else 1
+    lsh = dict(HEAD_D=D, BLOCK_D=max(16, next_pow2(D)), NB2=nb2, NB2P=max(16, next_pow2(nb2)))
+    rot_t = rot if rot is not None else torch.empty(1, device=dev)
+
+    def side(src, rows_h, n, groups_rot, rate, seed_word, drop_id):
+        x, (sb, sh, sn) = _side_source(kind, src)
+        rows = B * rows_h
+        nch = cdiv(n, _CHUNK)
+        grp = torch.empty((B, rows_h, n), dtype=i32, device=dev)
+        hist = torch.empty((rows, nch, R_P2), dtype=i32, device=dev)
+        _layout_hist[(nch, rows)](x, rot_t, grp, hist, n, nch, rows_h, groups_rot, sb, sh, sn, g_off, float(rate),
+                                  seed_word, GK=kind, DROP_ID=drop_id, CHUNK=_CHUNK, R_P2=R_P2,
+                                  num_warps=1 if kind != GK_LSH else 4, **lsh)
+        startpos = torch.empty_like(hist)
+        start = torch.empty((rows, R_P2), dtype=i32, device=dev)
+        count = torch.empty_like(start)
+        _layout_scan[(rows,)](hist, startpos, start, count, nch, CB=CB, R_P2=R_P2)
+        return grp, nch, startpos, start, count
+
+    kg, k_nch, k_sp, k_st, k_ct = side(k_src, Hk, Nk, 1, k_rate, k_seed_word, 2)
+    qg, q_nch, q_sp, _, _ = side(q_src, Hq, Nq, Hq // Hk, q_rate, q_seed_word, 1)
+    q_perm = torch.empty((B, Hq, Nq), dtype=i32, device=dev)
+    lo, hi = torch.empty_like(q_perm), torch.empty_like(q_perm)
+    k_perm = torch.empty((B, Hk, Nk), dtype=i32, device=dev)
+    _layout_scatter[(q_nch, B * Hq)](qg, q_sp, q_perm, Nq, q_nch, k_st, k_ct, lo, hi, Hq, Hq // Hk,
+                                     RANGES=True, CHUNK=_CHUNK, R_P2=R_P2, num_warps=2)
+    _layout_scatter[(k_nch, B * Hk)](kg, k_sp, k_perm, Nk, k_nch, k_st, k_ct, lo, hi, Hk, 1,
+                                     RANGES=False, CHUNK=_CHUNK, R_P2=R_P2, num_warps=2)
+    return Layout(q_perm, k_perm, lo, hi, qg, kg)
+
+
+def sorted_layout(q_groups: torch.Tensor, k_groups: torch.Tensor) -> Layout:
+    """The layout through ``torch.sort`` (stable) and ``searchsorted``: any integer ids."""
+    Hq, Hk = q_groups.shape[1], k_groups.shape[1]
+    qg, q_perm = torch.sort(q_groups.to(torch.int64), dim=-1, stable=True)
+    kg, k_perm = torch.sort(k_groups.to(torch.int64), dim=-1, stable=True)
+    if Hq != Hk:
+        B, _, Nk = kg.shape
+        kg = kg[:, :, None, :].expand(B, Hk, Hq // Hk, Nk).reshape(B, Hq, Nk)
+    kg = kg.contiguous()
+    lo = torch.searchsorted(kg, qg, out_int32=True)
+    hi = torch.searchsorted(kg, qg, right=True, out_int32=True)
+    return Layout(q_perm.to(torch.int32), k_perm.to(torch.int32), lo, hi, q_groups, k_groups)
+
+
+def layout_from_aux(spec, q_aux: torch.Tensor, k_aux: torch.Tensor) -> Layout:
+    """The layout of one call from the policy tensors given to the op (buckets or keep masks)."""
+    B, Hq, Nq = q_aux.shape
+    Hk, Nk = k_aux.shape[1], k_aux.shape[2]
+    if isinstance(spec.policy, Drop):
+        return counting_layout(q_aux, k_aux, 3, kind=GK_KEEP, q_shape=(B, Hq, Nq), k_shape=(B, Hk, Nk))
+    return sorted_layout(q_aux, k_aux)
+
+
+_ROT_CACHE: dict = {}
+
+
+def _rotation_on(D: int, n_buckets: int, Hk: int, seed: int, device) -> torch.Tensor:
+    key = (D, n_buckets, Hk, seed, str(device))
+    r = _ROT_CACHE.get(key)
+    if r is None:
+        r = _ROT_CACHE[key] = _rotation(D, n_buckets, Hk, seed, device, torch.float32).contiguous()
+    return r
+
+
+def _seed_word(seed: int) -> int:
+    return (int(seed) * 0x9E3779B1 + 0x7F4A7C15) & _M32
+
+
+def derive_layout(spec, q: torch.Tensor, k: torch.Tensor, seed: Optional[int] = None) -> Layout:
+    """The policy's per-token tensors derived on the device and sorted in the same kernels:
+    LSH buckets (``hash``, as :func:`attncomp.policy.lsh_buckets`) or keep draws (``drop``, as
+    :func:`attncomp.policy.keep_mask` with streams 0 and 1 of ``seed``, default the policy's).
+    ``layout.q_groups``/``k_groups`` hold the buckets, or 0 (kept) / nonzero (dropped)."""
+    pol = spec.policy
+    B, Hq, Nq, D = q.shape
+    Hk, Nk = k.shape[1], k.shape[2]
+    shapes = dict(q_shape=(B, Hq, Nq), k_shape=(B, Hk, Nk))
+    if isinstance(pol, Hash):
+        rot = _rotation_on(D, pol.n_buckets, Hk, pol.seed, q.device)
+        return counting_layout(q, k, pol.n_buckets, kind=GK_LSH, rot=rot, **shapes)
+    if isinstance(pol, Drop):
+        s = pol.seed if seed is None else seed
+        return counting_layout(q, k, 3, kind=GK_DRAW, q_rate=pol.q_rate, k_rate=pol.k_rate,
+                               q_seed_word=_seed_word(_stream_seed(s, 0)), k_seed_word=_seed_word(_stream_seed(s, 1)),
+                               **shapes)
+    raise ValueError(f"policy {pol.name!r} has no sorted layout (hash and drop do)")

@@ -1,0 +1,206 @@
+"""Tile schedules built on the device: per query tile the list of key tiles it visits (and per key
+tile the list of query tiles, for the dK/dV pass).
+
+Two launches, no host loop over tiles and no device-to-host read:
+
+1. :func:`_tile_summary`, once per side: for every tile of ``BLOCK`` tokens (in row order, i.e.
+   through the sorted layout's permutation for ``hash``/``drop``) the min/max position, min/max
+   segment id, whether any token is valid, and on the query side of a sorted layout the hull
+   ``[min lo, max hi)`` of the kept key ranges. O(N) reads.
+2. :func:`_tile_lists`: one program per outer tile, streaming the inner tiles' summaries in chunks;
+   :func:`_tile_visit` decides per (query tile, key tile) pair whether any entry may be kept, and
+   the pairs that pass are compacted with a prefix sum into a padded list plus a count.
+
+Both directions use the same test on the same summaries, so the forward, dQ and dK/dV passes visit
+the same pairs. A pair is visited iff it may hold a kept entry; the kernels then apply the exact
+entry predicate (:func:`.template._entry`).
+
+Summaries are int64 ``(B or 1, H or 1, tiles, 8)``: ``[pmin, pmax, smin, smax, any, rlo, rhi, 0]``;
+lists are int32 ``(B or 1, H or 1, outer tiles, inner tiles)`` with counts ``(B or 1, H or 1, outer)``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import cdiv
+from .template import _tok_vals
+
+__all__ = ["tile_summary", "tile_lists"]
+
+_BIG = 2 ** 62
+_FIELDS = 8
+
+
+@triton.jit
+def _tile_summary(Sum, Perm, Pos, Seg, Val, Lo, Hi, N, Hs, s_pos, s_seg, s_val, off,
+                  BLOCK: tl.constexpr, PERMUTED: tl.constexpr, POS: tl.constexpr, SEG: tl.constexpr,
+                  VAL: tl.constexpr, RANGE: tl.constexpr):
+    t = tl.program_id(0)
+    r = tl.program_id(1)
+    b = r // Hs
+    offs = t * BLOCK + tl.arange(0, BLOCK)
+    valid = offs < N
+    if PERMUTED:
+        idx = tl.load(Perm + r.to(tl.int64) * N + offs, mask=valid, other=0)
+    else:
+        idx = offs
+    p, sg, v = _tok_vals(idx, valid, b, Pos, s_pos, Seg, s_seg, Val, s_val, off, POS, SEG, VAL)
+    ok = valid & v
+    if RANGE:
+        lo = tl.load(Lo + r.to(tl.int64) * N + offs, mask=valid, other=0).to(tl.int64)
+        hi = tl.load(Hi + r.to(tl.int64) * N + offs, mask=valid, other=0).to(tl.int64)
+        ok = ok & (lo < hi)
+    big = 4611686018427387904  # 2**62
+    base = Sum + (r.to(tl.int64) * tl.num_programs(0) + t) * 8
+    tl.store(base + 0, tl.min(tl.where(ok, p, big), 0))
+    tl.store(base + 1, tl.max(tl.where(ok, p, -big), 0))
+    tl.store(base + 2, tl.min(tl.where(ok, sg, big), 0))
+    tl.store(base + 3, tl.max(tl.where(ok, sg, -big), 0))
+    tl.store(base + 4, tl.max(ok.to(tl.int64), 0))
+    if RANGE:
+        tl.store(base + 5, tl.min(tl.where(ok, lo, big), 0))
+        tl.store(base + 6, tl.max(tl.where(ok, hi, -big), 0))
+
+
+@triton.jit
+def _pattern_any(Pat, spr, spc, qt, kt, ival, TBq, TBk,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr):
+    """Whether the query tiles ``qt`` x key tiles ``kt`` overlap a kept block of the pattern (or a
+    diagonal block, always kept). Tiles and blocks are powers of two: one divides the other."""
+    PR: tl.constexpr = BLOCK_M // BS if BLOCK_M > BS else 1
+    PC: tl.constexpr = BLOCK_N // BS if BLOCK_N > BS else 1
+    rb0 = qt * BLOCK_M // BS
+    rb1 = tl.minimum((qt * BLOCK_M + BLOCK_M - 1) // BS, TBq - 1)
+    cb0 = kt * BLOCK_N // BS
+    cb1 = tl.minimum((kt * BLOCK_N + BLOCK_N - 1) // BS, TBk - 1)
+    hit = tl.maximum(rb0, cb0) <= tl.minimum(rb1, cb1)
+    for r in tl.static_range(PR):
+        for c in tl.static_range(PC):
+            rr = rb0 + r
+            cc = cb0 + c
+            m = ival & (rr <= rb1) & (cc <= cb1)
+            blk = tl.load(Pat + rr.to(tl.int64) * spr + cc.to(tl.int64) * spc, mask=m, other=0)
+            hit = hit | (blk != 0)
+    return hit
+
+
+@triton.jit
+def _tile_visit(QS, KS, qt, kt, ival, Pat, spr, spc, TBq, TBk, win_left, win_right,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, POS: tl.constexpr, HAS_LEFT: tl.constexpr,
+                HAS_RIGHT: tl.constexpr, SEG: tl.constexpr, RANGE: tl.constexpr, SPION_BS: tl.constexpr):
+    """Whether query tiles ``qt`` and key tiles ``kt`` (equal-shape vectors) may share a kept entry."""
+    qs = QS + qt.to(tl.int64) * 8
+    ks = KS + kt.to(tl.int64) * 8
+    ok = ival & (tl.load(qs + 4, mask=ival, other=0) != 0) & (tl.load(ks + 4, mask=ival, other=0) != 0)
+    if POS != 0:
+        if HAS_LEFT:
+            ok = ok & (tl.load(ks + 1, mask=ival, other=0) >= tl.load(qs + 0, mask=ival, other=0) - win_left)
+        if HAS_RIGHT:
+            ok = ok & (tl.load(ks + 0, mask=ival, other=0) <= tl.load(qs + 1, mask=ival, other=0) + win_right)
+    if SEG:
+        ok = ok & (tl.load(ks + 3, mask=ival, other=0) >= tl.load(qs + 2, mask=ival, other=0))
+        ok = ok & (tl.load(ks + 2, mask=ival, other=0) <= tl.load(qs + 3, mask=ival, other=0))
+    if RANGE:
+        ok = ok & (tl.load(qs + 5, mask=ival, other=0) < (kt + 1) * BLOCK_N)
+        ok = ok & (tl.load(qs + 6, mask=ival, other=0) > kt * BLOCK_N)
+    if SPION_BS > 0:
+        ok = ok & _pattern_any(Pat, spr, spc, qt, kt, ival, TBq, TBk, BLOCK_M, BLOCK_N, SPION_BS)
+    return ok
+
+
+@triton.jit
+def _tile_lists(List, Cnt, QSum, KSum, Pat,
+                s_lb, s_lh, s_lt, s_cb, s_ch, s_qb, s_qh, s_kb, s_kh, sph, spr, spc,
+                Hl, GROUPS_K, T_inner, TBq, TBk, win_left, win_right,
+                OUTER_Q: tl.constexpr, CH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                POS: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SEG: tl.constexpr,
+                RANGE: tl.constexpr, SPION_BS: tl.constexpr):
+    o = tl.program_id(0)
+    r = tl.program_id(1)
+    b = (r // Hl).to(tl.int64)
+    h = (r % Hl).to(tl.int64)
+    qsum = QSum + b * s_qb + h * s_qh
+    ksum = KSum + b * s_kb + (h // GROUPS_K) * s_kh
+    pat = Pat + h * sph
+    lrow = List + b * s_lb + h * s_lh + o.to(tl.int64) * s_lt
+    cnt = 0
+    for c0 in range(0, T_inner, CH):
+        it = c0 + tl.arange(0, CH)
+        ival = it < T_inner
+        outer = tl.zeros([CH], dtype=tl.int32) + o
+        if OUTER_Q:
+            visit = _tile_visit(qsum, ksum, outer, it, ival, pat, spr, spc, TBq, TBk, win_left, win_right,
+                                BLOCK_M, BLOCK_N, POS, HAS_LEFT, HAS_RIGHT, SEG, RANGE, SPION_BS)
+        else:
+            visit = _tile_visit(qsum, ksum, it, outer, ival, pat, spr, spc, TBq, TBk, win_left, win_right,
+                                BLOCK_M, BLOCK_N, POS, HAS_LEFT, HAS_RIGHT, SEG, RANGE, SPION_BS)
+        vi = visit.to(tl.int32)
+        pos = cnt + tl.cumsum(vi, 0) - vi
+        tl.store(lrow + pos, it, mask=visit)
+        cnt += tl.sum(vi, 0)
+    tl.store(Cnt + b * s_cb + h * s_ch + o, cnt)
+
+
+def _bstride(t: Optional[torch.Tensor]) -> int:
+    return 0 if t is None or t.shape[0] == 1 else t.stride(0)
+
+
+def tile_summary(block: int, n: int, rows_b: int, rows_h: int, perm, pos, seg, val, lo, hi, off: int,
+                 pos_kind: int, device) -> torch.Tensor:
+    """Summaries ``(rows_b, rows_h, cdiv(n, block), 8)`` of one side (see the module docstring).
+
+    ``perm``/``lo``/``hi``: ``(rows_b, rows_h, n)`` or ``None``; ``pos``/``seg``/``val``: ``(B or 1, n)``
+    or ``None``; ``pos_kind``: 2 when ``pos`` is given, else positions are ``index + off``."""
+    nt = cdiv(n, block)
+    out = torch.zeros((rows_b, rows_h, nt, _FIELDS), dtype=torch.int64, device=device)
+    dummy = out
+    _tile_summary[(nt, rows_b * rows_h)](
+        out, dummy if perm is None else perm, dummy if pos is None else pos, dummy if seg is None else seg,
+        dummy if val is None else val, dummy if lo is None else lo, dummy if hi is None else hi,
+        n, rows_h, _bstride(pos), _bstride(seg), _bstride(val), off,
+        BLOCK=block, PERMUTED=perm is not None, POS=pos_kind, SEG=seg is not None, VAL=val is not None,
+        RANGE=lo is not None, num_warps=1 if block <= 32 else 4,
+    )
+    return out
+
+
+def tile_lists(qsum: torch.Tensor, ksum: torch.Tensor, *, outer_q: bool, block_m: int, block_n: int,
+               rows_h: int, groups_k: int, pattern=None, spion_bs: int = 0, pos_kind: int = 0,
+               win_left: Optional[int] = None, win_right: Optional[int] = None, seg: bool = False,
+               sorted_ranges: bool = False):
+    """``(list, count)``: for every outer tile (query tiles if ``outer_q`` else key tiles) the inner
+    tiles it visits, in increasing order, padded; ``rows_h`` list heads (1 or Hq); the key summary's
+    head of list head ``h`` is ``h // groups_k``."""
+    rows_b = max(qsum.shape[0], ksum.shape[0])
+    tq, tk = qsum.shape[2], ksum.shape[2]
+    t_out, t_in = (tq, tk) if outer_q else (tk, tq)
+    dev = qsum.device
+    lst = torch.empty((rows_b, rows_h, t_out, t_in), dtype=torch.int32, device=dev)
+    cnt = torch.empty((rows_b, rows_h, t_out), dtype=torch.int32, device=dev)
+
+    def st(t, d):
+        return 0 if t.shape[d] == 1 else t.stride(d)
+
+    if pattern is None:
+        pat, sph, spr, spc, tbq, tbk = lst, 0, 0, 0, 1, 1
+    else:
+        pat = pattern.view(torch.uint8) if pattern.dtype == torch.bool else pattern
+        sph, spr, spc = st(pat, 0), pat.stride(1), pat.stride(2)
+        tbq, tbk = pat.shape[1], pat.shape[2]
+    ch = min(128, max(16, triton.next_power_of_2(t_in)))
+    _tile_lists[(t_out, rows_b * rows_h)](
+        lst, cnt, qsum, ksum, pat,
+        lst.stride(0), lst.stride(1), lst.stride(2), cnt.stride(0), cnt.stride(1),
+        st(qsum, 0), st(qsum, 1), st(ksum, 0), st(ksum, 1), sph, spr, spc,
+        rows_h, groups_k, t_in, tbq, tbk,
+        0 if win_left is None else int(win_left), 0 if win_right is None else int(win_right),
+        OUTER_Q=outer_q, CH=ch, BLOCK_M=block_m, BLOCK_N=block_n, POS=pos_kind,
+        HAS_LEFT=win_left is not None, HAS_RIGHT=win_right is not None, SEG=seg, RANGE=sorted_ranges,
+        SPION_BS=spion_bs, num_warps=1 if ch <= 32 else 4,
+    )
+    return lst, cnt

@@ -1,0 +1,458 @@
+"""The attention kernel template: one flash-style forward and one backward for every site (DESIGN §6).
+
+A site is specialised through ``tl.constexpr`` parameters along two axes:
+
+* **tile schedule** (``SCHED``): which key tiles a query tile visits (and, in the dK/dV pass, which
+  query tiles a key tile visits). ``SCHED_SPAN``: a contiguous span computed in the kernel, every tile
+  when the site has no position predicate, else the tiles that the window around default positions
+  (``arange`` plus the causal alignment offset) reaches. ``SCHED_LIST``: per query tile (per key tile in
+  the transposed direction) a list of tile indices built on the device by :mod:`.schedule` from O(N)
+  tile summaries: position bounds (q/k position vectors), segment ranges, padding, the sorted
+  bucket/keep ranges of ``hash`` and ``drop`` and a SPION block pattern.
+* **entry predicate** (:func:`_entry`): the §4.1 predicates (position window, segments, ``q_valid`` /
+  ``k_valid``), the residual ``attn_mask`` and the policy's keep rule (DFSS N:M selection in registers,
+  the bucket/keep range of a sorted layout, ``exclude_self``, SPION block membership), all on the
+  tile's logits in registers. Nothing ``N x N`` is read except a residual mask the site really has.
+
+Tokens are addressed in a *row order*: the identity, or for ``hash``/``drop`` the stable sort of
+queries and keys by group (:mod:`.layout`), whose permutations the kernels read to gather q/k/v rows
+and scatter outputs back, so that no sorted copy is ever made. Every predicate is evaluated on
+original indices. A new policy or mask adds a branch to :func:`_entry` and, when it lets tiles be
+skipped, a term to :func:`attncomp.codegen.triton.schedule._tile_visit`; no new kernel.
+
+The softmax runs in log2 units (``exp2``), see :mod:`.common`. Kernels:
+
+* :func:`_attention_kernel`, in three modes: the forward (one program per (query tile, batch x query
+  head) streaming key tiles, online softmax, writes ``out`` and the natural-log ``lse``), the
+  backward's dQ (the same programs), and the backward's dK/dV (one program per (key tile, batch x KV
+  head) streaming the query tiles of every query head of its GQA group: no atomics).
+* :func:`_bwd_preprocess`: ``delta = rowsum(dO * O)`` and ``lse`` in log2 units (``+inf`` for rows
+  without a kept key, so their recomputed probabilities are 0).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .common import _dot, _dropout_scale, _key_order, _nm_select
+
+__all__ = ["MODE_FWD", "MODE_DQ", "MODE_DKDV", "SCHED_SPAN", "SCHED_LIST", "POLICY_DENSE", "POLICY_DFSS",
+           "POLICY_SORTED", "POLICY_SPION",
+           "POS_NONE", "POS_ARANGE", "POS_VECTOR"]
+
+MODE_FWD = 0
+MODE_DQ = 1
+MODE_DKDV = 2
+SCHED_SPAN = 0
+SCHED_LIST = 1
+POLICY_DENSE = 0
+POLICY_DFSS = 1
+POLICY_SORTED = 2  # hash and drop: a sorted layout with per-query key ranges
+POLICY_SPION = 3
+POS_NONE = 0    # no position predicate
+POS_ARANGE = 1  # default positions: q = i + offset, k = j
+POS_VECTOR = 2  # q_pos / k_pos tensors
+
+_NEG = float("-inf")
+
+
+@triton.jit
+def _orig(Perm, offs, valid, PERMUTED: tl.constexpr):
+    """Original token indices of row-order positions ``offs`` (0 where not ``valid``)."""
+    if PERMUTED:
+        return tl.load(Perm + offs, mask=valid, other=0)
+    else:
+        return offs
+
+
+@triton.jit
+def _load_tile(base, rows, valid, stride, offs_c, NC: tl.constexpr, BC: tl.constexpr, CHECK: tl.constexpr,
+               TRANS: tl.constexpr):
+    """Rows ``rows`` of a (N, NC) matrix with unit column stride: ``(len(rows), BC)``, or its
+    transpose with ``TRANS``. ``CHECK`` masks the rows that are not ``valid``."""
+    if TRANS:
+        ptrs = base + rows[None, :].to(tl.int64) * stride + offs_c[:, None]
+        if CHECK:
+            return tl.load(ptrs, mask=valid[None, :] & (offs_c[:, None] < NC), other=0.0)
+        elif NC != BC:
+            return tl.load(ptrs, mask=offs_c[:, None] < NC, other=0.0)
+        else:
+            return tl.load(ptrs)
+    else:
+        ptrs = base + rows[:, None].to(tl.int64) * stride + offs_c[None, :]
+        if CHECK:
+            return tl.load(ptrs, mask=valid[:, None] & (offs_c[None, :] < NC), other=0.0)
+        elif NC != BC:
+            return tl.load(ptrs, mask=offs_c[None, :] < NC, other=0.0)
+        else:
+            return tl.load(ptrs)
+
+
+@triton.jit
+def _store_tile(base, rows, valid, stride, offs_c, x, NC: tl.constexpr, BC: tl.constexpr, CHECK: tl.constexpr):
+    ptrs = base + rows[:, None].to(tl.int64) * stride + offs_c[None, :]
+    x = x.to(base.dtype.element_ty)
+    if CHECK:
+        tl.store(ptrs, x, mask=valid[:, None] & (offs_c[None, :] < NC))
+    elif NC != BC:
+        tl.store(ptrs, x, mask=offs_c[None, :] < NC)
+    else:
+        tl.store(ptrs, x)
+
+
+@triton.jit
+def _tok_vals(idx, valid, b, Pos, s_pos, Seg, s_seg, Val, s_val, off,
+              POS: tl.constexpr, SEG: tl.constexpr, VAL: tl.constexpr):
+    """Per-token predicate values of original indices ``idx``: position (int64), segment id and
+    validity. Values of predicates the site lacks are placeholders the compiler drops."""
+    if POS == 2:
+        p = tl.load(Pos + b.to(tl.int64) * s_pos + idx, mask=valid, other=0).to(tl.int64)
+    else:
+        p = idx.to(tl.int64) + off
+    if SEG:
+        sg = tl.load(Seg + b.to(tl.int64) * s_seg + idx, mask=valid, other=0).to(tl.int64)
+    else:
+        sg = p
+    if VAL:
+        v = tl.load(Val + b.to(tl.int64) * s_val + idx, mask=valid, other=0) != 0
+    else:
+        v = valid
+    return p, sg, v
+
+
+@triton.jit
+def _query_side(QPerm, Lo, Hi, row0, offs_m, mval, b, QPos, s_qpos, QSeg, s_qseg, QVal, s_qval, pos_off,
+                PERMUTED: tl.constexpr, POS: tl.constexpr, SEG: tl.constexpr, QVAL: tl.constexpr):
+    """Original indices, predicate values and (sorted layouts) kept key ranges of row-order
+    queries ``offs_m`` of the (batch, head) row starting at ``row0``."""
+    qi = _orig(QPerm + row0, offs_m, mval, PERMUTED)
+    qp, qs, qv = _tok_vals(qi, mval, b, QPos, s_qpos, QSeg, s_qseg, QVal, s_qval, pos_off, POS, SEG, QVAL)
+    if PERMUTED:
+        lo = tl.load(Lo + row0 + offs_m, mask=mval, other=0)
+        hi = tl.load(Hi + row0 + offs_m, mask=mval, other=0)
+    else:
+        lo = offs_m
+        hi = offs_m
+    return qi, qp, qs, qv, lo, hi
+
+
+@triton.jit
+def _span(first, last, off, before, after, BLOCK: tl.constexpr, n_tiles,
+          POS: tl.constexpr, HAS_BEFORE: tl.constexpr, HAS_AFTER: tl.constexpr):
+    """Tiles ``[t_lo, t_hi)`` of the other side reachable from tokens ``first..last`` of this side
+    when the other side's token ``j`` is allowed iff ``x + off - before <= j <= x + off + after``."""
+    t_lo = 0
+    t_hi = n_tiles
+    if POS == 1:
+        if HAS_BEFORE:
+            t_lo = tl.maximum(first + off - before, 0) // BLOCK
+        if HAS_AFTER:
+            t_hi = tl.minimum(tl.cdiv(tl.maximum(last + off + after + 1, 0), BLOCK), n_tiles)
+    return t_lo, t_hi
+
+
+@triton.jit
+def _entry(
+    qk, m2, n2, qi2, kj2, qp2, qs2, qv2, lo2, hi2, kp2, ks2, kv2, b, h,
+    Mask, smb, smh, smm, smn, Pat, sph, spr, spc, Nq, Nk, win_left, win_right, qk_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr, CHECK_K: tl.constexpr,
+    POLICY: tl.constexpr, NM_N: tl.constexpr, NM_M: tl.constexpr, EXCLUDE_SELF: tl.constexpr,
+    POS: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SEG: tl.constexpr,
+    QVAL: tl.constexpr, KVAL: tl.constexpr, SPION_BS: tl.constexpr, TRANSPOSED: tl.constexpr,
+    PRESCALE: tl.constexpr,
+):
+    """The logits tile with every rule of DESIGN §4/§4.1 applied: ``-inf`` where not kept.
+
+    ``qk`` is the raw ``q·k`` tile, queries by keys, or keys by queries when ``TRANSPOSED``; the
+    ``*2`` arguments are broadcastable to it: row-order indices ``m2``/``n2``, original indices
+    ``qi2``/``kj2``, and the per-token values of :func:`_tok_vals` and the sorted ranges.
+    With ``PRESCALE`` the result is in log2 units; without it, raw ``q·k`` (the caller applies the
+    scale inside its ``exp2`` multiply-add).
+    """
+    if PRESCALE:
+        s = qk * qk_scale
+    else:
+        s = qk
+    if MASK_KIND != 0:
+        mptr = Mask + b.to(tl.int64) * smb + h.to(tl.int64) * smh + qi2.to(tl.int64) * smm + kj2.to(tl.int64) * smn
+        inb = (m2 < Nq) & (n2 < Nk)
+        if MASK_KIND == 1:
+            s = tl.where(tl.load(mptr, mask=inb, other=0) != 0, s, _NEG)
+        else:
+            s = s + tl.load(mptr, mask=inb, other=0.0).to(tl.float32) * 1.4426950408889634
+    if CHECK_K:
+        s = tl.where(n2 < Nk, s, _NEG)
+    if POS != 0:
+        if HAS_LEFT:
+            s = tl.where(kp2 >= qp2 - win_left, s, _NEG)
+        if HAS_RIGHT:
+            s = tl.where(kp2 <= qp2 + win_right, s, _NEG)
+    if SEG:
+        s = tl.where(qs2 == ks2, s, _NEG)
+    if QVAL:
+        s = tl.where(qv2, s, _NEG)
+    if KVAL:
+        s = tl.where(kv2, s, _NEG)
+    if POLICY == 2:
+        s = tl.where((n2 >= lo2) & (n2 < hi2), s, _NEG)
+    if EXCLUDE_SELF:
+        s = tl.where(qi2 != kj2, s, _NEG)
+    if POLICY == 3:
+        bi = qi2 // SPION_BS
+        bj = kj2 // SPION_BS
+        pptr = Pat + h.to(tl.int64) * sph + bi.to(tl.int64) * spr + bj.to(tl.int64) * spc
+        blk = tl.load(pptr, mask=(m2 < Nq) & (n2 < Nk), other=0) != 0
+        s = tl.where(blk | (bi == bj), s, _NEG)
+    if POLICY == 1:
+        if TRANSPOSED:
+            s = tl.trans(_nm_select(tl.trans(s), BLOCK_M, BLOCK_N, NM_N, NM_M))
+        else:
+            s = _nm_select(s, BLOCK_M, BLOCK_N, NM_N, NM_M)
+    return s
+
+
+@triton.jit
+def _bq(x, TRANS: tl.constexpr):
+    """A per-query vector broadcast along the query axis of a (transposed) tile."""
+    if TRANS:
+        return x[None, :]
+    else:
+        return x[:, None]
+
+
+@triton.jit
+def _bk(x, TRANS: tl.constexpr):
+    """A per-key vector broadcast along the key axis of a (transposed) tile."""
+    if TRANS:
+        return x[:, None]
+    else:
+        return x[None, :]
+
+
+@triton.jit(do_not_specialize=["seed", "pos_off", "win_left", "win_right"])
+def _attention_kernel(
+    Q, K, V, O, DO, Lse, Delta, DQ, DK, DV,
+    sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som, sdob, sdoh, sdom, sdqb, sdqh, sdqm,
+    sdkb, sdkh, sdkn, sdvb, sdvh, sdvn,
+    QPerm, KPerm, Lo, Hi, QPos, KPos, QSeg, KSeg, QVal, KVal, Mask, Pat, List, Cnt,
+    s_qpos, s_kpos, s_qseg, s_kseg, s_qval, s_kval, smb, smh, smm, smn, sph, spr, spc, slb, slh, slt, scb, sch,
+    pos_off, win_left, win_right, Hq, Nq, Nk, qk_scale, sm_scale, seed, dropout_p, inv_keep,
+    GROUPS: tl.constexpr, HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr,
+    CHECK_Q: tl.constexpr, CHECK_K: tl.constexpr, POLICY: tl.constexpr, NM_N: tl.constexpr, NM_M: tl.constexpr,
+    EXCLUDE_SELF: tl.constexpr, DROPOUT: tl.constexpr, PRESCALE: tl.constexpr, POS: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SEG: tl.constexpr, QVAL: tl.constexpr, KVAL: tl.constexpr,
+    SPION_BS: tl.constexpr, SCHED: tl.constexpr, MODE: tl.constexpr, NATURAL: tl.constexpr,
+):
+    """The template's one kernel. ``MODE``: ``MODE_FWD`` (``out``, ``lse``), ``MODE_DQ`` (the
+    backward's ``dq`` from ``DO``, ``Lse`` in log2 units and ``Delta``): one program per (query tile,
+    batch x query head) streaming key tiles; ``MODE_DKDV``: one program per (key tile, batch x KV
+    head) streaming the query tiles of every query head of its GQA group, summed without atomics.
+
+    In the dK/dV mode tiles are keys by queries (``S^T``) so that ``P^T`` and ``dS^T`` feed the tensor
+    cores from registers; with ``NATURAL`` they are queries by keys, the orientation in which a
+    row-wise selection (DFSS) sees a group's members in one thread.
+    """
+    PERMUTED: tl.constexpr = POLICY == 2
+    if PRESCALE:
+        sc = 1.0
+    else:
+        sc = qk_scale
+    if MODE == 2:
+        T: tl.constexpr = not NATURAL
+        ktile = tl.program_id(0)
+        bhk = tl.program_id(1)
+        Hk = Hq // GROUPS
+        b = bhk // Hk
+        hk = bhk % Hk
+        offs_n = ktile * BLOCK_N + _key_order(BLOCK_N, NM_M)
+        nval = offs_n < Nk
+        offs_m0 = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        kj = _orig(KPerm + bhk.to(tl.int64) * Nk, offs_n, nval, PERMUTED)
+        k = _load_tile(K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh, kj, nval, skn, offs_d, HEAD_D, BLOCK_D,
+                       CHECK_K, False)
+        v = _load_tile(V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh, kj, nval, svn, offs_dv, HEAD_DV, BLOCK_DV,
+                       CHECK_K, False)
+        kp, ks, kv = _tok_vals(kj, nval, b, KPos, s_kpos, KSeg, s_kseg, KVal, s_kval, 0, POS, SEG, KVAL)
+        dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+        # queries i reach key j iff i + off - left <= j <= i + off + right
+        m_lo, m_hi = _span(ktile * BLOCK_N, tl.minimum(ktile * BLOCK_N + BLOCK_N, Nk) - 1, -pos_off, win_right, win_left,
+                           BLOCK_M, tl.cdiv(Nq, BLOCK_M), POS, HAS_RIGHT, HAS_LEFT)
+        for g in range(GROUPS):
+            h = hk * GROUPS + g
+            bh = b * Hq + h
+            row0 = bh.to(tl.int64) * Nq
+            q_base = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
+            do_base = DO + b.to(tl.int64) * sdob + h.to(tl.int64) * sdoh
+            if SCHED == 1:
+                lrow = List + b.to(tl.int64) * slb + h.to(tl.int64) * slh + ktile.to(tl.int64) * slt
+                t_lo = 0
+                t_hi = tl.load(Cnt + b.to(tl.int64) * scb + h.to(tl.int64) * sch + ktile)
+            else:
+                t_lo = m_lo
+                t_hi = m_hi
+            for t in range(t_lo, t_hi):
+                if SCHED == 1:
+                    start_m = tl.load(lrow + t) * BLOCK_M
+                else:
+                    start_m = t * BLOCK_M
+                offs_m = start_m + offs_m0
+                mval = offs_m < Nq
+                qi, qp, qs, qv, lo, hi = _query_side(QPerm, Lo, Hi, row0, offs_m, mval, b, QPos, s_qpos, QSeg, s_qseg,
+                                                     QVal, s_qval, pos_off, PERMUTED, POS, SEG, QVAL)
+                q = _load_tile(q_base, qi, mval, sqm, offs_d, HEAD_D, BLOCK_D, CHECK_Q, T)
+                do = _load_tile(do_base, qi, mval, sdom, offs_dv, HEAD_DV, BLOCK_DV, CHECK_Q, False)
+                lse2 = tl.load(Lse + row0 + qi, mask=mval, other=float("inf"))
+                di = tl.load(Delta + row0 + qi, mask=mval, other=0.0)
+                if NATURAL:
+                    qk = _dot(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32))
+                else:
+                    qk = _dot(k, q, tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32))
+                s = _entry(qk, _bq(offs_m, T), _bk(offs_n, T), _bq(qi, T), _bk(kj, T), _bq(qp, T), _bq(qs, T),
+                           _bq(qv, T), _bq(lo, T), _bq(hi, T), _bk(kp, T), _bk(ks, T), _bk(kv, T), b, h,
+                           Mask, smb, smh, smm, smn, Pat, sph, spr, spc, Nq, Nk, win_left, win_right, qk_scale,
+                           BLOCK_M, BLOCK_N, MASK_KIND, CHECK_K, POLICY, NM_N, NM_M, EXCLUDE_SELF, POS, HAS_LEFT,
+                           HAS_RIGHT, SEG, QVAL, KVAL, SPION_BS, T, PRESCALE)
+                p = tl.math.exp2(s * sc - _bq(lse2, T))
+                if NATURAL:
+                    dp = _dot(do, tl.trans(v), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32))
+                else:
+                    dp = _dot(v, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32))
+                if DROPOUT:
+                    scl = _dropout_scale(seed, _bq(((row0 + qi) * Nk).to(tl.uint32), T), _bk(kj, T), dropout_p, inv_keep)
+                    pd = p * scl
+                    dp = dp * scl
+                else:
+                    pd = p
+                ds = p * (dp - _bq(di, T))
+                if NATURAL:
+                    dv = _dot(tl.trans(pd.to(do.dtype)), do, dv)
+                    dk = _dot(tl.trans(ds.to(q.dtype)), q, dk)
+                else:
+                    dv = _dot(pd.to(do.dtype), do, dv)
+                    dk = _dot(ds.to(q.dtype), tl.trans(q), dk)
+        _store_tile(DK + b.to(tl.int64) * sdkb + hk.to(tl.int64) * sdkh, kj, nval, sdkn, offs_d, dk * sm_scale,
+                    HEAD_D, BLOCK_D, CHECK_K)
+        _store_tile(DV + b.to(tl.int64) * sdvb + hk.to(tl.int64) * sdvh, kj, nval, sdvn, offs_dv, dv,
+                    HEAD_DV, BLOCK_DV, CHECK_K)
+    else:
+        # heavy (late) query tiles first: under causal they have the most key tiles
+        tile = tl.num_programs(0) - 1 - tl.program_id(0)
+        bh = tl.program_id(1)
+        b = bh // Hq
+        h = bh % Hq
+        hk = h // GROUPS
+        offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        mval = offs_m < Nq
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        row0 = bh.to(tl.int64) * Nq
+        qi, qp, qs, qv, lo, hi = _query_side(QPerm, Lo, Hi, row0, offs_m, mval, b, QPos, s_qpos, QSeg, s_qseg,
+                                             QVal, s_qval, pos_off, PERMUTED, POS, SEG, QVAL)
+        q = _load_tile(Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh, qi, mval, sqm, offs_d, HEAD_D, BLOCK_D,
+                       CHECK_Q, False)
+        kperm = KPerm + (b * (Hq // GROUPS) + hk).to(tl.int64) * Nk
+        k_base = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
+        v_base = V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
+        if DROPOUT:
+            drop_row = ((row0 + qi) * Nk).to(tl.uint32)
+        else:
+            drop_row = qi.to(tl.uint32)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if MODE == 1:
+            do = _load_tile(DO + b.to(tl.int64) * sdob + h.to(tl.int64) * sdoh, qi, mval, sdom, offs_dv, HEAD_DV,
+                            BLOCK_DV, CHECK_Q, False)
+            lse2 = tl.load(Lse + row0 + qi, mask=mval, other=float("inf"))
+            di = tl.load(Delta + row0 + qi, mask=mval, other=0.0)
+            acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+
+        if SCHED == 1:
+            lrow = List + b.to(tl.int64) * slb + h.to(tl.int64) * slh + tile.to(tl.int64) * slt
+            t_lo = 0
+            t_hi = tl.load(Cnt + b.to(tl.int64) * scb + h.to(tl.int64) * sch + tile)
+        else:
+            t_lo, t_hi = _span(tile * BLOCK_M, tl.minimum(tile * BLOCK_M + BLOCK_M, Nq) - 1, pos_off, win_left, win_right,
+                               BLOCK_N, tl.cdiv(Nk, BLOCK_N), POS, HAS_LEFT, HAS_RIGHT)
+        for t in range(t_lo, t_hi):
+            if SCHED == 1:
+                start_n = tl.load(lrow + t) * BLOCK_N
+            else:
+                start_n = t * BLOCK_N
+            offs_n = start_n + _key_order(BLOCK_N, NM_M)
+            nval = offs_n < Nk
+            kj = _orig(kperm, offs_n, nval, PERMUTED)
+            kT = _load_tile(k_base, kj, nval, skn, offs_d, HEAD_D, BLOCK_D, CHECK_K, True)
+            kp, ks, kv = _tok_vals(kj, nval, b, KPos, s_kpos, KSeg, s_kseg, KVal, s_kval, 0, POS, SEG, KVAL)
+            s = _entry(_dot(q, kT, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)),
+                       offs_m[:, None], offs_n[None, :], qi[:, None], kj[None, :], qp[:, None], qs[:, None], qv[:, None],
+                       lo[:, None], hi[:, None], kp[None, :], ks[None, :], kv[None, :], b, h,
+                       Mask, smb, smh, smm, smn, Pat, sph, spr, spc, Nq, Nk, win_left, win_right, qk_scale,
+                       BLOCK_M, BLOCK_N, MASK_KIND, CHECK_K, POLICY, NM_N, NM_M, EXCLUDE_SELF, POS, HAS_LEFT, HAS_RIGHT,
+                       SEG, QVAL, KVAL, SPION_BS, False, PRESCALE)
+            if MODE == 1:
+                vT = _load_tile(v_base, kj, nval, svn, offs_dv, HEAD_DV, BLOCK_DV, CHECK_K, True)
+                p = tl.math.exp2(s * sc - lse2[:, None])
+                dp = _dot(do, vT, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32))
+                if DROPOUT:
+                    dp = dp * _dropout_scale(seed, drop_row[:, None], kj[None, :], dropout_p, inv_keep)
+                ds = p * (dp - di[:, None])
+                acc = _dot(ds.to(kT.dtype), tl.trans(kT), acc)
+            else:
+                m_new = tl.maximum(m_i, tl.max(s, 1) * sc)
+                # a row with nothing kept so far keeps m = -inf; subtract 0 instead to avoid inf - inf
+                m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.math.exp2(m_i - m_sub)
+                p = tl.math.exp2(s * sc - m_sub[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
+                acc = acc * alpha[:, None]
+                if DROPOUT:
+                    p = p * _dropout_scale(seed, drop_row[:, None], kj[None, :], dropout_p, inv_keep)
+                v = _load_tile(v_base, kj, nval, svn, offs_dv, HEAD_DV, BLOCK_DV, CHECK_K, False)
+                acc = _dot(p.to(v.dtype), v, acc)
+                m_i = m_new
+
+        if MODE == 1:
+            _store_tile(DQ + b.to(tl.int64) * sdqb + h.to(tl.int64) * sdqh, qi, mval, sdqm, offs_d, acc * sm_scale,
+                        HEAD_D, BLOCK_D, CHECK_Q)
+        else:
+            empty = l_i == 0.0
+            l_safe = tl.where(empty, 1.0, l_i)
+            lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+            tl.store(Lse + row0 + qi, lse, mask=mval)
+            _store_tile(O + b.to(tl.int64) * sob + h.to(tl.int64) * soh, qi, mval, som, offs_dv, acc / l_safe[:, None],
+                        HEAD_DV, BLOCK_DV, CHECK_Q)
+
+
+@triton.jit
+def _bwd_preprocess(
+    Out, DO, Lse, Delta, Lse2,
+    stride_ob, stride_oh, stride_om, stride_dob, stride_doh, stride_dom,
+    Hq, Nq,
+    HEAD_DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    off_bh = tl.program_id(1)
+    b = off_bh // Hq
+    h = off_bh % Hq
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mval = offs_m < Nq
+    o = _load_tile(Out + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh, offs_m, mval, stride_om, offs_dv,
+                   HEAD_DV, BLOCK_DV, True, False)
+    do = _load_tile(DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh, offs_m, mval, stride_dom,
+                    offs_dv, HEAD_DV, BLOCK_DV, True, False)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    row = off_bh.to(tl.int64) * Nq + offs_m
+    tl.store(Delta + row, delta, mask=mval)
+    lse = tl.load(Lse + row, mask=mval, other=float("-inf"))
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    tl.store(Lse2 + row, lse2, mask=mval)
+
+

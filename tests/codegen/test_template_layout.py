@@ -1,0 +1,145 @@
+"""Sorted layouts of ``hash``/``drop`` and the policy derivations fused with them, under the interpreter.
+
+The entries a layout lets the kernels visit (sorted query ``m`` keeps sorted keys ``lo[m] <= p < hi[m]``)
+must be exactly the reference's kept set before the other predicates, for the counting sort (Triton)
+and the ``torch.sort`` path alike; the fused derivations must reproduce ``attncomp.policy``'s LSH
+buckets and keep draws.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("numpy")
+pytest.importorskip("triton")
+
+from attncomp.codegen.triton import layout as L  # noqa: E402
+from attncomp.policy import Drop, Hash, keep_mask, lsh_buckets  # noqa: E402
+from attncomp.spec import AttentionSpec  # noqa: E402
+
+
+def _visited(lay, B, Hq, Nq, Nk):
+    """Kept entries in original coordinates from the query-side ranges."""
+    keep = torch.zeros(B, Hq, Nq, Nk, dtype=torch.bool)
+    g = Hq // lay.k_perm.shape[1]
+    p = torch.arange(Nk)
+    for b in range(B):
+        for h in range(Hq):
+            inside = (p[None, :] >= lay.lo[b, h, :, None]) & (p[None, :] < lay.hi[b, h, :, None])
+            keep[b, h, lay.q_perm[b, h].long()[:, None], lay.k_perm[b, h // g].long()[None, :]] = inside
+    return keep
+
+
+def _is_perm(perm):
+    n = perm.shape[-1]
+    return torch.equal(perm.long().sort(-1).values, torch.arange(n).expand_as(perm))
+
+
+def _stable_by_group(perm, groups):
+    """Sorted by group, original order inside a group."""
+    g = torch.gather(groups.long(), -1, perm.long())
+    key = g * perm.shape[-1] + perm.long()
+    return bool((key[..., 1:] > key[..., :-1]).all())
+
+
+@pytest.mark.parametrize("method", ["count", "sort"])
+@pytest.mark.parametrize("case", range(4))
+def test_hash_layout_is_exactly_the_bucket_set(method, case):
+    g = torch.Generator().manual_seed(case)
+    B, Hq, Hk = [(1, 2, 2), (2, 4, 2), (1, 3, 1), (2, 2, 2)][case]
+    Nq, Nk, nb = [(37, 37, 4), (50, 33, 8), (65, 70, 2), (17, 40, 16)][case]
+    qb = torch.randint(0, nb, (B, Hq, Nq), generator=g, dtype=torch.int32)
+    kb = torch.randint(0, nb, (B, Hk, Nk), generator=g, dtype=torch.int32)
+    if case == 3:
+        qb[..., ::2] = nb - 1  # a crowded bucket
+    if method == "count":
+        lay = L.counting_layout(qb, kb, nb, kind=L.GK_IDS, q_shape=(B, Hq, Nq), k_shape=(B, Hk, Nk))
+    else:
+        lay = L.sorted_layout(qb, kb)
+    assert lay.q_perm.dtype == lay.lo.dtype == torch.int32
+    assert _is_perm(lay.q_perm) and _is_perm(lay.k_perm)
+    assert _stable_by_group(lay.q_perm, qb) and _stable_by_group(lay.k_perm, kb)
+    kbq = kb.repeat_interleave(Hq // Hk, dim=1)
+    assert torch.equal(_visited(lay, B, Hq, Nq, Nk), qb[..., :, None] == kbq[..., None, :])
+
+
+def test_sort_path_takes_any_ids():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.tensor([-(2 ** 31), -5, 0, 3, 2 ** 31 - 1], dtype=torch.int32)
+    qb = ids[torch.randint(0, 5, (1, 2, 30), generator=g)]
+    kb = ids[torch.randint(0, 5, (1, 2, 30), generator=g)]
+    lay = L.layout_from_aux(AttentionSpec(policy=Hash()), qb, kb)
+    assert torch.equal(_visited(lay, 1, 2, 30, 30), qb[..., :, None] == kb[..., None, :])
+
+
+@pytest.mark.parametrize("gqa", [False, True])
+def test_drop_layout_from_keep_masks(gqa):
+    g = torch.Generator().manual_seed(3)
+    B, Hq, Nq, Nk = 2, 4, 45, 38
+    Hk = 2 if gqa else Hq
+    qk = torch.rand(B, Hq, Nq, generator=g) > 0.4
+    kk = torch.rand(B, Hk, Nk, generator=g) > 0.4
+    kk[0, 0] = False  # a head without keys
+    lay = L.layout_from_aux(AttentionSpec(policy=Drop()), qk, kk)
+    kkq = kk.repeat_interleave(Hq // Hk, dim=1)
+    assert torch.equal(_visited(lay, B, Hq, Nq, Nk), qk[..., :, None] & kkq[..., None, :])
+    # kept tokens first, in order (the compaction of SCFA's QK-drop)
+    n_kept = qk.sum(-1)
+    for b in range(B):
+        for h in range(Hq):
+            assert torch.equal(lay.q_perm[b, h, :n_kept[b, h]].long(), qk[b, h].nonzero().flatten())
+
+
+# ---------------------------------------------------------------------------------------------
+# Fused derivations
+
+
+@pytest.mark.parametrize("rates,seed", [((0.5, 0.5), 0), ((0.3, 0.8), 12345), ((0.0, 0.9), 2 ** 31 + 7)])
+def test_drop_draws_fused_equal_policy_keep_mask(rates, seed):
+    B, Hq, Hk, Nq, Nk = 2, 4, 2, 37, 29
+    q = torch.randn(B, Hq, Nq, 32)
+    k = torch.randn(B, Hk, Nk, 32)
+    spec = AttentionSpec(policy=Drop(q_rate=rates[0], k_rate=rates[1], seed=3))
+    lay = L.derive_layout(spec, q, k, seed=seed)
+    qk = keep_mask((B, Hq, Nq), rates[0], seed, 0)
+    kk = keep_mask((B, Hk, Nk), rates[1], seed, 1)
+    assert torch.equal(lay.q_groups == 0, qk) and torch.equal(lay.k_groups == 0, kk)  # bit for bit
+    kkq = kk.repeat_interleave(Hq // Hk, dim=1)
+    assert torch.equal(_visited(lay, B, Hq, Nq, Nk), qk[..., :, None] & kkq[..., None, :])
+    # negative twin: another seed draws other masks
+    other = L.derive_layout(spec, q, k, seed=seed + 1)
+    assert not (torch.equal(other.q_groups == 0, qk) and torch.equal(other.k_groups == 0, kk))
+
+
+@pytest.mark.parametrize("D,nb,dtype", [(32, 4, torch.float32), (64, 16, torch.float16), (48, 2, torch.bfloat16),
+                                        (128, 8, torch.float32)])
+def test_lsh_buckets_fused_equal_policy(D, nb, dtype):
+    B, Hq, Hk, N = 2, 4, 2, 45
+    g = torch.Generator().manual_seed(D + nb)
+    q = torch.randn(B, Hq, N, D, generator=g).to(dtype)
+    k = torch.randn(B, Hk, N, D, generator=g).to(dtype)
+    spec = AttentionSpec(policy=Hash(n_buckets=nb, seed=11))
+    lay = L.derive_layout(spec, q, k)
+    rq, rk = lsh_buckets(q, k, nb, 11)
+    # equal except where the two best projections tie to rounding (a different summation order)
+    for got, ref, x, hmap in ((lay.q_groups, rq, q, Hq // Hk), (lay.k_groups, rk, k, 1)):
+        diff = got != ref
+        assert diff.float().mean() <= 0.01
+        if diff.any():
+            from attncomp.policy import _rotation
+
+            R = _rotation(D, nb, Hk, 11, "cpu", torch.float64).repeat_interleave(hmap, dim=0)
+            xr = torch.einsum("bhnd,hdc->bhnc", torch.nn.functional.normalize(x.double(), dim=-1), R)
+            full = torch.cat([xr, -xr], -1)
+            top2 = full.topk(2, dim=-1).values
+            assert ((top2[..., 0] - top2[..., 1])[diff] < 1e-5).all()
+    kbq = lay.k_groups.repeat_interleave(Hq // Hk, dim=1)
+    assert torch.equal(_visited(lay, B, Hq, N, N), lay.q_groups[..., :, None] == kbq[..., None, :])
+    # negative twin: another rotation seed gives other buckets
+    other = L.derive_layout(AttentionSpec(policy=Hash(n_buckets=nb, seed=12)), q, k)
+    assert not torch.equal(other.q_groups, lay.q_groups)

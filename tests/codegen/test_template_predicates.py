@@ -1,0 +1,311 @@
+"""The kernel template with the structured-mask predicates (DESIGN §4.1), under Triton's interpreter.
+
+Every policy (dense, dfss, hash, drop, spion) x every predicate (causal top-left and bottom-right,
+a window on position vectors, packed segments, key and query padding), alone and combined, with
+and without a residual mask, with GQA, odd lengths (not multiples of the tiles) and head dims 32-256:
+a pairwise-covering list of cases, forward and backward against the reference run in float64, with
+every buffer the backend allocates poisoned (NaN) before the kernels write it. Then: the tile lists
+skip exactly the tiles without an allowed entry, and the host path never reads the device.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import contextlib  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("numpy")
+pytest.importorskip("triton")
+
+from attncomp.codegen import reference as R  # noqa: E402
+from attncomp.codegen.triton import backend as TB  # noqa: E402
+from attncomp.policy import DFSS, Dense, Drop, Hash, SPION  # noqa: E402
+from attncomp.spec import AttentionSpec, Predicates, dtype_name  # noqa: E402
+from tests.utils import TOL, poison  # noqa: E402
+
+BACKEND = TB.TritonBackend()
+
+
+@pytest.fixture(autouse=True)
+def _poisoned(monkeypatch):
+    monkeypatch.setattr(TB, "_empty", lambda shape, dtype, device: poison(torch.empty(shape, dtype=dtype, device=device)))
+
+
+def _seed() -> int:
+    return int(torch.randint(0, 2 ** 31 - 1, (1,)).item())
+
+
+def _segments(g, B, N, n_docs):
+    """Packed documents: sorted segment ids with random boundaries."""
+    cuts = torch.stack([torch.randperm(N - 1, generator=g)[:n_docs - 1].sort().values + 1 for _ in range(B)])
+    seg = torch.zeros(B, N, dtype=torch.int64)
+    for b in range(B):
+        for c in cuts[b]:
+            seg[b, c:] += 1
+    return seg
+
+
+def make_preds(kinds, g, B, Nq, Nk):
+    """``(spec fields, Predicates)`` for the named predicate kinds."""
+    fields, p = {}, {}
+    if "causal" in kinds:
+        fields["causal"] = True
+    if "bottom_right" in kinds:
+        fields.update(causal=True, causal_align="bottom_right")
+    if "window" in kinds:  # a sliding window on position vectors that restart (packed sequences)
+        fields.update(window_left=int(torch.randint(3, 9, (1,), generator=g)), window_right=2)
+        p["q_pos"] = (torch.arange(Nq)[None] + torch.randint(0, 4, (B, 1), generator=g)) % 29
+        p["k_pos"] = (torch.arange(Nk)[None] + torch.randint(0, 4, (B, 1), generator=g)) % 29
+    if "segments" in kinds:
+        n = min(Nq, Nk)
+        seg = _segments(g, B, n, 3)
+        p["q_seg"] = torch.cat([seg, seg[:, -1:].expand(B, Nq - n)], 1) if Nq > n else seg
+        p["k_seg"] = torch.cat([seg, seg[:, -1:].expand(B, Nk - n)], 1) if Nk > n else seg
+    if "k_valid" in kinds:  # right padding of a different length per batch
+        lens = torch.randint(Nk // 2, Nk, (B,), generator=g)
+        p["k_valid"] = torch.arange(Nk)[None] < lens[:, None]
+    if "q_valid" in kinds:
+        p["q_valid"] = torch.rand(1, Nq, generator=g) > 0.2
+    return fields, Predicates(**p)
+
+
+def make_mask(kind, g, B, Hq, Nq, Nk):
+    if kind == "none":
+        return None
+    if kind == "bool":
+        return torch.rand(B, 1, Nq, Nk, generator=g) > 0.2
+    m = torch.randn(1, Hq, Nq, Nk, generator=g)
+    m[torch.rand(1, Hq, Nq, Nk, generator=g) < 0.15] = float("-inf")
+    return m
+
+
+def make_policy(name, g, B, Hq, Hk, Nq, Nk):
+    """``(policy, q_aux, k_aux, block_pattern)``."""
+    if name == "dense":
+        return Dense(), None, None, None
+    if name == "dfss":
+        return DFSS(2, 4), None, None, None
+    if name == "hash":
+        return (Hash(n_buckets=4), torch.randint(0, 4, (B, Hq, Nq), generator=g),
+                torch.randint(0, 4, (B, Hk, Nk), generator=g), None)
+    if name == "drop":
+        return (Drop(), torch.rand(B, Hq, Nq, generator=g) > 0.3, torch.rand(B, Hk, Nk, generator=g) > 0.3, None)
+    bs = 16
+    pat = torch.rand(Hq, -(-Nq // bs), -(-Nk // bs), generator=g) > 0.6
+    return SPION(block_size=bs), None, None, pat
+
+
+# (policy, predicates, residual mask, B, Hq, Hk, Nq, Nk, D, dtype)
+CASES = [
+    ("dense", ("causal",), "none", 2, 2, 1, 37, 37, 32, torch.float32),
+    ("dense", ("bottom_right", "k_valid"), "bool", 2, 2, 2, 21, 45, 64, torch.float16),
+    ("dense", ("window", "segments"), "float", 2, 4, 2, 40, 40, 80, torch.float32),
+    ("dense", ("q_valid", "segments", "causal"), "none", 1, 2, 1, 33, 33, 256, torch.bfloat16),
+    ("dfss", ("bottom_right",), "float", 1, 2, 1, 23, 40, 32, torch.float32),
+    ("dfss", ("segments", "k_valid", "q_valid"), "none", 2, 2, 2, 37, 37, 128, torch.float32),
+    ("dfss", ("window",), "bool", 2, 4, 2, 33, 33, 48, torch.bfloat16),
+    ("hash", ("causal", "k_valid"), "none", 2, 4, 2, 40, 40, 32, torch.float32),
+    ("hash", ("window", "q_valid"), "float", 2, 2, 1, 37, 29, 64, torch.float16),
+    ("hash", ("bottom_right", "segments"), "bool", 1, 2, 2, 25, 45, 256, torch.float32),
+    ("drop", ("segments", "causal"), "none", 2, 2, 1, 45, 45, 96, torch.float32),
+    ("drop", ("bottom_right", "k_valid", "q_valid"), "bool", 2, 4, 2, 19, 37, 32, torch.bfloat16),
+    ("drop", ("window",), "float", 1, 2, 2, 40, 40, 128, torch.float32),
+    ("spion", ("causal",), "none", 1, 2, 1, 45, 45, 32, torch.float32),
+    ("spion", ("window", "k_valid"), "float", 2, 2, 2, 37, 37, 64, torch.float16),
+    ("spion", ("segments", "q_valid", "bottom_right"), "bool", 2, 4, 2, 30, 47, 160, torch.float32),
+    ("spion", (), "none", 1, 2, 2, 33, 33, 256, torch.bfloat16),
+]
+
+
+def _ids(c):
+    return "-".join([c[0], "+".join(c[1]) or "nopred", c[2], f"B{c[3]}H{c[4]}/{c[5]}", f"N{c[6]}x{c[7]}", f"D{c[8]}",
+                     dtype_name(c[9])])
+
+
+def _close(name, a, b, dtype, scale_by_max=False):
+    atol, rtol = TOL[dtype]
+    if scale_by_max:
+        atol = atol * max(1.0, b.abs().max().item())
+    assert not torch.isnan(a).any(), f"NaN in {name}"
+    torch.testing.assert_close(a.double(), b.double(), atol=atol, rtol=rtol, msg=lambda m: f"{name}\n{m}")
+
+
+def run_case(policy, kinds, mask_kind, B, Hq, Hk, Nq, Nk, D, dtype, *, dropout_p=0.0, backward=True):
+    g = torch.Generator().manual_seed(_seed())
+    q = torch.randn(B, Hq, Nq, D, generator=g).to(dtype)
+    k = torch.randn(B, Hk, Nk, D, generator=g).to(dtype)
+    v = torch.randn(B, Hk, Nk, D, generator=g).to(dtype)
+    if policy == "dfss":  # exact logits: selections decide the same way in every precision
+        q = (torch.randint(-3, 4, q.shape, generator=g) / 2).to(dtype)
+        k = (torch.randint(-3, 4, k.shape, generator=g) / 2).to(dtype)
+    fields, preds = make_preds(kinds, g, B, Nq, Nk)
+    mask = make_mask(mask_kind, g, B, Hq, Nq, Nk)
+    pol, qa, ka, bp = make_policy(policy, g, B, Hq, Hk, Nq, Nk)
+    spec = AttentionSpec(mask_kind=mask_kind, dtype=dtype_name(dtype), policy=pol, **fields)
+    seed = _seed()
+    out, lse = BACKEND.forward(spec, q, k, v, mask, qa, ka, bp, dropout_p, seed, preds=preds)
+    m64 = mask if mask is None or mask.dtype == torch.bool else mask.double()
+    args = dict(spec=spec, q_aux=qa, k_aux=ka, block_pattern=bp, dropout_p=dropout_p, seed=seed, preds=preds)
+    ro, rl = R.attention(q.double(), k.double(), v.double(), m64, **args)
+    _close("out", out, ro, dtype)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(rl)), "rows without a kept key differ"
+    fin = torch.isfinite(rl)
+    _close("lse", lse[fin], rl[fin], torch.float32)
+    if not backward:
+        return out, lse
+    go = torch.randn(out.shape, generator=g).to(dtype)
+    got = BACKEND.backward(spec, q, k, v, mask, qa, ka, bp, dropout_p, seed, out, lse, go, preds=preds)
+    ref = R.attention_backward(q.double(), k.double(), v.double(), m64, go.double(), **args)
+    assert got[3] is None
+    for name, a, b in zip(("dq", "dk", "dv"), got[:3], ref[:3]):
+        _close(name, a, b, dtype, scale_by_max=True)
+    return out, lse
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_policy_x_predicates_matches_reference(case):
+    run_case(*case)
+
+
+@pytest.mark.parametrize("policy", ["dense", "hash"])
+def test_predicates_with_dropout(policy):
+    run_case(policy, ("bottom_right", "segments", "k_valid"), "none", 2, 2, 1, 33, 40, 32, torch.float32,
+             dropout_p=0.3)
+
+
+def test_query_padding_rows_are_zero():
+    out, lse = run_case("dense", ("q_valid", "causal"), "none", 1, 2, 2, 37, 37, 32, torch.float32, backward=False)
+    assert (out == 0).all(dim=-1).any() and torch.isneginf(lse).any()
+
+
+def test_negative_twin_predicates_change_the_result():
+    """Dropping a predicate from the call gives another result: the kernels do read them."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 37, 32, generator=g) for _ in range(3))
+    fields, preds = make_preds(("segments", "k_valid"), g, 1, 37, 37)
+    spec = AttentionSpec(**fields)
+    a, _ = BACKEND.forward(spec, q, k, v, None, None, None, None, 0.0, 0, preds=preds)
+    b, _ = BACKEND.forward(spec, q, k, v, None, None, None, None, 0.0, 0, preds=Predicates(k_valid=preds.k_valid))
+    assert not torch.allclose(a, b)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tile schedules: exactly the tiles holding an allowed entry
+
+
+@pytest.mark.parametrize("kinds", [("causal", "k_valid"), ("bottom_right", "segments"), ("window",),
+                                   ("q_valid", "segments", "causal")], ids="+".join)
+@pytest.mark.parametrize("outer_q", [True, False], ids=["per-query-tile", "per-key-tile"])
+def test_tile_lists_are_the_tiles_with_allowed_entries(kinds, outer_q):
+    g = torch.Generator().manual_seed(5)
+    B, Nq, Nk, bm, bn = 2, 70, 90, 16, 32
+    fields, preds = make_preds(kinds, g, B, Nq, Nk)
+    if "window" in kinds:  # monotone positions: a window then bounds whole tiles
+        preds = preds._replace(q_pos=torch.arange(Nq)[None] * 2, k_pos=torch.arange(Nk)[None] * 2)
+    spec = AttentionSpec(**fields)
+    q = torch.zeros(B, 2, Nq, 32)
+    k = torch.zeros(B, 1, Nk, 32)
+    site = TB.Site(spec, q, k, k, None, 0.0, 0, preds)
+    lst, cnt = site.lists(bm, bn, outer_q)
+    allowed = R.predicate_mask(spec, Nq, Nk, "cpu", preds).expand(B, 1, Nq, Nk)[:, 0]
+    tq, tk = -(-Nq // bm), -(-Nk // bn)
+    pad = torch.zeros(B, tq * bm, tk * bn, dtype=torch.bool)
+    pad[:, :Nq, :Nk] = allowed
+    tiles = pad.view(B, tq, bm, tk, bn).any(4).any(2)  # (B, tq, tk)
+    if not outer_q:
+        tiles = tiles.transpose(1, 2)
+    for b in range(B):
+        for t in range(tiles.shape[1]):
+            n = int(cnt[b if cnt.shape[0] > 1 else 0, 0, t])
+            got = lst[b if lst.shape[0] > 1 else 0, 0, t, :n].tolist()
+            assert got == tiles[b, t].nonzero().flatten().tolist(), (b, t)
+    assert tiles.float().mean() < 0.9  # the case does skip tiles
+
+
+def test_span_schedule_skips_tiles_of_a_causal_window():
+    """Without per-token tensors the span is computed in the kernel: a query tile visits only the key
+    tiles its window reaches (checked by poisoning keys outside it: NaN would propagate)."""
+    q = torch.randn(1, 1, 64, 32)
+    k = torch.randn(1, 1, 64, 32)
+    v = torch.randn(1, 1, 64, 32)
+    k[:, :, :16] = float("nan")  # never reached by queries >= 32 with a left window of 8
+    v[:, :, :16] = float("nan")
+    spec = AttentionSpec(causal=True, window_left=8)
+    out, _ = BACKEND.forward(spec, q, k, v, None, None, None, None, 0.0, 0)
+    assert not torch.isnan(out[:, :, 32:]).any()
+    assert torch.isnan(out[:, :, :16]).any()  # negative twin: the tiles that do reach those keys
+
+
+# ---------------------------------------------------------------------------------------------
+# Sync-free host path
+
+
+class _SyncTrap(torch.utils._python_dispatch.TorchDispatchMode):
+    """Fails on device->host reads (``item``, ``tolist``, ``cpu``, ``bool(tensor)``, data-dependent
+    shapes) made from attncomp's own code; Triton's interpreter may read tensors freely."""
+
+    OPS = ("_local_scalar_dense", "nonzero", "unique", "masked_select", "_unique2", "unique_dim")
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.__name__.split(".")[0] in self.OPS and _from_attncomp():
+            raise AssertionError(f"device->host synchronisation in attncomp: {func}")
+        return func(*args, **(kwargs or {}))
+
+
+def _from_attncomp() -> bool:
+    import inspect
+
+    for fr in inspect.stack()[2:]:
+        f = fr.filename.replace("\\", "/")
+        if "/torch/" in f or f.endswith("test_template_predicates.py"):
+            continue
+        return "/attncomp/" in f and "/triton/runtime/" not in f and "/triton/language/" not in f
+    return False
+
+
+@contextlib.contextmanager
+def sync_trap(monkeypatch):
+    for name in ("item", "tolist", "cpu", "__bool__", "numpy"):
+        orig = getattr(torch.Tensor, name)
+
+        def trapped(self, *a, _orig=orig, _name=name, **kw):
+            if _from_attncomp():
+                raise AssertionError(f"device->host synchronisation in attncomp: Tensor.{_name}")
+            return _orig(self, *a, **kw)
+
+        monkeypatch.setattr(torch.Tensor, name, trapped)
+    with _SyncTrap():
+        yield
+
+
+@pytest.mark.parametrize("read", ["int(x.item())", "x.tolist()", "bool(x.any())", "x.nonzero()"])
+def test_sync_trap_catches_a_read(read, monkeypatch):
+    """Negative twin of the test below: a host read from code under attncomp/ is caught."""
+    import attncomp
+
+    code = compile(f"def f(x):\n    return {read}\n", os.path.join(os.path.dirname(attncomp.__file__), "_probe.py"),
+                   "exec")
+    ns = {}
+    exec(code, ns)
+    with sync_trap(monkeypatch):
+        with pytest.raises(AssertionError, match="synchronisation"):
+            ns["f"](torch.ones(3))
+
+
+@pytest.mark.parametrize("policy", ["dense", "dfss", "hash", "drop", "spion"])
+def test_host_path_is_sync_free(policy, monkeypatch):
+    g = torch.Generator().manual_seed(1)
+    B, Hq, Hk, N = 1, 2, 1, 33
+    fields, preds = make_preds(("bottom_right", "segments", "k_valid", "q_valid"), g, B, N, N)
+    pol, qa, ka, bp = make_policy(policy, g, B, Hq, Hk, N, N)
+    spec = AttentionSpec(policy=pol, mask_kind="bool", **fields)
+    q, k, v = torch.randn(B, Hq, N, 32), torch.randn(B, Hk, N, 32), torch.randn(B, Hk, N, 32)
+    mask = torch.rand(B, 1, N, N) > 0.1
+    with sync_trap(monkeypatch):
+        out, lse = BACKEND.forward(spec, q, k, v, mask, qa, ka, bp, 0.1, 3, preds=preds)
+        BACKEND.backward(spec, q, k, v, mask, qa, ka, bp, 0.1, 3, out, lse, torch.ones_like(out), preds=preds)
