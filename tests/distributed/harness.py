@@ -1,6 +1,6 @@
 """Run a function in ``world`` spawned processes joined by a gloo process group (CPU).
 
-Every process gets a free TCP port on 127.0.0.1, a bounded gloo timeout, and the whole run a
+Every process gets a free TCP port on 127.0.0.1 (NCCL with one GPU per rank on request), a bounded gloo timeout, and the whole run a
 wall-clock limit, so that a hang fails the test instead of blocking CI. A worker returns a
 picklable value; :func:`spawn` returns them by rank, or raises with the failing rank's traceback.
 """
@@ -25,13 +25,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, target: str, kwargs: dict, outdir: str, pg_timeout: float) -> None:
+_NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def _entry(rank: int, world: int, port: int, target: str, kwargs: dict, outdir: str, pg_timeout: float,
+           backend: str) -> None:
+    os.environ.update(_NO_MULTICAST)
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=pg_timeout))
+    extra = {}
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        extra["device_id"] = torch.device("cuda", rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=pg_timeout), **extra)
     try:
         mod, fn = target.rsplit(":", 1)
         result = getattr(importlib.import_module(mod), fn)(rank, world, **kwargs)
@@ -47,10 +56,12 @@ def _entry(rank: int, world: int, port: int, target: str, kwargs: dict, outdir: 
         dist.destroy_process_group()
 
 
-def spawn(target: str, world: int = 2, timeout: float = 240.0, pg_timeout: float = 90.0, **kwargs):
-    """Run ``module:function(rank, world, **kwargs)`` in ``world`` processes; return results by rank."""
+def spawn(target: str, world: int = 2, timeout: float = 240.0, pg_timeout: float = 90.0, backend: str = "gloo",
+          **kwargs):
+    """Run ``module:function(rank, world, **kwargs)`` in ``world`` processes; return results by rank.
+    ``backend="nccl"``: one GPU per rank (rank r on ``cuda:r``), NVLink multicast off."""
     with tempfile.TemporaryDirectory() as outdir:
-        ctx = mp.start_processes(_entry, args=(world, free_port(), target, kwargs, outdir, pg_timeout),
+        ctx = mp.start_processes(_entry, args=(world, free_port(), target, kwargs, outdir, pg_timeout, backend),
                                  nprocs=world, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout
         try:

@@ -277,3 +277,46 @@ def data_parallel(rank: int, world: int, steps: int = 2):
     res["_drop_reproducible"] = (y2 - y).abs().max().item()
     res["_drop_step_change"] = (y3 - y2).abs().max().item()
     return res
+
+
+# ---------------------------------------------------------------------------------------------
+# Context parallel on GPUs (NCCL, one GPU per rank).
+
+GPU_CP_CASES = [(pol, layout, causal, dt) for pol in ("dense", "dfss", "drop", "hash")
+                for layout, causal in (("contiguous", False), ("balanced", True), ("contiguous", True))
+                for dt in ("bfloat16", "float32")]
+
+
+def gpu_case_name(c) -> str:
+    return f"{c[0]}-{c[1]}-{'causal' if c[2] else 'full'}-{c[3]}"
+
+
+def context_parallel_gpu(rank: int, world: int):
+    """:data:`GPU_CP_CASES` on ``cuda:rank``: output and gradient shards against the single-GPU
+    result on the whole sequence; errors relative to the largest magnitude of the expected tensor."""
+    import attncomp
+    from attncomp.distributed import context_parallel_attention, shard_sequence
+
+    dev = torch.device("cuda", rank)
+    res = {}
+    for i, case in enumerate(GPU_CP_CASES):
+        pol, layout, causal, dt = case
+        dtype = getattr(torch, dt)
+        B, Hq, Hk, n, D = 2, 8, 2, 384, 64
+        N = n * world
+        try:
+            Q, K, V, dO = (t.to(dev) for t in _full(2000 + i, B, Hq, Hk, N, D, D, dtype))
+            Qe, Ke, Ve = (t.clone().requires_grad_(True) for t in (Q, K, V))
+            exp = attncomp.functional.attention(Qe, Ke, Ve, is_causal=causal, policy=pol, enable_gqa=True)
+            exp.backward(dO)
+            sh = lambda t: shard_sequence(t, rank, world, layout)  # noqa: E731
+            q, k, v = (sh(t).clone().requires_grad_(True) for t in (Q, K, V))
+            out = context_parallel_attention(q, k, v, is_causal=causal, policy=pol, layout=layout)
+            out.backward(sh(dO))
+            rel = lambda a, b: ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()  # noqa: E731
+            res[gpu_case_name(case)] = {"out": rel(out, sh(exp)), "dq": rel(q.grad, sh(Qe.grad)),
+                                        "dk": rel(k.grad, sh(Ke.grad)), "dv": rel(v.grad, sh(Ve.grad))}
+        except Exception as e:
+            res[gpu_case_name(case)] = {"raised": f"{type(e).__name__}: {e}"[:1500]}
+        dist.barrier()
+    return res

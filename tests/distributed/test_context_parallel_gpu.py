@@ -1,0 +1,27 @@
+"""Context-parallel attention on 2 GPUs (NCCL) against one GPU on the whole sequence."""
+
+import pytest
+import torch
+
+from tests.distributed import harness, workers
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")]
+
+TOL = {"bfloat16": 3e-2, "float32": 5e-3}  # relative to the largest magnitude; Triton's fp32 dot is tf32
+
+
+@pytest.fixture(scope="module")
+def gpu_results():
+    return harness.spawn("tests.distributed.workers:context_parallel_gpu", world=2, timeout=600, pg_timeout=300,
+                         backend="nccl")
+
+
+@pytest.mark.parametrize("case", [workers.gpu_case_name(c) for c in workers.GPU_CP_CASES])
+def test_context_parallel_gpu_matches_one_gpu(gpu_results, case):
+    tol = TOL[case.rsplit("-", 1)[1]]
+    for rank, res in enumerate(gpu_results):
+        r = res[case]
+        assert "raised" not in r, f"rank {rank}: {r.get('raised')}"
+        for what, e in r.items():
+            assert e < tol, f"rank {rank}: {what} differs from one GPU by {e:.3g} (relative)"
