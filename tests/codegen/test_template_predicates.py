@@ -309,3 +309,44 @@ def test_host_path_is_sync_free(policy, monkeypatch):
     with sync_trap(monkeypatch):
         out, lse = BACKEND.forward(spec, q, k, v, mask, qa, ka, bp, 0.1, 3, preds=preds)
         BACKEND.backward(spec, q, k, v, mask, qa, ka, bp, 0.1, 3, out, lse, torch.ones_like(out), preds=preds)
+
+
+# ---------------------------------------------------------------------------------------------
+# SPION: block sizes 16-128 against tiles smaller and larger than the blocks
+
+
+@pytest.mark.parametrize("bs,tiles", [(16, (32, 64)), (32, (16, 16)), (64, (32, 16)), (128, (16, 32))])
+def test_spion_block_sizes_and_tiles(bs, tiles):
+    g = torch.Generator().manual_seed(bs)
+    B, Hq, Hk, N, D = 1, 2, 1, 150, 32
+    q, k, v = (torch.randn(B, h, N, D, generator=g) for h in (Hq, Hk, Hk))
+    nb = -(-N // bs)
+    pat = torch.rand(1, nb, nb, generator=g) > 0.5
+    fields, preds = make_preds(("causal", "k_valid"), g, B, N, N)
+    spec = AttentionSpec(policy=SPION(block_size=bs), **fields)
+    bm, bn = tiles
+    cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": 1, "num_stages": 1, "DQ": (bm, bn, 1, 1)}
+    out, lse = TB.attention_forward(spec, q, k, v, None, config=cfg, preds=preds, block_pattern=pat)
+    args = dict(spec=spec, block_pattern=pat, preds=preds)
+    ro, _ = R.attention(q.double(), k.double(), v.double(), **args)
+    _close("out", out, ro, torch.float32)
+    go = torch.randn_like(out)
+    got = TB.attention_backward(spec, q, k, v, None, out, lse, go, config=cfg, preds=preds, block_pattern=pat)
+    ref = R.attention_backward(q.double(), k.double(), v.double(), None, go.double(), **args)
+    for name, a, b in zip(("dq", "dk", "dv"), got, ref[:3]):
+        _close(name, a, b, torch.float32, scale_by_max=True)
+
+
+def test_spion_tile_lists_follow_the_pattern():
+    """A pattern with one kept off-diagonal block: each query tile lists its diagonal tile and, for
+    the block's rows, the block's tile; nothing else."""
+    N, bs = 64, 16
+    pat = torch.zeros(1, 4, 4, dtype=torch.bool)
+    pat[0, 3, 0] = True
+    q = torch.zeros(1, 1, N, 32)
+    site = TB.Site(AttentionSpec(policy=SPION(block_size=bs)), q, q, q, None, 0.0, 0, block_pattern=pat)
+    lst, cnt = site.lists(16, 16, True)
+    assert cnt.flatten().tolist() == [1, 1, 1, 2]
+    assert lst[0, 0, 3, :2].tolist() == [0, 3] and lst[0, 0, 1, :1].tolist() == [1]
+    lst, cnt = site.lists(16, 16, False)  # per key tile
+    assert cnt.flatten().tolist() == [2, 1, 1, 1] and lst[0, 0, 0, :2].tolist() == [0, 3]

@@ -238,6 +238,21 @@ def test_through_the_op_autograd(policy):
 def test_missing_policy_tensors_are_named():
     q, k, v = qkv(1, 1, 16, 32)
     with pytest.raises(ValueError, match="q_buckets and k_buckets"):
-        TB.attention_forward(AttentionSpec(policy=Hash()), q, k, v)
+        TB.attention_forward(AttentionSpec(policy=Hash()), q, k, v, q_aux=torch.zeros(1, 1, 16, dtype=torch.int32))
     with pytest.raises(ValueError, match="q_keep and k_keep"):
-        TB.attention_forward(AttentionSpec(policy=Drop()), q, k, v)
+        TB.attention_forward(AttentionSpec(policy=Drop()), q, k, v, k_aux=torch.ones(1, 1, 16, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("policy", [Hash(n_buckets=4, seed=3), Drop(q_rate=0.3, k_rate=0.4, seed=5)],
+                         ids=["hash", "drop"])
+def test_policy_tensors_derived_on_the_device(policy):
+    """Without bucket/keep tensors the backend derives them in the layout kernels: LSH buckets and
+    keep draws equal to ``attncomp.policy``'s (so the result is the reference's with those tensors)."""
+    from attncomp.ops import materialize_aux
+
+    q, k, v = qkv(1, 4, 37, 32, Hk=2)
+    spec = AttentionSpec(causal=True, policy=policy)
+    out, lse = TB.attention_forward(spec, q, k, v)
+    qa, ka = materialize_aux(spec, q, k)
+    ro, _ = R.attention(q.double(), k.double(), v.double(), spec=spec, q_aux=qa, k_aux=ka)
+    assert_close(out, ro, torch.float32)

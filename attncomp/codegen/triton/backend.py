@@ -23,7 +23,7 @@ from ...spec import AttentionSpec
 from . import configs
 from .common import LOG2E, MASK_BOOL, MASK_FLOAT, MASK_NONE
 from .common import cdiv as _cdiv, next_pow2 as _next_pow2, pow2_block as _pow2
-from .layout import Layout, layout_from_aux
+from .layout import Layout, derive_layout, layout_from_aux
 from .schedule import tile_lists, tile_summary
 from .template import (MODE_DKDV, MODE_DQ, MODE_FWD, POLICY_DENSE, POLICY_DFSS, POLICY_SORTED, POLICY_SPION,
                        POS_ARANGE, POS_NONE, POS_VECTOR, SCHED_LIST, SCHED_SPAN, _attention_kernel, _bwd_preprocess)
@@ -146,10 +146,14 @@ class Site:
         self.layout = None
         if self.policy == POLICY_SORTED:
             if layout is None:
-                if q_aux is None or k_aux is None:
+                if q_aux is None and k_aux is None:
+                    # derived on the device, fused with the sort: LSH buckets, or keep draws of the policy's seed
+                    layout = derive_layout(spec, q, k)
+                elif q_aux is None or k_aux is None:
                     names = "q_buckets and k_buckets" if pol.name == "hash" else "q_keep and k_keep"
-                    raise ValueError(f"policy {pol.name!r} needs {names} (attncomp.ops.materialize_aux derives them)")
-                layout = _layout_for(spec, q_aux, k_aux)
+                    raise ValueError(f"policy {pol.name!r} needs {names} (both, or neither to derive them)")
+                else:
+                    layout = _layout_for(spec, q_aux, k_aux)
             self.layout = layout
         self.sched = SCHED_LIST if (self.pos == POS_VECTOR or self.seg or self.q_val is not None
                                     or self.k_val is not None or self.policy in (POLICY_SORTED, POLICY_SPION)) \
