@@ -110,10 +110,11 @@ class _Leaf:
     layout: Layout
 
     def key(self):
+        """Equal keys mean equal values along the axis the leaf indexes. ``arange(n)`` from 0 with step 1
+        is the index itself whatever spells ``n`` (its length is the axis length)."""
         n = self.node
-        if n.op == "call_function" and n.target in (torch.arange, aten.arange.default, aten.arange.start,
-                                                     aten.arange.start_step):
-            return ("arange", tuple(str(a) for a in n.args), str(n.kwargs.get("dtype")))
+        if _is_plain_arange(self) is not None:
+            return ("arange", str(n.kwargs.get("dtype")))
         return ("node", n.name)
 
 
@@ -154,6 +155,7 @@ class _Pred:
     layout: Layout
     atoms: Tuple[_Atom, ...] = ()
     false: bool = False
+    inv: Optional["_Pred"] = None     # set on an opaque negation: what it negates (``~~p == p``)
 
 
 @dataclass
@@ -171,12 +173,27 @@ class _Ind:
     pred: _Pred
 
 
-def _relayout(v, layout: Layout):
+def _map_layouts(v, f):
+    """``v`` with every layout in it (its own, its leaves', its atoms') passed through ``f``."""
+    if v is None:
+        return None
+    if isinstance(v, _Leaf):
+        return replace(v, layout=f(v.layout))
+    if isinstance(v, _Src):
+        return replace(v, layout=f(v.layout))
+    if isinstance(v, _Num):
+        return replace(v, layout=f(v.layout), terms=tuple((c, _map_layouts(l, f)) for c, l in v.terms))
+    if isinstance(v, _Atom):
+        return replace(v, src=_map_layouts(v.src, f), lin=_map_layouts(v.lin, f))
+    if isinstance(v, _Pred):
+        return replace(v, layout=f(v.layout), atoms=tuple(_map_layouts(a, f) for a in v.atoms),
+                       inv=_map_layouts(v.inv, f))
     if isinstance(v, _FMask):
-        return replace(v, layout=layout, pred=replace(v.pred, layout=layout))
+        return replace(v, layout=f(v.layout), pred=_map_layouts(v.pred, f),
+                       biases=tuple(_map_layouts(b, f) for b in v.biases))
     if isinstance(v, _Ind):
-        return replace(v, layout=layout, pred=replace(v.pred, layout=layout))
-    return replace(v, layout=layout)
+        return replace(v, layout=f(v.layout), pred=_map_layouts(v.pred, f))
+    raise TypeError(type(v))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -222,7 +239,7 @@ _FUNCS = {
     "permute": {torch.permute, aten.permute.default},
     "transpose": {torch.transpose, aten.transpose.int, torch.swapaxes},
     "identity": {torch.clone, aten.clone.default, aten.contiguous.default, aten.alias.default,
-                 aten.detach.default, torch.detach, aten.lift_fresh_copy.default},
+                 aten.detach.default, aten.detach_.default, torch.detach, aten.lift_fresh_copy.default},
     "index": {aten.index.Tensor},
     "slice": {aten.slice.Tensor},
     "select": {aten.select.int, torch.select},
@@ -272,6 +289,42 @@ def _kind(n: fx.Node) -> Optional[str]:
 # The evaluator
 
 
+_SCALAR_ARITH = {operator.add, operator.sub, operator.mul, operator.floordiv, operator.neg}
+
+
+def _size_node(n: fx.Node, depth: int = 0) -> bool:
+    """Whether ``n`` is an int computed from tensor sizes (``x.size(2)``, ``x.shape[-1] - 1``), as fx
+    traces them without metadata."""
+    if not isinstance(n, fx.Node) or depth > 8 or isinstance(n.meta.get("val"), torch.Tensor) \
+            or "tensor_meta" in n.meta:
+        return False
+    if n.op == "call_method" and n.target == "size" and len(n.args) == 2 and isinstance(n.args[1], int):
+        return True
+    if n.op == "call_function" and n.target is aten.sym_size.int:
+        return True
+    if n.op == "call_function" and n.target is operator.getitem and isinstance(n.args[1], int):
+        src = n.args[0]
+        return isinstance(src, fx.Node) and (
+            (src.op == "call_function" and src.target is getattr and src.args[1] == "shape")
+            or (src.op == "call_method" and src.target == "size" and len(src.args) == 1))
+    if n.op == "call_function" and n.target in _SCALAR_ARITH:
+        nodes = [a for a in n.args if isinstance(a, fx.Node)]
+        return bool(nodes) and all(_size_node(a, depth + 1) for a in nodes) and \
+            all(isinstance(a, (fx.Node, int)) and not isinstance(a, bool) for a in n.args)
+    return False
+
+
+def _shape(n: Any) -> Optional[Tuple]:
+    """Shape from any capture's metadata (``val``, ``tensor_meta``, dynamo's ``example_value``)."""
+    if not isinstance(n, fx.Node):
+        return None
+    shp = meta_shape(n)
+    if shp is None:
+        v = n.meta.get("example_value")
+        shp = tuple(v.shape) if isinstance(v, torch.Tensor) else None
+    return shp
+
+
 def _is_big_negative(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and v <= _FILL_MAX
 
@@ -285,6 +338,29 @@ class _Eval:
         self.memo: Dict[fx.Node, Any] = {}
 
     # -- helpers ---------------------------------------------------------------------------------
+    def relayout(self, v, layout: Layout):
+        """``v`` moved to ``layout`` (a permutation/insertion/removal of its dims, as a view op does).
+
+        The moved value gets fresh labels: one tensor used in two orientations (``seg[:, :, None]`` and
+        ``seg[:, None, :]``) indexes two different axes, so its dims must not stay unified across uses.
+        """
+        find = self.labels.find
+        fresh = {find(l): self.labels.new() for l in v.layout if l is not None}
+
+        def f(lay):
+            return tuple(None if l is None else fresh.get(find(l), l) for l in lay)
+        moved = _map_layouts(v, f)
+        new = tuple(None if l is None else fresh.get(find(l), l) for l in layout)
+        return self._with_layout(moved, new)
+
+    @staticmethod
+    def _with_layout(v, layout: Layout):
+        if isinstance(v, (_FMask, _Ind)):
+            return replace(v, layout=layout, pred=_Eval._with_layout(v.pred, layout))
+        if isinstance(v, _Pred) and v.inv is not None:
+            return replace(v, layout=layout, inv=replace(v.inv, layout=layout))
+        return replace(v, layout=layout)
+
     def fresh_layout(self, shape) -> Layout:
         return tuple(None if static_int(s) == 1 else self.labels.new() for s in shape)
 
@@ -303,10 +379,7 @@ class _Eval:
     def opaque(self, n: fx.Node, layout: Optional[Layout] = None):
         """``n`` as a value the pass does not look into: a leaf over its own dims."""
         if layout is None:
-            shape = meta_shape(n)
-            if shape is None:
-                v = n.meta.get("example_value")
-                shape = tuple(v.shape) if isinstance(v, torch.Tensor) else None
+            shape = _shape(n)
             if shape is None:
                 raise _Fail(f"{n.name} ({describe(n)}) has no shape metadata")
             layout = self.fresh_layout(shape)
@@ -340,7 +413,9 @@ class _Eval:
             if not isinstance(v, torch.Tensor):
                 sv = scalar_value(self.gm, x)
                 if sv is not UNKNOWN:
-                    return _Num((), const=sv)
+                    return _Pred((), false=not sv) if self.dtype(x) == torch.bool else _Num((), const=sv)
+                if _size_node(x):
+                    return _Num((), syms=((1, x),))
         return None
 
     # -- evaluation ------------------------------------------------------------------------------
@@ -361,7 +436,7 @@ class _Eval:
         a = list(n.args)
         if k is None:
             sv = scalar_value(self.gm, n)  # 0-dim constants such as torch.tensor(0.0)
-            if sv is not UNKNOWN and (meta_shape(n) in (None, ()) ):
+            if sv is not UNKNOWN and (_shape(n) in (None, ())):
                 return _Num((), const=sv)
             return self.opaque(n)
         if k.startswith("cmp:"):
@@ -405,13 +480,16 @@ class _Eval:
         return _Pred(lay, x.atoms + y.atoms, x.false or y.false)
 
     def negate(self, n, x: _Pred):
+        if x.inv is not None:
+            return x.inv
         if not x.atoms:
             return _Pred(x.layout, (), not x.false)
         if len(x.atoms) == 1 and not x.false:
             na = x.atoms[0].negated()
             if na is not None:
                 return _Pred(x.layout, (na,))
-        return self.opaque(n)
+        out = self.opaque(n, x.layout) if self.dtype(n) == torch.bool else self.opaque(n)
+        return replace(out, inv=x) if isinstance(out, _Pred) and out.layout == x.layout else out
 
     def compare(self, n, op, x, y):
         # boolean / indicator / additive-mask operands compared with 0 or 1
@@ -452,7 +530,7 @@ class _Eval:
                 return False
         for coef, s in d.syms:
             v = s.meta.get("val", s.meta.get("example_value"))
-            if not isinstance(coef, int) or not isinstance(v, (int, torch.SymInt)):
+            if not isinstance(coef, int) or not (isinstance(v, (int, torch.SymInt)) or _size_node(s)):
                 return False
         return True
 
@@ -513,8 +591,10 @@ class _Eval:
                     return p
                 if _is_big_negative(c.const):
                     neg = self.negate(n, p.pred)
-                    if isinstance(neg, _Pred):
-                        return _FMask(p.layout, neg)
+                    if not isinstance(neg, _Pred):  # allowed iff this product reads 0
+                        lay = self.broadcast(p.layout, c.layout)
+                        neg = _Pred(lay, (_Atom("leaf", _Src(n, lay, "zero")),))
+                    return _FMask(neg.layout, neg)
             if isinstance(p, _Ind) and isinstance(c, _Ind):
                 return _Ind(self.broadcast(p.layout, c.layout), self.conj(n, p.pred, c.pred))
         return self.opaque(n)
@@ -524,10 +604,10 @@ class _Eval:
             return self.opaque(n)
         lay = self.broadcast(c.layout, x.layout, y.layout)
 
-        def const(v):
-            if isinstance(v, _Num) and v.is_const() and not v.layout:
+        def const(v):  # a constant, possibly a broadcast tensor of one value (its dims are in ``lay``)
+            if isinstance(v, _Num) and v.is_const():
                 return v.const
-            if isinstance(v, _Pred) and not v.atoms and not v.layout:
+            if isinstance(v, _Pred) and not v.atoms:
                 return not v.false
             return None
         cx, cy = const(x), const(y)
@@ -542,7 +622,9 @@ class _Eval:
                 return _FMask(lay, replace(c, layout=lay))
             if cy == 0 and _is_big_negative(cx):
                 neg = self.negate(n, c)
-                return _FMask(lay, replace(neg, layout=lay)) if isinstance(neg, _Pred) else neg
+                if not isinstance(neg, _Pred):  # allowed iff this where() reads 0
+                    neg = _Pred(lay, (_Atom("leaf", _Src(n, lay, "zero")),))
+                return _FMask(lay, replace(neg, layout=lay))
             if cx == 1 and cy == 0 and dt != torch.bool:
                 return _Ind(lay, replace(c, layout=lay))
             return self.opaque(n)
@@ -554,17 +636,15 @@ class _Eval:
 
     def cast(self, n, a):
         x = self(a[0])
-        dt = None
-        if n.op == "call_method" and n.target in _CAST_METHOD_DTYPES:
+        dt = self.dtype(n)   # what the capture recorded wins over reading the arguments
+        if dt is None and n.op == "call_method" and n.target in _CAST_METHOD_DTYPES:
             dt = _CAST_METHOD_DTYPES[n.target]
-        else:
+        elif dt is None:
+            if any(isinstance(v, fx.Node) for v in list(a[1:]) + list(n.kwargs.values())):
+                return self.opaque(n)   # .to(other) / .to(x.dtype) without metadata: dtype unknown
             for v in list(a[1:]) + [n.kwargs.get("dtype")]:
                 if isinstance(v, torch.dtype):
                     dt = v
-            if n.op == "call_method" and n.target == "type_as":
-                dt = self.dtype(a[1])
-                if dt is None:
-                    return self.opaque(n)
         if dt is None:
             return x      # a device move
         if isinstance(x, _Pred):
@@ -581,7 +661,7 @@ class _Eval:
         return self.opaque(n)
 
     def arange(self, n, a):
-        shape = meta_shape(n)
+        shape = _shape(n)
         if shape is not None:
             lay = self.fresh_layout(shape)
         else:
@@ -627,20 +707,20 @@ class _Eval:
         if k == "unsqueeze":
             d = a[1] if len(a) > 1 else n.kwargs.get("dim")
             d = d % (r + 1)
-            return _relayout(x, x.layout[:d] + (None,) + x.layout[d:])
+            return self.relayout(x, x.layout[:d] + (None,) + x.layout[d:])
         if k == "squeeze":
             dims = a[1:] if len(a) > 1 else None
             if dims and isinstance(dims[0], (list, tuple)):
                 dims = dims[0]
             dims = set(range(r)) if not dims else {d % r for d in dims}
-            return _relayout(x, tuple(l for d, l in enumerate(x.layout) if not (d in dims and l is None)))
+            return self.relayout(x, tuple(l for d, l in enumerate(x.layout) if not (d in dims and l is None)))
         if k == "expand_as":
             other = self(a[1])
             if len(other.layout) < r:
                 return self.opaque(n)
             off = len(other.layout) - r
             lay = list(other.layout[:off]) + [c if c is not None else o for c, o in zip(x.layout, other.layout[off:])]
-            return _relayout(x, self.broadcast(tuple(lay), other.layout))
+            return self.relayout(x, self.broadcast(tuple(lay), other.layout))
         if k == "expand":
             sizes = list(a[1:])
             if len(sizes) == 1 and isinstance(sizes[0], (list, tuple)):
@@ -657,7 +737,7 @@ class _Eval:
                     lay.append(None)
                 else:
                     lay.append(self.labels.new())
-            return _relayout(x, tuple(lay))
+            return self.relayout(x, tuple(lay))
         if k == "reshape":
             return self.reshape(n, x)
         if k in ("permute", "transpose"):
@@ -670,7 +750,7 @@ class _Eval:
                 if len(perm) == 1 and isinstance(perm[0], (list, tuple)):
                     perm = list(perm[0])
                 perm = [p % r for p in perm]
-            return _relayout(x, tuple(x.layout[p] for p in perm))
+            return self.relayout(x, tuple(x.layout[p] for p in perm))
         if k == "slice":
             d = (a[1] if len(a) > 1 else 0) % r
             start = a[2] if len(a) > 2 else None
@@ -682,7 +762,7 @@ class _Eval:
         if k == "select":
             d = a[1] % r
             if x.layout[d] is None:
-                return _relayout(x, x.layout[:d] + x.layout[d + 1:])
+                return self.relayout(x, x.layout[:d] + x.layout[d + 1:])
             return self.opaque(n)
         if k == "index":
             return self.adv_index(n, x, list(a[1]))
@@ -695,15 +775,14 @@ class _Eval:
             return True
         if x.layout[d] is None:
             return True
-        src, out = meta_shape(n.args[0]) if isinstance(n.args[0], fx.Node) else None, meta_shape(n)
+        src, out = _shape(n.args[0]), _shape(n)
         if src is not None and out is not None:
             from .node_info import same_dim
             return same_dim(src[d], out[d])
         return False
 
     def reshape(self, n, x):
-        src = meta_shape(n.args[0]) if isinstance(n.args[0], fx.Node) else None
-        out = meta_shape(n)
+        src, out = _shape(n.args[0]), _shape(n)
         if src is None or out is None or len(src) != len(x.layout):
             return self.opaque(n)
         from .node_info import same_dim
@@ -712,7 +791,7 @@ class _Eval:
         if len(big_in) != len(big_out) or not all(same_dim(s, t) for (s, _), t in zip(big_in, big_out)):
             return self.opaque(n)
         labs = iter(l for _, l in big_in)
-        return _relayout(x, tuple(None if static_int(s) == 1 else next(labs) for s in out))
+        return self.relayout(x, tuple(None if static_int(s) == 1 else next(labs) for s in out))
 
     def getitem(self, n, x, idx):
         if not isinstance(idx, tuple):
@@ -751,7 +830,7 @@ class _Eval:
             else:
                 return self.opaque(n)
         out.extend(x.layout[d:])
-        return _relayout(x, tuple(out))
+        return self.relayout(x, tuple(out))
 
     def full_slice_end(self, n, x, d, stop) -> bool:
         if stop is None or (isinstance(stop, int) and stop >= 2 ** 62):
@@ -837,6 +916,8 @@ def _classify(ev: _Eval, v, rank_ok=True) -> MaskAnalysis:
             raise _Fail(f"{b.node.name} ({describe(b.node)}) does not broadcast to the logits")
     groups: Dict[Any, Dict[str, Any]] = {}
     for at in pred.atoms:
+        if at.kind == "cmp" and _always_true(at):
+            continue
         if at.kind == "leaf":
             ax = axes_of(at.src.layout)
             if ax and ax <= {"b", "j"} and "j" in ax:
@@ -902,6 +983,18 @@ def _classify(ev: _Eval, v, rank_ok=True) -> MaskAnalysis:
             for s in g["srcs"]:
                 _residual(res, s, None, "a second pair of position vectors")
     return res
+
+
+def _always_true(at: _Atom) -> bool:
+    """``arange(n) >= c`` for ``c <= 0`` (Hugging Face's bidirectional ``q_idx >= 0``) and the like."""
+    if len(at.lin.terms) != 1 or at.lin.syms or _is_plain_arange(at.lin.terms[0][1]) is None:
+        return False
+    coef = at.lin.terms[0][0]
+    if coef == 1:
+        return at.hi is None and (at.lo is None or at.lo <= 0)
+    if coef == -1:
+        return at.lo is None and (at.hi is None or at.hi >= 0)
+    return False
 
 
 def _residual(res: MaskAnalysis, src: _Src, axes, what: Optional[str] = None) -> None:
@@ -1066,7 +1159,7 @@ def _rewrite(gm: fx.GraphModule, node: fx.Node, idx: Dict[str, int], res: MaskAn
     with g.inserting_before(node):
         if res.positions is not None:
             kt, qt, syms, left, right = res.positions
-            qs, ks = meta_shape(q_node), meta_shape(k_node)
+            qs, ks = _shape(q_node), _shape(k_node)
             nq = static_int(qs[-2]) if qs else None
             nk = static_int(ks[-2]) if ks else None
             align = None

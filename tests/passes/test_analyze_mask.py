@@ -1,0 +1,300 @@
+"""analyze_mask: masks computed in the graph become §4.1 predicates; data-dependent masks stay dense.
+
+Each case is a small module that builds a mask from index vectors, position ids, padding vectors or
+data, and attends with it (SDPA with a boolean mask, or matmul-softmax with an additive float mask).
+It is captured through torch.fx, torch.export and dynamo, run through canonicalize, match_attention
+and analyze_mask, and compared in float64 with the eager module on fresh random inputs, at the query
+rows that have at least one allowed key (a row with none outputs zeros in attncomp, NaN or a uniform
+average in eager: DESIGN §4). The report must name the predicates (or say why the mask stays).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from attncomp import ops
+from attncomp.passes import analyze_mask, canonicalize, match_attention
+from attncomp.passes.base import CompileContext
+from attncomp.passes.capture import capture
+from attncomp.passes.node_info import spec_of
+from attncomp.passes.pipeline import run_passes
+
+PASSES = [("canonicalize", canonicalize.canonicalize), ("match_attention", match_attention.match_attention),
+          ("analyze_mask", analyze_mask.analyze_mask)]
+B, H, D = 2, 2, 8
+NEG = torch.finfo(torch.float64).min
+
+
+def _has_predicate_args() -> bool:
+    names = [a.name for a in torch.ops.attncomp.attention.default._schema.arguments]
+    return "k_valid" in names
+
+
+pytestmark = pytest.mark.skipif(not _has_predicate_args(), reason="attncomp::attention has no predicate arguments")
+
+
+def _ij(q, k, offset=0):
+    nq, nk = q.shape[2], k.shape[2]
+    i = torch.arange(nq) + offset
+    j = torch.arange(nk)
+    return i[:, None], j[None, :]
+
+
+def _causal(q, k):
+    i, j = _ij(q, k)
+    return (j <= i)[None, None]
+
+
+def _causal_br(q, k):
+    i, j = _ij(q, k, k.shape[2] - q.shape[2])
+    return (j <= i)[None, None]
+
+
+def _window(q, k, left=3):
+    i, j = _ij(q, k)
+    return ((j <= i) & (j > i - (left + 1)))[None, None]
+
+
+def _two_sided(q, k):
+    i, j = _ij(q, k)
+    return ((j >= i - 2) & (j <= i + 1))[None, None]
+
+
+def _segments(pid):
+    return torch.cumsum((pid == 0).to(torch.int64), -1)
+
+
+def _packed(q, k, pid):
+    seg = _segments(pid)
+    return (seg[:, None, :, None] == seg[:, None, None, :]) & _causal(q, k)
+
+
+def _padding(am):
+    return am.bool()[:, None, None, :]
+
+
+def _hf_padding_causal(q, k, am):
+    """As Hugging Face's sdpa_mask builds it: index vectors broadcast over (b, h, i, j), the padding
+    vector read by advanced indexing, the result expanded."""
+    b = torch.arange(q.shape[0])[:, None, None, None]
+    qi = torch.arange(q.shape[2])[None, None, :, None]
+    kv = torch.arange(k.shape[2])[None, None, None, :]
+    m = torch.ones((), dtype=torch.bool) & (kv <= qi)
+    m = m & am.to(torch.bool)[b, kv]
+    return m.expand(q.shape[0], -1, q.shape[2], k.shape[2])
+
+
+def _sdpa(mask_fn):
+    def f(q, k, v, am, pid, cp, r):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask_fn(q, k, am, pid, cp, r))
+    return f
+
+
+def _eager(mask_fn):
+    def f(q, k, v, am, pid, cp, r):
+        s = q @ k.transpose(-1, -2) * D ** -0.5 + mask_fn(q, k, am, pid, cp, r)
+        return torch.softmax(s, -1) @ v
+    return f
+
+
+#: name -> (mask builder, attention form, words the report must contain, Nq < Nk?)
+CASES = {
+    "causal": (lambda q, k, am, pid, cp, r: _causal(q, k), "sdpa", ["causal"], False),
+    "causal_bottom_right": (lambda q, k, am, pid, cp, r: _causal_br(q, k), "sdpa", ["causal"], True),
+    "window": (lambda q, k, am, pid, cp, r: _window(q, k), "sdpa", ["window(3, 0)"], False),
+    "two_sided_window": (lambda q, k, am, pid, cp, r: _two_sided(q, k), "sdpa", ["window(2, 1)"], False),
+    "decode_cache_position": (lambda q, k, am, pid, cp, r: (torch.arange(k.shape[2])[None, :] <= cp[:, None])[None, None],
+                              "sdpa", ["causal (positions)"], True),
+    "packed_documents": (lambda q, k, am, pid, cp, r: _packed(q, k, pid), "sdpa", ["causal", "documents"], False),
+    "padding_keys": (lambda q, k, am, pid, cp, r: _padding(am).expand(-1, -1, q.shape[2], -1), "sdpa",
+                     ["padding"], False),
+    "padding_causal_hf": (lambda q, k, am, pid, cp, r: _hf_padding_causal(q, k, am), "sdpa",
+                          ["causal", "padding"], False),
+    "all_combined": (lambda q, k, am, pid, cp, r: _window(q, k, 4) & _packed(q, k, pid) & _padding(am), "sdpa",
+                     ["window(4, 0)", "documents", "padding"], False),
+    "float_where": (lambda q, k, am, pid, cp, r: torch.where(_causal(q, k) & _padding(am), torch.tensor(0.0, dtype=q.dtype), NEG), "eager",
+                    ["causal", "padding"], False),
+    "float_sum_of_masks": (lambda q, k, am, pid, cp, r: (1.0 - _padding(am).to(q.dtype)) * NEG
+                           + torch.zeros_like(r).masked_fill(~_window(q, k), NEG),
+                           "eager", ["window(3, 0)", "padding"], False),
+    "float_mask_to_sdpa": (lambda q, k, am, pid, cp, r: torch.where(_packed(q, k, pid), 0.0, float("-inf")), "sdpa",
+                           ["causal", "documents"], False),
+}
+
+#: negative twins: the same forms built from data, or reading heads -> (builder, form, words, Nq < Nk?)
+NEGATIVE = {
+    "causal_and_random": (lambda q, k, am, pid, cp, r: _causal(q, k) & (r > 0.3), "sdpa",
+                          ["causal", "materialised mask", "both queries and keys"], False),
+    "random_only": (lambda q, k, am, pid, cp, r: r > 0.3, "sdpa", ["materialised mask"], False),
+    "query_data": (lambda q, k, am, pid, cp, r: _window(q, k) & (q.sum(-1, keepdim=True) > 0), "sdpa",
+                   ["window(3, 0)", "materialised mask", "heads"], False),
+    "segments_of_data": (lambda q, k, am, pid, cp, r: (torch.cumsum((r > 0.5).long(), 2)
+                                                      == torch.cumsum((r > 0.5).long(), 3)) | _causal(q, k),
+                         "sdpa", ["materialised mask"], False),
+    "per_head_padding": (lambda q, k, am, pid, cp, r: _causal(q, k) & (k.sum(-1) > 0)[:, :, None, :], "sdpa",
+                         ["causal", "materialised mask", "heads"], False),
+    "float_bias": (lambda q, k, am, pid, cp, r: torch.where(_causal(q, k), torch.tensor(0.0, dtype=q.dtype), NEG) + r, "eager",
+                   ["causal", "materialised mask"], False),
+    "float_not_a_mask": (lambda q, k, am, pid, cp, r: torch.where(_causal(q, k), torch.tensor(0.0, dtype=q.dtype), -1.0), "eager",
+                         ["materialised mask"], False),
+}
+
+
+class Toy(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, q, k, v, am, pid, cp, r):
+        return self.fn(q, k, v, am, pid, cp, r)
+
+
+def inputs(nq, nk, seed, left_pad=False):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, nq, D, generator=g, dtype=torch.float64)
+    k = torch.randn(B, H, nk, D, generator=g, dtype=torch.float64)
+    v = torch.randn(B, H, nk, D, generator=g, dtype=torch.float64)
+    am = torch.ones(B, nk, dtype=torch.int64)
+    if left_pad:
+        am[1, :2] = 0
+    else:
+        am[1, nk - 2:] = 0
+    pid = torch.cat([torch.arange(3), torch.arange(nk - 3)]).repeat(B, 1)
+    pid[1] = torch.cat([torch.arange(nk - 2), torch.arange(2)])
+    cp = torch.arange(nk - nq, nk)
+    r = torch.rand(B, 1, nq, nk, generator=g, dtype=torch.float64)
+    return q, k, v, am, pid[:, :nk], cp, r
+
+
+def _allowed_rows(mask, q):
+    m = mask if mask.dtype == torch.bool else mask > -1e4
+    return m.expand(q.shape[0], q.shape[1], q.shape[2], m.shape[-1]).any(-1)
+
+
+def _check(case, run, nq, nk, seed, left_pad=False):
+    build, form, _, _ = case
+    x = inputs(nq, nk, seed, left_pad)
+    exp = Toy((_sdpa if form == "sdpa" else _eager)(build))(*x)
+    got = run(*x)
+    rows = _allowed_rows(build(*x[:2], *x[3:]), x[0])
+    assert rows.any()
+    torch.testing.assert_close(got[rows], exp[rows], rtol=1e-9, atol=1e-10)
+    assert not torch.isnan(got).any()
+
+
+def _sizes(case):
+    return (5, 9) if case[3] else (7, 7)
+
+
+def _compile(case, route):
+    build, form, _, _ = case
+    model = Toy((_sdpa if form == "sdpa" else _eager)(build))
+    nq, nk = _sizes(case)
+    ex = inputs(nq, nk, 0)
+    ctx = CompileContext()
+    if route == "dynamo":
+        holder = {}
+
+        def be(gm, example):
+            holder["gm"] = run_passes(gm, ctx, PASSES)
+            return holder["gm"]
+
+        torch._dynamo.reset()
+        fn = torch.compile(model, backend=be, dynamic=False)
+        fn(*ex)
+        return fn, holder["gm"], ctx
+    gm = capture(model, ex, ctx, route=route)
+    gm = run_passes(gm, ctx, PASSES)
+    return gm, gm, ctx
+
+
+def _site(gm, ctx):
+    sites = [n for n in gm.graph.nodes if ops.is_attention_node(n)]
+    assert len(sites) == 1, gm.graph
+    assert len(ctx.sites) == 1 and ctx.sites[0].rewritten, [(s.rewritten, s.reason) for s in ctx.sites]
+    return sites[0], ctx.sites[0].details.get("mask", "")
+
+
+ARG = analyze_mask._op_args()
+
+
+def _mask_arg(node):
+    return node.args[ARG["attn_mask"]]
+
+
+@pytest.mark.parametrize("route", ["fx", "export"])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_predicates_found_and_exact(name, route):
+    case = CASES[name]
+    run, gm, ctx = _compile(case, route)
+    node, words = _site(gm, ctx)
+    for w in case[2]:
+        assert w in words, (name, words)
+    assert "materialised" not in words, words
+    assert _mask_arg(node) is None, f"{name}: a dense mask is still passed\n{gm.graph}"
+    # no N x N boolean or float mask is computed any more
+    for n in gm.graph.nodes:
+        shp = n.meta.get("val", n.meta.get("tensor_meta"))
+        shp = getattr(shp, "shape", None)
+        if shp is not None and len(shp) == 4 and n.op == "call_function" and not ops.is_attention_node(n):
+            assert not (shp[-1] > 1 and shp[-2] > 1 and shp[-1] == _sizes(case)[1] and shp[-2] == _sizes(case)[0]
+                        and n.meta.get("val", n.meta.get("tensor_meta")).dtype == torch.bool), n.format_node()
+    nq, nk = _sizes(case)
+    _check(case, run, nq, nk, seed=1)
+    _check(case, run, nq, nk, seed=2, left_pad=True)
+
+
+@pytest.mark.parametrize("route", ["fx", "export"])
+@pytest.mark.parametrize("name", sorted(NEGATIVE))
+def test_negative_twin_stays_materialised(name, route):
+    case = NEGATIVE[name]
+    run, gm, ctx = _compile(case, route)
+    node, words = _site(gm, ctx)
+    for w in case[2]:
+        assert w in words, (name, words)
+    assert _mask_arg(node) is not None
+    nq, nk = _sizes(case)
+    _check(case, run, nq, nk, seed=3)
+
+
+@pytest.mark.parametrize("name", ["padding_causal_hf", "decode_cache_position", "all_combined", "float_where",
+                                  "causal_and_random"])
+def test_dynamo_graphs(name):
+    case = CASES.get(name) or NEGATIVE[name]
+    run, gm, ctx = _compile(case, "dynamo")
+    node, words = _site(gm, ctx)
+    for w in case[2]:
+        assert w in words, (name, words)
+    nq, nk = _sizes(case)
+    _check(case, run, nq, nk, seed=4)
+
+
+def test_predicates_are_vectors_of_the_graph():
+    """The packed + padded + causal mask: q_seg/k_seg/k_valid are (B, N) tensors, the spec is causal."""
+    gm, _, ctx = _compile(CASES["all_combined"], "fx")
+    node, _ = _site(gm, ctx)
+    spec = spec_of(node)
+    assert spec.causal and spec.window_left == 4 and spec.mask_kind == "none"
+    x = inputs(7, 7, 5)
+    interp = torch.fx.Interpreter(gm)
+    vals = {}
+    orig = interp.run_node
+
+    def run_node(n):
+        out = orig(n)
+        vals[n] = out
+        return out
+
+    interp.run_node = run_node
+    interp.run(*x)
+    idx = ARG
+    for nm in ("q_seg", "k_seg", "k_valid"):
+        arg = node.args[idx[nm]]
+        assert arg is not None, nm
+        assert tuple(vals[arg].shape) == (B, 7), (nm, vals[arg].shape)
+    torch.testing.assert_close(vals[node.args[idx["k_seg"]]], _segments(x[4]))
+    assert torch.equal(vals[node.args[idx["k_valid"]]], x[3].bool())
+    assert node.args[idx["q_pos"]] is None and node.args[idx["k_pos"]] is None  # default top-left positions
