@@ -320,3 +320,32 @@ def context_parallel_gpu(rank: int, world: int):
             res[gpu_case_name(case)] = {"raised": f"{type(e).__name__}: {e}"[:1500]}
         dist.barrier()
     return res
+
+
+def thread_ring_case(world: int, policy, layout: str, causal: bool, dtype, device, *, B=2, Hq=4, Hk=2, n=8,
+                     D=6, Dv=5, seed=0):
+    """One case of context-parallel attention with the ring emulated by threads (threadring.py):
+    ``{"out"|"dq"|"dk"|"dv": max abs error relative to the largest expected magnitude}`` against the
+    single-process result on the whole sequence."""
+    import attncomp
+    from attncomp.distributed import context_parallel_attention, shard_sequence
+    from tests.distributed.threadring import thread_ring
+
+    N = n * world
+    Q, K, V, dO = (t.to(device) for t in _full(seed, B, Hq, Hk, N, D, Dv, dtype))
+    Qe, Ke, Ve = (t.clone().requires_grad_(True) for t in (Q, K, V))
+    exp = attncomp.functional.attention(Qe, Ke, Ve, is_causal=causal, policy=policy, enable_gqa=True)
+    exp.backward(dO)
+
+    def rank_fn(r):
+        sh = lambda t: shard_sequence(t, r, world, layout)  # noqa: E731
+        q, k, v = (sh(t).clone().requires_grad_(True) for t in (Q, K, V))
+        out = context_parallel_attention(q, k, v, is_causal=causal, policy=policy, layout=layout)
+        out.backward(sh(dO))
+        rel = lambda a, b: ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()  # noqa: E731
+        return {"out": rel(out, sh(exp)), "dq": rel(q.grad, sh(Qe.grad)), "dk": rel(k.grad, sh(Ke.grad)),
+                "dv": rel(v.grad, sh(Ve.grad))}
+
+    with thread_ring(world) as run:
+        per_rank = run(rank_fn)
+    return {w: max(r[w] for r in per_rank) for w in per_rank[0]}
