@@ -298,3 +298,96 @@ def test_predicates_are_vectors_of_the_graph():
     torch.testing.assert_close(vals[node.args[idx["k_seg"]]], _segments(x[4]))
     assert torch.equal(vals[node.args[idx["k_valid"]]], x[3].bool())
     assert node.args[idx["q_pos"]] is None and node.args[idx["k_pos"]] is None  # default top-left positions
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face models as shipped (tiny configs, default attention implementation, use_cache default)
+
+def _hf(family, impl=None, **over):
+    T = pytest.importorskip("transformers")
+    kw = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=97)
+    cfgs = {
+        "llama": lambda: T.LlamaConfig(num_key_value_heads=2, **kw),
+        "mistral": lambda: T.MistralConfig(num_key_value_heads=2, sliding_window=4, **kw),
+        "gemma2": lambda: T.Gemma2Config(num_key_value_heads=2, sliding_window=4, head_dim=8, **kw),
+        "qwen2": lambda: T.Qwen2Config(num_key_value_heads=2, **kw),
+        "bert": lambda: T.BertConfig(**kw),
+        "gpt2": lambda: T.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=97, bos_token_id=0, eos_token_id=0),
+    }
+    models = {"llama": T.LlamaModel, "mistral": T.MistralModel, "gemma2": T.Gemma2Model, "qwen2": T.Qwen2Model,
+              "bert": T.BertModel, "gpt2": T.GPT2Model}
+    cfg = cfgs[family]()
+    for k_, v_ in over.items():
+        setattr(cfg, k_, v_)
+    if impl:
+        cfg._attn_implementation = impl
+    torch.manual_seed(0)
+    return models[family](cfg).eval()
+
+
+#: family, attention implementation, padding side, words every site's report must contain
+HF = [
+    ("llama", None, "right", ["causal", "padding"]),
+    ("llama", "eager", "left", ["causal", "padding"]),
+    ("mistral", None, "left", ["window(3, 0)", "padding"]),
+    ("gemma2", None, "right", ["padding"]),
+    ("qwen2", None, "right", ["causal", "padding"]),
+    ("bert", None, "right", ["padding"]),
+    ("bert", "eager", "left", ["padding"]),
+    ("gpt2", None, "right", ["causal", "padding"]),
+]
+
+
+def _run_hf(model, kwargs):
+    ctx = CompileContext()
+
+    def be(gm, example):
+        return run_passes(gm, ctx, PASSES)
+
+    torch._dynamo.reset()
+    try:
+        out = torch.compile(model, backend=be, dynamic=False)(**kwargs)
+    finally:
+        torch._dynamo.reset()
+    return out, ctx
+
+
+@pytest.mark.parametrize("family,impl,side,words", HF, ids=[f"{f}-{i or 'sdpa'}-{s}" for f, i, s, _ in HF])
+def test_hf_models_masks_become_predicates(family, impl, side, words):
+    model = _hf(family, impl)
+    g = torch.Generator().manual_seed(1)
+    n = 9
+    ids = torch.randint(1, 97, (2, n), generator=g)
+    am = torch.ones(2, n, dtype=torch.int64)
+    if side == "right":
+        am[1, n - 3:] = 0
+    else:
+        am[1, :3] = 0
+    got, ctx = _run_hf(model, dict(input_ids=ids, attention_mask=am))
+    exp = model(input_ids=ids, attention_mask=am)
+    sites = [s for s in ctx.sites]
+    assert len(sites) == 2 and all(s.rewritten for s in sites), [(s.name, s.reason) for s in sites]
+    for s in sites:
+        mask = s.details.get("mask", "")
+        assert "materialised" not in mask, (s.name, mask)
+        for w in words:
+            if w == "window(3, 0)" or family != "gemma2":
+                assert w in mask, (s.name, mask)
+    if family == "gemma2":   # local and global layers alternate
+        masks = [s.details["mask"] for s in sites]
+        assert any("window(3, 0)" in m for m in masks) and any(m.startswith("causal") for m in masks), masks
+    valid = am.bool()   # padded query rows differ from eager by design (DESIGN §4)
+    torch.testing.assert_close(got.last_hidden_state[valid], exp.last_hidden_state[valid], rtol=1e-4, atol=1e-5)
+
+
+def test_hf_packed_documents():
+    """position_ids that restart (no attention_mask, no cache): Hugging Face's packed-sequence mask."""
+    model = _hf("qwen2", use_cache=False)
+    ids = torch.randint(1, 97, (2, 9), generator=torch.Generator().manual_seed(2))
+    pid = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1], [0, 1, 2, 3, 4, 5, 0, 1, 2]])
+    got, ctx = _run_hf(model, dict(input_ids=ids, position_ids=pid))
+    exp = model(input_ids=ids, position_ids=pid)
+    for s in ctx.sites:
+        assert s.rewritten and "causal" in s.details["mask"] and "documents" in s.details["mask"], s.details
+        assert "materialised" not in s.details["mask"]
+    torch.testing.assert_close(got.last_hidden_state, exp.last_hidden_state, rtol=1e-4, atol=1e-5)
