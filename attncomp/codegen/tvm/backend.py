@@ -165,6 +165,16 @@ def _prep(x: torch.Tensor, ct: torch.dtype) -> torch.Tensor:
     return x.detach().to(ct).contiguous()
 
 
+def _transposed(x: torch.Tensor, block: int) -> torch.Tensor:
+    """``(B, H, N, D)`` as ``(B, H, D, ceil(N / block) * block)``, zero-padded: key tiles read along keys."""
+    n = x.shape[2]
+    pad = -(-n // block) * block - n
+    t = x.transpose(-1, -2)
+    if pad:
+        t = torch.nn.functional.pad(t, (0, pad))
+    return t.contiguous()
+
+
 def _call(kind: str, variant: Variant, tensors: dict, extra: dict) -> None:
     fn = _build.get_kernel(kind, variant)
     names = arg_names(kind, variant)
@@ -188,7 +198,8 @@ def attention_forward(spec: AttentionSpec, q, k, v, attn_mask=None, q_aux=None, 
     qc, kc, vc = _prep(q, ct), _prep(k, ct), _prep(v, ct)
     out = _empty((B, Hq, Nq, Dv), ct, q.device)
     extra = _extra_values(variant, spec, q, k, attn_mask, q_aux, k_aux, block_pattern, preds, dropout_p, seed, ct)
-    _call("fwd", variant, {"q": qc, "k": kc, "v": vc, "o": out, "lse": lse}, extra)
+    kt = _transposed(kc, variant.block_k)
+    _call("fwd", variant, {"q": qc, "k": kc, "kt": kt, "v": vc, "o": out, "lse": lse}, extra)
     return out.to(q.dtype), lse
 
 
@@ -208,7 +219,8 @@ def attention_backward(spec: AttentionSpec, q, k, v, attn_mask, out, lse, grad_o
     dq = _empty(q.shape, ct, q.device)
     dk = _empty(k.shape, ct, q.device)
     dv = _empty(v.shape, ct, q.device)
-    base = {"q": qc, "k": kc, "v": vc, "do": doc, "lse": lse, "delta": delta}
+    base = {"q": qc, "k": kc, "kt": _transposed(kc, variant.block_k), "v": vc,
+            "vt": _transposed(vc, variant.block_k), "do": doc, "lse": lse, "delta": delta}
     _call("dkdv", variant, dict(base, dk=dk, dv=dv), extra)
     _call("dq", variant, dict(base, dq=dq), extra)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

@@ -104,7 +104,7 @@ class Variant:
 # ---------------------------------------------------------------------------------------------
 # Arguments: the order here is the calling convention (host and artefact metadata use it).
 
-FWD_ARGS = ("q", "k", "v", "o", "lse")
+FWD_ARGS = ("q", "k", "kt", "v", "o", "lse")
 
 
 def _extra_args(v: Variant) -> List[Tuple[str, str]]:
@@ -134,9 +134,12 @@ def _extra_args(v: Variant) -> List[Tuple[str, str]]:
     return a
 
 
+#: the backward kernels' leading arguments (then dk, dv or dq)
+BWD_ARGS = ("q", "k", "kt", "v", "vt", "do", "lse", "delta")
+
+
 def arg_names(kind: str, v: Variant) -> Tuple[str, ...]:
-    base = {"fwd": FWD_ARGS, "dkdv": ("q", "k", "v", "do", "lse", "delta", "dk", "dv"),
-            "dq": ("q", "k", "v", "do", "lse", "delta", "dq")}[kind]
+    base = {"fwd": FWD_ARGS, "dkdv": BWD_ARGS + ("dk", "dv"), "dq": BWD_ARGS + ("dq",)}[kind]
     return tuple(base) + tuple(n for n, _ in _extra_args(v))
 
 
@@ -221,6 +224,50 @@ def _allowed(v: Variant, qi: str, kj: str) -> List[str]:
         c.append(f"(BP[h * bp_sh, ({qi}) // {bs}, ({kj}) // {bs}] != 0 "
                  f"or ({qi}) // {bs} == ({kj}) // {bs})")
     return c
+
+
+_EXP_C = ("1.0", "0.6931471805599453", "0.2402265069591007", "0.05550410866482158",
+          "0.009618129107628477", "0.0013333558146428443", "0.00015403530393381606")
+
+
+def _exp_parts(x: str, f: str, n: str) -> Tuple[str, str, str]:
+    """float32 ``exp(x) = 2^n p(f)``, ``n = round(x log2 e)``, ``|f| <= 1/2``, ``p`` a degree-6
+    polynomial (relative error ~2e-7, no libm call, vectorisable); ``exp(-inf) = 0`` exactly.
+    Returns the expressions of ``n``, ``f`` (given ``n``) and the result (given ``f`` and ``n``)."""
+    t = f"T.min(T.max(({x}) * T.float32(1.4426950408889634), T.float32(-127.0)), T.float32(127.0))"
+    poly = f"T.float32({_EXP_C[-1]})"
+    for coef in reversed(_EXP_C[:-1]):
+        poly = f"T.float32({coef}) + {f} * ({poly})"
+    res = f"({poly}) * T.reinterpret(\"float32\", T.shift_left(T.Cast(\"int32\", {n}) + 127, 23))"
+    return f"T.round({t})", f"{t} - {n}", res
+
+
+def _exp_lines(v: Variant, ind: str, var: str, x: str) -> List[str]:
+    """Scalar: lines binding ``var`` to ``exp(x)`` (float64: the intrinsic)."""
+    if v.dtype != "float32":
+        return [f"{ind}{var} = T.exp({x})"]
+    n, f, res = _exp_parts(x, f"{var}_f", f"{var}_n")
+    return [f"{ind}{var}_n = {n}", f"{ind}{var}_f = {f}", f"{ind}{var} = {res}"]
+
+
+def _exp_vec(v: Variant, ind: str, dst: str, x: str, width: int) -> List[str]:
+    """Vectorised ``dst = exp(x)`` over ``j`` in ``range(width)`` (``x`` and ``dst`` in terms of j).
+    The intermediate values go through the En/Ef scratch buffers: no let binding inside a vectorised
+    loop (TVM's vectoriser would broadcast it)."""
+    if v.dtype != "float32":
+        return [f"{ind}for j in T.vectorized({width}):", f"{ind}    {dst} = T.exp({x})"]
+    n, f, res = _exp_parts(x, "Ef[j]", "En[j]")
+    return [f"{ind}for j in T.vectorized({width}):", f"{ind}    En[j] = {n}",
+            f"{ind}for j in T.vectorized({width}):", f"{ind}    Ef[j] = {f}",
+            f"{ind}for j in T.vectorized({width}):", f"{ind}    {dst} = {res}"]
+
+
+def _rows(v: Variant, width: int) -> int:
+    """Query rows processed together by the tile GEMM loops (accumulators kept in registers)."""
+    for r in (4, 2):
+        if v.block_q % r == 0 and r * width <= 256:
+            return r
+    return 1
 
 
 def _neg_inf(v: Variant) -> str:
@@ -322,18 +369,19 @@ def _tile_visit(v: Variant, kt: str) -> str:
 def _scores(v: Variant, ind: str) -> List[str]:
     """S[BQ, BK] = logits of the tile (q0, k0) with disallowed / unkept entries at -inf.
 
-    Needs in scope: b, h, hk, q0, k0; local Qs (the query tile, (BQ, D)); allocates Kt, S (, R).
+    Needs in scope: b, h, hk, q0, k0; local Qs (the query tile, (BQ, D)); allocates S (, R). KT is k transposed to (B, Hk, D, NKT * BK), zero-padded
+    by the host, so a key tile is read contiguously along keys.
     """
     BQ, BK, D = v.block_q, v.block_k, v.head_dim
+    RQ = _rows(v, BK)
     ninf = _neg_inf(v)
     L = [
-        f"{ind}for j, d in T.grid({BK}, {D}):",
-        f"{ind}    Kt[d, j] = K[b, hk, {_clamp_k('k0 + j')}, d]",
         f"{ind}for i, j in T.grid({BQ}, {BK}):",
         f"{ind}    S[i, j] = T.{v.dtype}(0)",
-        f"{ind}for i, d in T.grid({BQ}, {D}):",
-        f"{ind}    for j in T.vectorized({BK}):",
-        f"{ind}        S[i, j] = S[i, j] + Qs[i, d] * Kt[d, j]",
+        f"{ind}for i0, d in T.grid({BQ // RQ}, {D}):",
+        f"{ind}    for ii in T.unroll({RQ}):",
+        f"{ind}        for j in T.vectorized({BK}):",
+        f"{ind}            S[i0 * {RQ} + ii, j] = S[i0 * {RQ} + ii, j] + Qs[i0 * {RQ} + ii, d] * KT[b, hk, d, k0 + j]",
     ]
     qi, kj = "q0 + i", "k0 + j"
     qc, kc = _clamp_q(qi), _clamp_k(kj)
@@ -392,7 +440,6 @@ def _header(v: Variant) -> List[str]:
 def _scratch(v: Variant, ind: str) -> List[str]:
     BQ, BK, D, dt = v.block_q, v.block_k, v.head_dim, v.dtype
     L = [f'{ind}Qs = T.alloc_buffer(({BQ}, {D}), "{dt}", scope="local")',
-         f'{ind}Kt = T.alloc_buffer(({D}, {BK}), "{dt}", scope="local")',
          f'{ind}S = T.alloc_buffer(({BQ}, {BK}), "{dt}", scope="local")']
     if v.policy == "dfss":
         L.append(f'{ind}R = T.alloc_buffer(({BQ}, {BK}), "{dt}", scope="local")')
@@ -414,6 +461,8 @@ def forward_source(v: Variant) -> str:
     L = _signature("attn_fwd", FWD_ARGS, v)
     L += [f'    Q = T.match_buffer(q, (B, Hq, Nq, {D}), "{dt}")',
           f'    K = T.match_buffer(k, (B, Hk, Nk, {D}), "{dt}")',
+          "    NKp = T.int32()",
+          f'    KT = T.match_buffer(kt, (B, Hk, {D}, NKp), "{dt}")',
           f'    V = T.match_buffer(v, (B, Hk, Nk, {Dv}), "{dt}")',
           f'    O = T.match_buffer(o, (B, Hq, Nq, {Dv}), "{dt}")',
           '    LSE = T.match_buffer(lse, (B, Hq, Nq), "float32")']
@@ -427,7 +476,11 @@ def forward_source(v: Variant) -> str:
           f'{ind}ACC = T.alloc_buffer(({BQ}, {Dv}), "{dt}", scope="local")',
           f'{ind}Mx = T.alloc_buffer(({BQ},), "{dt}", scope="local")',
           f'{ind}Ls = T.alloc_buffer(({BQ},), "{dt}", scope="local")',
-          f'{ind}W = T.alloc_buffer((2,), "{dt}", scope="local")']
+          f'{ind}W = T.alloc_buffer((2,), "{dt}", scope="local")',
+          f'{ind}Wv = T.alloc_buffer((16,), "{dt}", scope="local")',
+          f'{ind}Mu = T.alloc_buffer((1,), "{dt}", scope="local")',
+          f'{ind}En = T.alloc_buffer(({BK},), "{dt}", scope="local")',
+          f'{ind}Ef = T.alloc_buffer(({BK},), "{dt}", scope="local")']
     L += _load_q(v, ind) + _ksum_base(v, ind) + _query_summary(v, ind)
     L += [f"{ind}for i in range({BQ}):",
           f"{ind}    Mx[i] = {ninf}",
@@ -444,16 +497,28 @@ def forward_source(v: Variant) -> str:
     L += [f"{ind2}k0 = kt * {BK}", f"{ind2}kn = T.min({BK}, Nk - k0)"]
     L += _scores(v, ind2)
     ind3 = ind2 + "    "
+    LN = 16 if BK % 16 == 0 else BK
     L += [f"{ind2}for i in range({BQ}):",
+          f"{ind3}for l in T.vectorized({LN}):",
+          f"{ind3}    Wv[l] = S[i, l]",
+          f"{ind3}for c in range(1, {BK // LN}):",
+          f"{ind3}    for l in T.vectorized({LN}):",
+          f"{ind3}        Wv[l] = T.max(Wv[l], S[i, c * {LN} + l])",
           f"{ind3}W[0] = Mx[i]",
-          f"{ind3}for j in range({BK}):",
-          f"{ind3}    W[0] = T.max(W[0], S[i, j])",
-          f"{ind3}mu = T.if_then_else(W[0] == {ninf}, T.{dt}(0), W[0])",
-          f"{ind3}alpha = T.exp(Mx[i] - mu)",
+          f"{ind3}for l in range({LN}):",
+          f"{ind3}    W[0] = T.max(W[0], Wv[l])",
+          f"{ind3}mu = T.if_then_else(W[0] == {ninf}, T.{dt}(0), W[0])"]
+    L += _exp_lines(v, ind3, "alpha", "Mx[i] - mu")
+    L += [f"{ind3}Mu[0] = mu"]
+    L += _exp_vec(v, ind3, "P[i, j]", "S[i, j] - Mu[0]", BK)
+    L += [f"{ind3}for l in T.vectorized({LN}):",
+          f"{ind3}    Wv[l] = P[i, l]",
+          f"{ind3}for c in range(1, {BK // LN}):",
+          f"{ind3}    for l in T.vectorized({LN}):",
+          f"{ind3}        Wv[l] = Wv[l] + P[i, c * {LN} + l]",
           f"{ind3}W[1] = T.{dt}(0)",
-          f"{ind3}for j in range({BK}):",
-          f"{ind3}    P[i, j] = T.exp(S[i, j] - mu)",
-          f"{ind3}    W[1] = W[1] + P[i, j]",
+          f"{ind3}for l in range({LN}):",
+          f"{ind3}    W[1] = W[1] + Wv[l]",
           f"{ind3}Ls[i] = Ls[i] * alpha + W[1]",
           f"{ind3}Mx[i] = W[0]",
           f"{ind3}for e in T.vectorized({Dv}):",
@@ -463,9 +528,12 @@ def forward_source(v: Variant) -> str:
         L += _dropout_index(ind3 + "    ", "q0 + i", "k0 + j")
         L += _hash_lines(ind3 + "    ", "du", "dx")
         L += [f"{ind3}    P[i, j] = T.if_then_else(du >= drop_p, P[i, j], T.{dt}(0))"]
-    L += [f"{ind3}for j in range(kn):",
-          f"{ind3}    for e in T.vectorized({Dv}):",
-          f"{ind3}        ACC[i, e] = ACC[i, e] + P[i, j] * V[b, hk, k0 + j, e]"]
+    RV = _rows(v, Dv)
+    L += [f"{ind2}for i0 in range({BQ // RV}):",
+          f"{ind3}for j in range(kn):",
+          f"{ind3}    for ii in T.unroll({RV}):",
+          f"{ind3}        for e in T.vectorized({Dv}):",
+          f"{ind3}            ACC[i0 * {RV} + ii, e] = ACC[i0 * {RV} + ii, e] + P[i0 * {RV} + ii, j] * V[b, hk, k0 + j, e]"]
     keep = f" * T.Cast(\"{dt}\", inv_keep)" if v.dropout else ""
     L += [f"{ind}for i in range({BQ}):",
           f"{ind}    if q0 + i < Nq:",
@@ -479,16 +547,14 @@ def forward_source(v: Variant) -> str:
 
 def _probs_bwd(v: Variant, ind: str) -> List[str]:
     """P[i, j] = exp(S - lse) of kept entries (0 elsewhere and for rows without a kept key), then
-    dP = dO V^T, dropout applied to both, dS = P (dP - delta). Needs Do (BQ, Dv), Lr, Dl, Vt in scope."""
+    dP = dO V^T, dropout applied to both, dS = P (dP - delta). Needs Do (BQ, Dv), Lr, Dl in scope."""
     BQ, BK, Dv, dt = v.block_q, v.block_k, v.head_dim_v, v.dtype
-    L = [f"{ind}for j, e in T.grid({BK}, {Dv}):",
-         f"{ind}    Vt[e, j] = V[b, hk, {_clamp_k('k0 + j')}, e]",
-         f"{ind}for i, j in T.grid({BQ}, {BK}):",
+    L = [f"{ind}for i, j in T.grid({BQ}, {BK}):",
          f"{ind}    P[i, j] = T.if_then_else(Lr[i] == {_neg_inf(v)}, T.{dt}(0), T.exp(S[i, j] - Lr[i]))",
          f"{ind}    Dp[i, j] = T.{dt}(0)",
          f"{ind}for i, e in T.grid({BQ}, {Dv}):",
          f"{ind}    for j in T.vectorized({BK}):",
-         f"{ind}        Dp[i, j] = Dp[i, j] + Do[i, e] * Vt[e, j]"]
+         f"{ind}        Dp[i, j] = Dp[i, j] + Do[i, e] * VT[b, hk, e, k0 + j]"]
     if v.dropout:
         L += [f"{ind}for i, j in T.grid({BQ}, {BK}):"]
         L += _dropout_index(ind + "    ", "q0 + i", "k0 + j")
@@ -503,7 +569,6 @@ def _probs_bwd(v: Variant, ind: str) -> List[str]:
 def _bwd_scratch(v: Variant, ind: str) -> List[str]:
     BQ, BK, Dv, dt = v.block_q, v.block_k, v.head_dim_v, v.dtype
     L = _scratch(v, ind) + [
-        f'{ind}Vt = T.alloc_buffer(({Dv}, {BK}), "{dt}", scope="local")',
         f'{ind}P = T.alloc_buffer(({BQ}, {BK}), "{dt}", scope="local")',
         f'{ind}Dp = T.alloc_buffer(({BQ}, {BK}), "{dt}", scope="local")',
         f'{ind}Ds = T.alloc_buffer(({BQ}, {BK}), "{dt}", scope="local")',
@@ -519,7 +584,10 @@ def _bwd_buffers(v: Variant, grads: List[str]) -> List[str]:
     D, Dv, dt = v.head_dim, v.head_dim_v, v.dtype
     L = [f'    Q = T.match_buffer(q, (B, Hq, Nq, {D}), "{dt}")',
          f'    K = T.match_buffer(k, (B, Hk, Nk, {D}), "{dt}")',
+         "    NKp = T.int32()",
+         f'    KT = T.match_buffer(kt, (B, Hk, {D}, NKp), "{dt}")',
          f'    V = T.match_buffer(v, (B, Hk, Nk, {Dv}), "{dt}")',
+         f'    VT = T.match_buffer(vt, (B, Hk, {Dv}, NKp), "{dt}")',
          f'    DO = T.match_buffer(do, (B, Hq, Nq, {Dv}), "{dt}")',
          '    LSE = T.match_buffer(lse, (B, Hq, Nq), "float32")',
          '    DELTA = T.match_buffer(delta, (B, Hq, Nq), "float32")']
@@ -541,7 +609,7 @@ def _load_rows(v: Variant, ind: str) -> List[str]:
 def dkdv_source(v: Variant) -> str:
     """dK, dV: parallel over (b, hk, key tile); loops over the group's query heads and query tiles."""
     BQ, BK, D, Dv, dt = v.block_q, v.block_k, v.head_dim, v.head_dim_v, v.dtype
-    L = _signature("attn_bwd_dkdv", arg_names("dkdv", v)[:8], v)
+    L = _signature("attn_bwd_dkdv", BWD_ARGS + ("dk", "dv"), v)
     L += _bwd_buffers(v, ["dk", "dv"]) + _common_buffers(v) + _header(v)
     ind = "        "
     L += ["    for bkt in T.parallel(B * Hk * NKT):",
@@ -582,7 +650,7 @@ def dkdv_source(v: Variant) -> str:
 
 def dq_source(v: Variant) -> str:
     BQ, BK, D, Dv, dt = v.block_q, v.block_k, v.head_dim, v.head_dim_v, v.dtype
-    L = _signature("attn_bwd_dq", arg_names("dq", v)[:7], v)
+    L = _signature("attn_bwd_dq", BWD_ARGS + ("dq",), v)
     L += _bwd_buffers(v, ["dq"]) + _common_buffers(v) + _header(v)
     ind = "        "
     L += ["    for bhq in T.parallel(B * Hq * NQT):",
