@@ -60,6 +60,8 @@ def parse_args(argv=None):
     ap.add_argument("--workers", type=int, default=min(14, os.cpu_count() or 1), help="parallel compile workers")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "h200.json"))
     ap.add_argument("--smoke", action="store_true", help="CPU plumbing check under TRITON_INTERPRET=1")
+    ap.add_argument("--table", default="policies", choices=("policies", "structured", "all"),
+                    help="policies: the policy table; structured: predicate and spion rows (see run_structured)")
     return ap.parse_args(argv)
 
 
@@ -93,8 +95,7 @@ def flops(B, H, N, D, causal: bool, passes: str) -> float:
 def bench_ms(fn, smoke: bool) -> float:
     import torch
 
-    if smoke:
-        fn()
+    if smoke:  # the interpreter compiles nothing: one call is the measurement
         t = time.perf_counter()
         fn()
         return (time.perf_counter() - t) * 1e3
@@ -546,7 +547,7 @@ def main(argv=None):
                     for N in ns_of(args):
                         tasks.append(dict(kind="flex", D=D, causal=causal, passes=passes, B=args.batch,
                                           H=args.heads, N=N))
-    if not args.smoke or os.environ.get("ATTNCOMP_BENCH_SMOKE_WARM") == "1":
+    if args.table != "structured" and (not args.smoke or os.environ.get("ATTNCOMP_BENCH_SMOKE_WARM") == "1"):
         warm_up(tasks, args.workers)
 
     if args.sweep:
@@ -558,6 +559,10 @@ def main(argv=None):
         print(f"\nsweep written to {out}; {time.perf_counter() - t0:.0f}s")
         return
 
+    if args.table in ("structured", "all") or args.smoke:
+        run_structured(args)
+        if args.table == "structured":
+            return
     rows = run_table(args, policies, dims, causals, passes_list)
     write_results(args, rows, policies)
     print(f"\n{len(rows)} rows in {time.perf_counter() - t0:.0f}s; JSON: {args.out}")
@@ -565,6 +570,203 @@ def main(argv=None):
     print(HEADER)
     for r in rows:
         print(_fmt_row(r))
+
+
+# ---------------------------------------------------------------------------------------------
+# Structured masks and SPION (``--table structured``; ``--smoke`` runs them too, tiny and on CPU).
+#
+# Predicate rows: per policy (dense, dfss, hash, drop) and predicate kind (causal bottom-right with
+# Nq = N/2 queries on N keys, a causal window of 4096, 8 packed documents, 25 % right padding),
+# ``attncomp_ms`` with the predicates and ``full_ms`` without any mask (same policy, same shapes);
+# ``allowed`` is the allowed fraction of the Nq x Nk entries and ``achieved_over_ideal`` =
+# ``allowed * full_ms / attncomp_ms`` (1: time shrinks exactly with the allowed entries).
+#
+# SPION rows: bf16, B=4, H=16, D 64/128, N 4096/16384, forward and forward+backward, block patterns
+# of density about 0.10 (``banded``: a band of blocks around the diagonal; ``flood``: what the
+# convolutional flood fill gives on maps with local and vertical structure, a band with gaps plus
+# stripes of global columns), against dense SDPA (its fastest backend) and FlexAttention given the
+# same ``BlockMask``; ``x_sdpa`` over the ideal ``1/density`` is ``achieved_over_ideal``.
+
+PRED_KINDS = ("causal_bottom_right", "window_4096", "docs_8", "right_pad_25")
+
+
+def _pred_site(kind: str, B: int, N: int, device):
+    """``(Nq, spec fields, Predicates, allowed fraction)`` of one predicate kind at length N."""
+    import torch
+
+    from attncomp.spec import Predicates
+
+    if kind == "causal_bottom_right":
+        nq = N // 2
+        allowed = (nq * (N - nq) + nq * (nq + 1) / 2) / (nq * N)
+        return nq, dict(causal=True, causal_align="bottom_right"), Predicates(), allowed
+    if kind == "window_4096":
+        w = min(4096, N // 4) if N < 16384 else 4096
+        allowed = sum(min(i, w) + 1 for i in range(N)) / (N * N)
+        return N, dict(causal=True, window_left=w), Predicates(), allowed
+    if kind == "docs_8":
+        seg = (torch.arange(N, device=device) * 8 // N)[None]
+        return N, {}, Predicates(q_seg=seg, k_seg=seg), 1 / 8
+    if kind == "right_pad_25":
+        lens = torch.full((B,), N - N // 4, device=device)
+        valid = torch.arange(N, device=device)[None] < lens[:, None]
+        return N, {}, Predicates(q_valid=valid, k_valid=valid), 0.75 * 0.75
+    raise ValueError(kind)
+
+
+def spion_pattern(kind: str, nb: int, density: float = 0.10, seed: int = 0):
+    """A ``(1, nb, nb)`` bool block pattern of about ``density`` (diagonal included)."""
+    import torch
+
+    i = torch.arange(nb)[:, None]
+    j = torch.arange(nb)[None, :]
+    if kind == "banded":
+        w = max(0, round((density * nb - 1) / 2))
+        return ((i - j).abs() <= w)[None]
+    g = torch.Generator().manual_seed(seed)
+    pat = (i - j).abs() <= 1  # the filter's diagonal response
+    n_stripes = max(1, round(density * nb * 0.35))
+    cols = torch.randperm(nb, generator=g)[:n_stripes]
+    pat[:, cols] = True  # global tokens: vertical stripes
+    pat[:max(1, nb // 64)] = True  # first rows: the fill's start
+    while pat.float().mean() < density:  # local blobs along the diagonal, as the fill follows them
+        c = int(torch.randint(0, nb, (1,), generator=g))
+        r = min(nb - 1, max(0, c + int(torch.randint(-nb // 8, nb // 8 + 1, (1,), generator=g))))
+        pat[r:r + 2, c:c + 2] = True
+    return pat[None]
+
+
+def _flex_block_mask(pattern, bs: int, B: int, H: int, N: int, device):
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    pat = pattern[0].to(device)
+
+    def mod(b, h, q_idx, kv_idx):
+        return pat[q_idx // bs, kv_idx // bs] | (q_idx // bs == kv_idx // bs)
+
+    return create_block_mask(mod, None, None, N, N, device=device, BLOCK_SIZE=bs)
+
+
+def _time_site(spec, q, k, v, do, passes, smoke, **kw):
+    from attncomp.codegen.triton import backend as TB
+
+    def fwd():
+        return TB.attention_forward(spec, q, k, v, None, **kw)
+
+    if passes == "fwd":
+        return bench_ms(fwd, smoke)
+
+    def step():
+        out, lse = fwd()
+        TB.attention_backward(spec, q, k, v, None, out, lse, do, **kw)
+
+    return bench_ms(step, smoke)
+
+
+def run_structured(args) -> List[dict]:
+    import torch
+
+    from attncomp.policy import SPION
+    from attncomp.spec import dtype_name
+
+    smoke = args.smoke
+    dev = "cpu" if smoke else "cuda"
+    dtype = torch.float32 if smoke else torch.bfloat16
+    B, H = (1, 2) if smoke else (args.batch, args.heads)
+    Ds = [32] if smoke else [int(d) for d in args.dims.split(",")]
+    passes_list = ["fwd+bwd"] if smoke else [p for p in args.passes.split(",") if p]
+    rows = []
+    # predicate rows
+    N = 48 if smoke else 16384
+    for policy in ("dense", "dfss", "hash", "drop"):
+        for kind in PRED_KINDS:
+            for D in Ds[:1]:
+                for passes in (["fwd"] if smoke else passes_list):
+                    nq, fields, preds, allowed = _pred_site(kind, B, N, dev)
+                    if smoke and kind == "window_4096":
+                        fields["window_left"] = 12
+                        allowed = sum(min(i, 12) + 1 for i in range(N)) / (N * N)
+                    q, _, _, do = make_inputs(B, H, nq, D, dtype, dev)
+                    _, k, v, _ = make_inputs(B, H, N, D, dtype, dev, seed=1)
+                    spec = make_spec(policy, False, dtype).replace(**fields)
+                    t = _time_site(spec, q, k, v, do, passes, smoke, preds=preds)
+                    full = _time_site(make_spec(policy, False, dtype), q, k, v, do, passes, smoke)
+                    rows.append(dict(table="predicates", policy=policy, predicate=kind, passes=passes, B=B, H=H,
+                                     Nq=nq, Nk=N, D=D, dtype=dtype_name(dtype), attncomp_ms=t, full_ms=full,
+                                     allowed=allowed, achieved_over_ideal=allowed * full / t))
+                    print(_fmt_structured(rows[-1]), flush=True)
+    # spion rows
+    bs = 16 if smoke else 64
+    for N in ([48] if smoke else ns_of(args) if args.ns else [4096, 16384]):
+        for D in Ds:
+            for pat_kind in ("banded", "flood"):
+                pattern = spion_pattern(pat_kind, -(-N // bs), 0.10 if not smoke else 0.3).to(dev)
+                density = _block_density(pattern, N, bs)
+                spec = make_spec("dense", False, dtype).replace(policy=SPION(block_size=bs))
+                q, k, v, do = make_inputs(B, H, N, D, dtype, dev)
+                for passes in passes_list:
+                    t = _time_site(spec, q, k, v, do, passes, smoke, block_pattern=pattern)
+                    sd = bench_ms(sdpa_fn(False, q, k, v, do, passes, backend=None), smoke)
+                    fx = None
+                    if not (smoke or args.no_flex):
+                        bm = _flex_block_mask(pattern, bs, B, H, N, dev)
+                        fx = bench_ms(_flex_step(q, k, v, do, passes, bm), smoke)
+                    rows.append(dict(table="spion", policy="spion", predicate=pat_kind, passes=passes, B=B, H=H,
+                                     Nq=N, Nk=N, D=D, dtype=dtype_name(dtype), block=bs, density=density,
+                                     attncomp_ms=t, sdpa_ms=sd, flex_ms=fx, x_sdpa=sd / t,
+                                     x_flex=None if fx is None else fx / t, ideal=1 / density,
+                                     achieved_over_ideal=(sd / t) * density))
+                    print(_fmt_structured(rows[-1]), flush=True)
+    _write_structured(args, rows)
+    return rows
+
+
+def _block_density(pattern, N: int, bs: int) -> float:
+    import torch
+
+    nb = pattern.shape[-1]
+    keep = pattern[0].cpu() | torch.eye(nb, dtype=torch.bool)
+    sizes = torch.full((nb,), bs)
+    sizes[-1] = N - bs * (nb - 1)
+    return float((keep.float() * sizes[:, None] * sizes[None, :]).sum() / (N * N))
+
+
+def _flex_step(q, k, v, do, passes, block_mask):
+    import torch
+
+    flex = _flex_compiled()
+    if passes == "fwd":
+        return lambda: flex(q, k, v, block_mask=block_mask)
+    qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+
+    def step():
+        torch.autograd.grad(flex(qg, kg, vg, block_mask=block_mask), (qg, kg, vg), do)
+
+    return step
+
+
+def _fmt_structured(r) -> str:
+    extra = (f" sdpa {r['sdpa_ms']:.3f} ms x{r['x_sdpa']:.2f}" + (f" flex {r['flex_ms']:.3f} ms x{r['x_flex']:.2f}"
+             if r.get("flex_ms") else "") + f" density {r['density']:.3f}") if r["table"] == "spion" else \
+        f" full {r['full_ms']:.3f} ms allowed {r['allowed']:.3f}"
+    return (f"{r['table']:10s} {r['policy']:6s} {r['predicate']:20s} {r['passes']:8s} D{r['D']} Nq{r['Nq']} Nk{r['Nk']}:"
+            f" {r['attncomp_ms']:.3f} ms{extra} achieved/ideal {r['achieved_over_ideal']:.2f}")
+
+
+def _write_structured(args, rows) -> None:
+    import torch
+
+    tag = "cpu" if args.smoke else _machine(args).lower().split()[-1]
+    name = f"structured_{tag}.json"
+    paths = [os.path.join(os.environ.get("TMPDIR", "/tmp") if args.smoke else os.path.join(HERE, "results"), name)]
+    if os.environ.get("OUT") and not args.smoke:
+        paths.append(os.path.join(os.environ["OUT"], name))
+    doc = {"machine": _machine(args), "torch": torch.__version__, "rows": rows}
+    for p in paths:
+        os.makedirs(os.path.dirname(p), exist_ok=True)
+        with open(p, "w") as f:
+            json.dump(doc, f, indent=1)
 
 
 if __name__ == "__main__":
