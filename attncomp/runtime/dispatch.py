@@ -319,6 +319,12 @@ def _auto_explained(spec, q, n_keys, v=None, preds=None, dropout_p=None, k=None,
             name, why = _dense_on_cuda(spec, q, k, v, attn_mask, preds, arch, kind)
             if name is not None:
                 return get_backend(name), name, f"keeps every allowed entry: {name} ({why})"
+    if arch is None:
+        from ..codegen.tvm.auto import cpu_choice  # imports no tvm: checks that it is installed
+
+        tv = cpu_choice(spec, q, n_keys, v, preds)
+        if tv is not None:
+            return tv[0], "tvm", tv[1]
     if arch is None or not triton_available():
         return get_backend("reference"), "reference", ("no CUDA tensors: the exact reference" if arch is None
                                                        else "no Triton: the exact reference")

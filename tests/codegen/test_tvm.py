@@ -336,3 +336,17 @@ def test_generated_source_is_specialised():
     assert "kt_hi = T.min(NKT" in causal
     nm = forward_source(Variant(head_dim=64, head_dim_v=64, policy="dfss", nm_n=2, nm_m=4))
     assert "g0 + 3" in nm and "g0 + 4" not in nm
+
+
+def test_auto_picks_tvm_on_cpu_where_measured_faster(monkeypatch):
+    from attncomp.runtime.dispatch import select_backend
+
+    spec = AttentionSpec(policy=DFSS(1, 2), dtype="float32", head_dim=32)
+    big = torch.randn(1, 1, 256, 32)
+    small = torch.randn(1, 1, 32, 32)
+    assert select_backend(spec, big, big, big).name == "tvm"
+    assert select_backend(spec, small, small, small).name == "reference"  # build cost outweighs the gain
+    b64 = big.double()
+    assert select_backend(spec.replace(dtype="float64"), b64, b64, b64).name == "reference"
+    monkeypatch.setenv("ATTNCOMP_TVM_AUTO", "0")
+    assert select_backend(spec, big, big, big).name == "reference"
