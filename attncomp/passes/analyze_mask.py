@@ -1083,6 +1083,67 @@ def _op_args() -> Dict[str, int]:
     return {a.name: i for i, a in enumerate(schema.arguments)}
 
 
+def _static_len(n: Any) -> Optional[int]:
+    """The sequence length (dim -2) of q or k on a graph specialised to its shapes (dynamo's
+    ``example_value`` or export's ``val`` with a static size), else None."""
+    if not isinstance(n, fx.Node):
+        return None
+    v = n.meta.get("val", n.meta.get("example_value"))
+    if not isinstance(v, torch.Tensor) or v.dim() < 2 or not isinstance(v.shape[-2], int):
+        return None
+    return int(v.shape[-2])
+
+
+def _size_key(x: Any):
+    """A key equal for two scalars that are the same size expression, else None."""
+    if isinstance(x, int) and not isinstance(x, bool):
+        return ("int",)
+    if not isinstance(x, fx.Node):
+        return None
+    v = x.meta.get("val", x.meta.get("example_value"))
+    if isinstance(v, torch.SymInt):
+        return ("expr", str(v))
+    src, d = None, None
+    if x.op == "call_method" and x.target == "size" and len(x.args) == 2:
+        src, d = x.args
+    elif x.op == "call_function" and x.target is aten.sym_size.int:
+        src, d = x.args
+    elif x.op == "call_function" and x.target is operator.getitem and isinstance(x.args[0], fx.Node) \
+            and x.args[0].op == "call_function" and x.args[0].target is getattr and x.args[0].args[1] == "shape":
+        src, d = x.args[0].args[0], x.args[1]
+    if src is None or not isinstance(d, int):
+        return ("node", x.name)
+    shp = _shape(src)
+    if d < 0 and shp is not None:
+        d += len(shp)
+    return ("size", src.name, d)
+
+
+def _sym_sum(syms) -> Optional[Dict[Any, int]]:
+    """``sum(coef * s)`` as ``{size key: coef}`` (integer constants under ``("int",)``), through
+    scalar ``+``/``-``; None if a term is not a size expression."""
+    out: Dict[Any, int] = {}
+
+    def add(x, c, depth=0):
+        if depth > 8:
+            return False
+        if isinstance(x, int) and not isinstance(x, bool):
+            out[("int",)] = out.get(("int",), 0) + c * x
+            return True
+        if isinstance(x, fx.Node) and x.op == "call_function" and x.target in (operator.add, operator.sub):
+            sign = 1 if x.target is operator.add else -1
+            return add(x.args[0], c, depth + 1) and add(x.args[1], c * sign, depth + 1)
+        key = _size_key(x)
+        if key is None:
+            return False
+        out[key] = out.get(key, 0) + c
+        return True
+    for coef, x in syms:
+        if not add(x, coef):
+            return None
+    return {k: v for k, v in out.items() if v != 0}
+
+
 def _is_plain_arange(leaf: _Leaf, start_zero=True) -> Optional[Any]:
     """The length of ``arange(n)`` (from 0, step 1, integer), else None."""
     n = leaf.node
@@ -1163,22 +1224,32 @@ def _rewrite(gm: fx.GraphModule, node: fx.Node, idx: Dict[str, int], res: MaskAn
             nq = static_int(qs[-2]) if qs else None
             nk = static_int(ks[-2]) if ks else None
             align = None
-            if len(kt) == 1 and kt[0][0] == 1 and len(qt) == 1 and qt[0][0] == 1 and not syms \
-                    and _is_plain_arange(kt[0][1]) is not None and _is_plain_arange(qt[0][1]) is not None:
+            if len(kt) == 1 and kt[0][0] == 1 and len(qt) == 1 and qt[0][0] == 1 \
+                    and _is_plain_arange(kt[0][1]) is not None and _is_plain_arange(qt[0][1]) is not None \
+                    and ev.dtype(qt[0][1].node) in _INT_DTYPES and ev.dtype(kt[0][1].node) in _INT_DTYPES:
                 ln_q, ln_k = _is_plain_arange(qt[0][1]), _is_plain_arange(kt[0][1])
-                if ev.dtype(qt[0][1].node) in _INT_DTYPES and ev.dtype(kt[0][1].node) in _INT_DTYPES:
+                offset = _sym_sum(syms)
+                if offset == {}:
                     align = "top_left"
-                    if nq is not None and nk is not None and nq != nk and isinstance(ln_q, int) and \
-                            isinstance(ln_k, int) and (ln_q, ln_k) != (nq, nk):
-                        align = None
+                    # a constant query offset (folded into the bounds) that is Nk - Nq on a graph
+                    # specialised to its shapes (dynamo, static export) is bottom-right alignment
+                    nq, nk = _static_len(q_node), _static_len(k_node)
+                    if nq is not None and nk is not None and nk != nq and right is not None \
+                            and right >= nk - nq:
+                        align = "bottom_right"
+                        right -= nk - nq
+                        left = None if left is None else left + nk - nq
+                elif offset is not None and offset == _sym_sum(((1, ln_k), (-1, ln_q))):
+                    align = "bottom_right"
             if align is None:
                 new["q_pos"] = em.vector(qt, syms, 0, ("b", "i"))
                 new["k_pos"] = em.vector(kt, (), 0, ("b", "j"))
             causal = right == 0
             fields.update(causal=causal or spec.causal, window_left=left, window_right=None if causal else right,
-                          causal_align="top_left")
+                          causal_align=align or "top_left")
             if align is not None:
-                default_words = "causal"
+                default_words = "causal" if align == "top_left" else "causal (bottom-right)"
+            res.positions = res.positions[:3] + (left, right)
         if res.segments is not None:
             kt, qt, syms, c = res.segments
             new["q_seg"] = em.vector(qt, syms, c, ("b", "i"))

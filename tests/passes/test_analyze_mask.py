@@ -103,7 +103,7 @@ def _eager(mask_fn):
 #: name -> (mask builder, attention form, words the report must contain, Nq < Nk?)
 CASES = {
     "causal": (lambda q, k, am, pid, cp, r: _causal(q, k), "sdpa", ["causal"], False),
-    "causal_bottom_right": (lambda q, k, am, pid, cp, r: _causal_br(q, k), "sdpa", ["causal"], True),
+    "causal_bottom_right": (lambda q, k, am, pid, cp, r: _causal_br(q, k), "sdpa", ["causal (bottom-right)"], True),
     "window": (lambda q, k, am, pid, cp, r: _window(q, k), "sdpa", ["window(3, 0)"], False),
     "two_sided_window": (lambda q, k, am, pid, cp, r: _two_sided(q, k), "sdpa", ["window(2, 1)"], False),
     "decode_cache_position": (lambda q, k, am, pid, cp, r: (torch.arange(k.shape[2])[None, :] <= cp[:, None])[None, None],
