@@ -1,0 +1,103 @@
+"""The kernel template on a CUDA GPU (compiled kernels): the policy x predicate matrix of the interpreter
+tests at realistic sizes in bf16/fp16/fp32, and the FlashAttention-style odd-shape matrix.
+
+Run in a process of its own (``pytest -m gpu tests/codegen/test_template_gpu.py``): a module that
+sets ``TRITON_INTERPRET=1`` makes every Triton kernel of its process interpreted.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from attncomp.codegen import reference as R
+from attncomp.spec import AttentionSpec, dtype_name
+from tests.codegen.template_cases import CASES, make_mask, make_policy, make_preds
+from tests.utils import poison
+
+pytestmark = pytest.mark.gpu
+
+if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    pytest.skip("TRITON_INTERPRET=1: the GPU tests need compiled kernels", allow_module_level=True)
+
+# per dtype (atol, rtol) against a float64 reference, gradients scaled by their largest magnitude
+_TOL = {torch.float32: (5e-3, 5e-3), torch.float16: (2e-2, 2e-2), torch.bfloat16: (5e-2, 5e-2)}
+
+
+@pytest.fixture(autouse=True)
+def _setup(monkeypatch):
+    pytest.importorskip("triton")
+    from attncomp.codegen.triton import backend as TB
+
+    monkeypatch.setenv("ATTNCOMP_TRITON_TUNE", "0")
+    monkeypatch.setattr(TB, "_empty", lambda shape, dtype, device: poison(torch.empty(shape, dtype=dtype,
+                                                                                     device=device)))
+    return TB
+
+
+def _close(name, a, b, dtype, grad=False):
+    atol, rtol = _TOL[dtype]
+    if grad:
+        atol = atol * max(1.0, b.abs().max().item())
+    assert not torch.isnan(a).any(), f"NaN in {name}"
+    torch.testing.assert_close(a.double(), b.double(), atol=atol, rtol=rtol, msg=lambda m: f"{name}\n{m}")
+
+
+def _run(TB, policy, kinds, mask_kind, B, Hq, Hk, Nq, Nk, D, dtype, dropout_p=0.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hq, Nq, D, generator=g)
+    k = torch.randn(B, Hk, Nk, D, generator=g)
+    v = torch.randn(B, Hk, Nk, D, generator=g)
+    if policy == "dfss":  # exact logits: N:M selections decide alike in every precision
+        q = torch.randint(-3, 4, q.shape, generator=g) / 2
+        k = torch.randint(-3, 4, k.shape, generator=g) / 2
+    fields, preds = make_preds(kinds, g, B, Nq, Nk)
+    mask = make_mask(mask_kind, g, B, Hq, Nq, Nk)
+    pol, qa, ka, bp = make_policy(policy, g, B, Hq, Hk, Nq, Nk)
+    dev = "cuda"
+    q, k, v = (x.to(dev, dtype) for x in (q, k, v))
+    to = (lambda t: None if t is None else t.to(dev))
+    mask, qa, ka, bp = to(mask), to(qa), to(ka), to(bp)
+    preds = preds._replace(**{f: to(getattr(preds, f)) for f in preds._fields})
+    spec = AttentionSpec(mask_kind=mask_kind, dtype=dtype_name(dtype), policy=pol, **fields)
+    be = TB.TritonBackend()
+    out, lse = be.forward(spec, q, k, v, mask, qa, ka, bp, dropout_p, seed, preds=preds)
+    m64 = mask if mask is None or mask.dtype == torch.bool else mask.double()
+    args = dict(spec=spec, q_aux=qa, k_aux=ka, block_pattern=bp, dropout_p=dropout_p, seed=seed, preds=preds)
+    ro, rl = R.attention(q.double(), k.double(), v.double(), m64, **args)
+    _close("out", out, ro, dtype)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(rl))
+    go = torch.randn_like(out)
+    dq, dk, dv, _ = be.backward(spec, q, k, v, mask, qa, ka, bp, dropout_p, seed, out, lse, go, preds=preds)
+    rq, rk, rv, _ = R.attention_backward(q.double(), k.double(), v.double(), m64, go.double(), **args)
+    for name, a, b in (("dq", dq, rq), ("dk", dk, rk), ("dv", dv, rv)):
+        _close(name, a, b, dtype, grad=True)
+
+
+def _scaled(case, dtype):
+    """The interpreter case at GPU size: lengths x 9 (still odd), the given dtype."""
+    policy, kinds, mask_kind, B, Hq, Hk, Nq, Nk, D, _ = case
+    return policy, kinds, mask_kind, B, Hq, Hk, Nq * 9, Nk * 9, D, dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=dtype_name)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join([c[0], "+".join(c[1]) or "nopred", c[2], f"D{c[8]}"]))
+def test_policy_x_predicates_on_gpu(_setup, case, dtype):
+    _run(_setup, *_scaled(case, dtype))
+
+
+# FlashAttention's odd-shape matrix (seqlen pairs x head dims), causal and not, bf16
+_FA_SHAPES = [(113, 203), (128, 217), (113, 211), (108, 256), (256, 512), (512, 256), (1024, 1024), (1023, 1024),
+              (1024, 1023), (2048, 2048)]
+_FA_DIMS = [32, 64, 96, 128, 160, 192, 224, 256]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape_dim", [(s, _FA_DIMS[i % len(_FA_DIMS)]) for i, s in enumerate(_FA_SHAPES)],
+                         ids=lambda p: f"{p[0][0]}x{p[0][1]}-D{p[1]}")
+def test_flash_attention_odd_shapes(_setup, shape_dim, causal):
+    (nq, nk), d = shape_dim
+    kinds = ("bottom_right",) if causal else ()
+    _run(_setup, "dense", kinds, "none", 2, 4, 2, nq, nk, d, torch.bfloat16)
