@@ -10,6 +10,7 @@ import logging
 import os
 from typing import Callable, List, Sequence, Tuple
 
+import torch
 import torch.fx as fx
 
 from .base import CompileContext, PassResult
@@ -23,6 +24,30 @@ Pass = Callable[[fx.GraphModule, CompileContext], PassResult]
 
 class PassError(RuntimeError):
     pass
+
+
+def _side_effect_targets():
+    out = set()
+    try:
+        from torch._functorch import predispatch
+
+        out |= {predispatch._vmap_increment_nesting, predispatch._vmap_decrement_nesting}
+    except (ImportError, AttributeError):
+        pass
+    for nm in ("_vmap_increment_nesting", "_vmap_decrement_nesting"):
+        f = getattr(torch._C._functorch, nm, None)
+        if f is not None:
+            out.add(f)
+    return out
+
+
+_SIDE_EFFECTS = _side_effect_targets()
+
+
+def _is_impure(node: fx.Node) -> bool:
+    """fx's impurity plus the calls that open and close a ``torch.vmap`` level in dynamo graphs: they
+    have no users, but removing them breaks the batched tensors between them."""
+    return node.is_impure() or (node.op == "call_function" and node.target in _SIDE_EFFECTS)
 
 
 def default_passes() -> List[Tuple[str, Pass]]:
@@ -51,7 +76,7 @@ def run_passes(gm: fx.GraphModule, ctx: CompileContext, passes: Sequence[Tuple[s
             raise PassError(f"pass {name!r} failed (after {', '.join(done) or 'capture'}): {e}") from e
         gm = res.graph_module
         if res.modified:
-            gm.graph.eliminate_dead_code()
+            gm.graph.eliminate_dead_code(is_impure_node=_is_impure)
             gm.recompile()
         if debug:
             gm.graph.lint()
