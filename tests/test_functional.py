@@ -564,3 +564,62 @@ def test_unknown_backend_names_valid_ones():
     with pytest.raises(ValueError) as e:
         attention(q, k, v, enable_gqa=True, policy="dense", backend="nope")
     assert "nope" in str(e.value) and "reference" in str(e.value) and "auto" in str(e.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# Structured mask predicates (DESIGN.md §4.1): the same function as the N x N mask they stand for.
+
+
+def predicate_case(kind, g, B, Nq, Nk):
+    """``(kwargs, bool mask (B, 1, Nq, Nk))``: a predicate set and the dense mask it means, the
+    latter built entry by entry from the definition."""
+    ar_q, ar_k = torch.arange(Nq), torch.arange(Nk)
+    kw, qp, kp, left, right = {}, ar_q[None].expand(B, Nq), ar_k[None].expand(B, Nk), None, None
+    ok = torch.ones(B, 1, Nq, Nk, dtype=torch.bool)
+    if kind == "causal_bottom_right":
+        kw = dict(is_causal=True, causal_align="bottom_right")
+        qp, right = qp + (Nk - Nq), 0
+    elif kind == "sliding_window":
+        kw = dict(is_causal=True, window=(5, None))
+        left, right = 5, 0
+    elif kind == "window_positions":
+        qpos = torch.randint(0, Nk, (B, Nq), generator=g)
+        kw = dict(window=(2, 3), q_pos=qpos)
+        qp, left, right = qpos, 2, 3
+    elif kind == "documents":
+        qs = torch.sort(torch.randint(0, 3, (B, Nq), generator=g)).values
+        ks = torch.sort(torch.randint(0, 3, (B, Nk), generator=g)).values
+        kw = dict(q_seg=qs, k_seg=ks)
+        ok &= (qs[:, None, :, None] == ks[:, None, None, :])
+    elif kind == "padding":
+        kv, qv = torch.rand(B, Nk, generator=g) < 0.7, torch.rand(B, Nq, generator=g) < 0.7
+        kw = dict(k_valid=kv, q_valid=qv)
+        ok &= kv[:, None, None, :] & qv[:, None, :, None]
+    for b in range(B):
+        for i in range(Nq):
+            for j in range(Nk):
+                if left is not None and kp[b, j] < qp[b, i] - left:
+                    ok[b, 0, i, j] = False
+                if right is not None and kp[b, j] > qp[b, i] + right:
+                    ok[b, 0, i, j] = False
+    return kw, ok
+
+
+@pytest.mark.parametrize("kind", ("causal_bottom_right", "sliding_window", "window_positions", "documents", "padding"))
+@pytest.mark.parametrize("pname", [p for p in POLICY_NAMES if p != "drop_drawn"])
+def test_predicates_equal_their_materialised_mask(pname, kind):
+    seed = fresh_seed()
+    g = gen(seed)
+    pol, kw = policy_inputs(pname, g)
+    q, k, v = rand_qkv(g, B_, HQ, HK, NQ, NK, D_, D_, grad=True)
+    pkw, mask = predicate_case(kind, g, B_, NQ, NK)
+    msg = f"(seed={seed}, policy={pname}, predicates={kind})"
+    out = attention(q, k, v, enable_gqa=True, policy=pol, **kw, **pkw)
+    want = attention(q, k, v, attn_mask=mask, enable_gqa=True, policy=pol, backend="reference", **kw)
+    assert_close(out, want, F64, msg=msg)
+    go = torch.randn(out.shape, generator=g, dtype=F64)
+    for nm, a, b in zip("qkv", torch.autograd.grad(out, (q, k, v), go), torch.autograd.grad(want, (q, k, v), go)):
+        assert_close(a, b, F64, msg=f"d{nm} {msg}")
+    # negative twin: without the predicates the result differs
+    free = attention(q, k, v, enable_gqa=True, policy=pol, **kw)
+    assert not torch.allclose(free, out), msg

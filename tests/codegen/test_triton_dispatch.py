@@ -35,3 +35,20 @@ def test_functional_on_triton_matches_reference(policy, causal):
     assert_close(outs[0], outs[1], torch.float32, msg=policy)
     for a, b in zip(grads[0], grads[1]):
         assert_close(a, b, torch.float32, msg=f"{policy} grad")
+
+
+
+@pytest.mark.parametrize("policy", ["dense", "dfss"])
+def test_op_passes_predicates_to_triton(policy):
+    """The op hands the structured predicates to the Triton backend (one ``preds`` argument)."""
+    q, k, v = qkv(2, 4, 21, 32, Hk=2, Nk=29, requires_grad=True)
+    kw = dict(is_causal=True, causal_align="bottom_right", window=(9, None), k_valid=torch.rand(2, 29) < 0.8,
+              q_seg=torch.zeros(1, 21, dtype=torch.long), k_seg=(torch.arange(29) >= 3).long()[None])
+    outs, grads = [], []
+    for backend in ("triton", "reference"):
+        o = attncomp.functional.attention(q, k, v, enable_gqa=True, policy=policy, backend=backend, **kw)
+        grads.append(torch.autograd.grad(o, (q, k, v), torch.ones_like(o)))
+        outs.append(o)
+    assert_close(outs[0], outs[1], torch.float32, msg=policy)
+    for a, b in zip(grads[0], grads[1]):
+        assert_close(a, b, torch.float32, msg=f"{policy} grad")
