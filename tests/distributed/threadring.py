@@ -37,7 +37,7 @@ class _QueuePending:
         self.box = box
 
     def wait(self):
-        return self.box.get(timeout=120)
+        return self.box.get(timeout=600)  # first calls on a GPU may compile kernels for minutes
 
 
 @contextmanager
@@ -66,10 +66,10 @@ def thread_ring(world: int):
         for t in threads:
             t.start()
         for t in threads:
-            t.join(timeout=300)
-        for r, e in enumerate(errors):
-            if e is not None:
-                raise RuntimeError(f"rank {r} failed: {type(e).__name__}: {e}") from e
+            t.join(timeout=900)
+        failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+        if failed:
+            raise RuntimeError("; ".join(f"rank {r} failed: {type(e).__name__}: {e}" for r, e in failed)) from failed[0][1]
         if any(t.is_alive() for t in threads):
             raise TimeoutError("a rank did not finish")
         return results
