@@ -9,7 +9,7 @@ import sys as _sys
 from . import policy as policies
 from .policy import DFSS, ET, SPION, Dense, Drop, Hash, Policy, get_policy
 from .spec import AttentionSpec
-from . import ops, functional
+from . import ops, functional, spion
 
 _sys.modules[__name__ + ".policies"] = policies
 

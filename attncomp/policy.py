@@ -156,6 +156,11 @@ class SPION(Policy):
 
     ``block_pattern`` of shape ``(Hq or 1, ceil(Nq/Bs), ceil(Nk/Bs))`` keeps block (i//Bs, j//Bs);
     diagonal blocks are always kept. Without a given pattern the flood fill derives one.
+
+    Pattern generation and the training procedure (:mod:`attncomp.spion`): ``variant`` ``"spion"``
+    (filter + flood fill), ``"spion-f"`` (no filter) or ``"spion-c"`` (filter + top blocks, ``density``
+    the fraction kept); ``alpha``: the transition threshold of Alg. 2 (``None``: switch only through
+    ``attncomp.spion.calibrate``/``set_patterns``); ``per_head``: one pattern per query head.
     """
 
     name: ClassVar[str] = "spion"
@@ -163,6 +168,10 @@ class SPION(Policy):
     block_size: int = 64
     filter_size: int = 31
     threshold: float = 0.9
+    variant: str = "spion"
+    density: Optional[float] = None
+    alpha: Optional[float] = None
+    per_head: bool = False
 
     def __post_init__(self):
         if self.block_size not in _VALID_BLOCK:
@@ -172,6 +181,18 @@ class SPION(Policy):
         if not isinstance(self.threshold, (int, float)) or isinstance(self.threshold, bool) \
                 or not 0.0 < float(self.threshold) < 1.0:
             raise ValueError(f"SPION threshold must be in (0, 1), got {self.threshold!r}")
+        if self.variant not in ("spion", "spion-c", "spion-f"):
+            raise ValueError(f"SPION variant must be one of ('spion', 'spion-c', 'spion-f'), got {self.variant!r}")
+        if self.density is not None and (isinstance(self.density, bool) or not isinstance(self.density, (int, float))
+                                         or not 0.0 < float(self.density) <= 1.0):
+            raise ValueError(f"SPION density must be in (0, 1] or None, got {self.density!r}")
+        if self.variant == "spion-c" and self.density is None:
+            raise ValueError("SPION variant 'spion-c' needs density (the fraction of blocks kept)")
+        if self.alpha is not None and (isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float))
+                                       or float(self.alpha) <= 0.0):
+            raise ValueError(f"SPION alpha must be a positive number or None, got {self.alpha!r}")
+        if not isinstance(self.per_head, bool):
+            raise ValueError(f"SPION per_head must be a bool, got {self.per_head!r}")
 
 
 @dataclass(frozen=True)

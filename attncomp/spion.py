@@ -319,3 +319,356 @@ def fit_pattern(pattern: torch.Tensor, nq: int, nk: int) -> torch.Tensor:
     m_q, m_k = min(nq, n), min(nk, n)
     ext[:, :m_q, :m_k] = pattern[:, :m_q, :m_k]
     return ext
+
+
+# ---------------------------------------------------------------------------------------------
+# The training procedure (Alg. 2): per-site state, the pattern op, calibration.
+#
+# Statistic. For a site called with probabilities ``p (B, Hq, N, N)`` (the dense softmax over the
+# allowed entries: mask, causal/window, segments and padding applied; computed by the reference path
+# under ``no_grad`` from q and k, whatever backend runs the site), one step records
+# ``A = pool_map(mean_b p, block_size, F)``: the filtered (Eq. 3, ``F = filter_size``, 1 for
+# ``spion-f``), average-pooled (Eq. 4) map, averaged over the batch and, unless ``per_head``, over
+# the heads: ``(1 or Hq, n, n)`` float64, never an ``N x N`` tensor kept across steps. Only calls with
+# ``Nq == Nk`` are recorded; the first recorded length is the site's calibration length ``L``, and
+# calls of other lengths are not recorded.
+#
+# Transition (Alg. 2 lines 5-7, Eq. 2). With ``A_i`` the map of the site's i-th recorded training
+# step, ``d_i = | ||A_{i-1}||_F - ||A_i||_F |`` (Eq. 2 as printed) and the site switches at step i
+# when ``|d_{i-1} - d_i| < alpha * ||A_i||_F`` (relative to the map's norm, so one ``alpha`` serves
+# every length). Its pattern is generated from the mean of the last ``WINDOW`` recorded maps.
+# ``calibrate`` instead runs the given batches (eval mode, no grad), records every site, and switches
+# each to the pattern of the mean of those maps. Until a site switches it runs dense (a pattern with
+# every block kept: exactly dense attention).
+#
+# Patterns at other lengths follow :func:`fit_pattern`.
+
+import re
+import threading
+import uuid
+import weakref
+from collections import deque
+from typing import Any, Iterable, List, Union
+
+from torch import Tensor
+
+WINDOW = 8
+
+__all__ += ["SpionState", "calibrate", "set_patterns", "patterns", "summary", "state_of"]
+
+_STATES: Dict[str, "SpionState"] = {}
+_BY_POLICY: Dict[int, str] = {}
+_LOCK = threading.RLock()
+
+
+def canonical_name(name: str) -> str:
+    """Site names from different capture routes (``layers[0].attn``, ``layers.0.attn``) agree."""
+    return re.sub(r"\[['\"]?([^\]'\"]+)['\"]?\]", r".\1", str(name)).strip(".")
+
+
+class SiteState:
+    """Calibration state and pattern of one attention site (one layer)."""
+
+    def __init__(self, name: str, index: int, heads: Optional[int]):
+        self.name, self.index, self.heads = name, index, heads
+        self.length: Optional[int] = None
+        self.steps = 0
+        self.maps: deque = deque(maxlen=WINDOW)
+        self.norms: List[float] = []
+        self.cal_sum: Optional[Tensor] = None
+        self.cal_count = 0
+        self.pattern: Optional[Tensor] = None
+        self.switch_step: Optional[int] = None
+        self.source = ""
+        self.reports: List[Any] = []
+        self.buffers: List[Tuple[Any, str]] = []
+
+    @property
+    def density(self) -> Optional[float]:
+        return None if self.pattern is None else float(self.pattern.float().mean())
+
+    def describe(self) -> str:
+        if self.pattern is None:
+            rec = f", {self.steps} step(s) recorded at L={self.length}" if self.steps else ""
+            return f"dense phase (no pattern yet{rec})"
+        H, n, _ = self.pattern.shape
+        heads = f", {H} heads" if H > 1 else ""
+        return (f"block pattern {n}x{n} blocks{heads}, density {self.density:.3f}, "
+                f"switched at step {self.switch_step} ({self.source})")
+
+
+class SpionState:
+    """The SPION state of one compile (shared by its graphs: training and eval, every recompile)."""
+
+    def __init__(self, policy):
+        self.policy = policy
+        self.uid = uuid.uuid4().hex[:12]
+        self.sites: Dict[str, SiteState] = {}
+        self.pending: Dict[Union[str, int], Tensor] = {}
+        self.calibrating = False
+        self.lock = threading.RLock()
+
+    # -- sites ------------------------------------------------------------------------------------
+    def site(self, name: str, heads: int) -> SiteState:
+        key = canonical_name(name)
+        with self.lock:
+            s = self.sites.get(key)
+            if s is None:
+                s = SiteState(key, len(self.sites), heads)
+                self.sites[key] = s
+                pat = self.pending.pop(key, None)
+                if pat is None:
+                    pat = self.pending.pop(s.index, None)
+                if pat is not None:
+                    self._set(s, pat, "set_patterns")
+            return s
+
+    def key(self, site: SiteState) -> str:
+        return f"{self.uid}:{site.name}"
+
+    def lookup(self, name: str) -> SiteState:
+        if isinstance(name, int) and not isinstance(name, bool):
+            for s in self.sites.values():
+                if s.index == name:
+                    return s
+            raise KeyError(f"no attention site number {name}; sites: {self._names()}")
+        s = self.sites.get(canonical_name(name))
+        if s is None:
+            raise KeyError(f"no attention site {name!r}; sites: {self._names()}")
+        return s
+
+    def _names(self) -> str:
+        return ", ".join(f"{s.index}: {s.name}" for s in self.sites.values()) or "none captured yet"
+
+    # -- recording --------------------------------------------------------------------------------
+    def recording(self, site: SiteState) -> bool:
+        if self.calibrating:
+            return True
+        from . import ops
+
+        # the compiled module's mode (a custom op's body runs with autograd below it, so grad mode
+        # says nothing); unknown (torch.compile route) counts as training, as for dropout
+        training = ops._training.get() is not False
+        return training and site.pattern is None and self.policy.alpha is not None
+
+    def observe(self, site: SiteState, q, k, attn_mask, preds, spec_json: str) -> None:
+        Nq, Nk = q.shape[2], k.shape[2]
+        if Nq != Nk or (site.length is not None and Nq != site.length):
+            return
+        with torch.no_grad():
+            A = _site_map(self.policy, q, k, attn_mask, preds, spec_json)
+        with self.lock:
+            site.length = Nq
+            if self.calibrating:
+                site.cal_sum = A if site.cal_sum is None else site.cal_sum + A
+                site.cal_count += 1
+                return
+            site.steps += 1
+            site.maps.append(A)
+            site.norms.append(float(torch.linalg.vector_norm(A)))
+            nr = site.norms[-3:]
+            if len(nr) == 3 and abs(abs(nr[0] - nr[1]) - abs(nr[1] - nr[2])) < self.policy.alpha * nr[2]:
+                mean = torch.stack(list(site.maps)).mean(0)
+                self._set(site, self.make_pattern(mean), "auto (Alg. 2)")
+
+    def make_pattern(self, pooled: Tensor) -> Tensor:
+        pol = self.policy
+        return pattern_from_pool(pooled, threshold=pol.threshold, variant=pol.variant, alpha=pol.density)
+
+    # -- patterns ---------------------------------------------------------------------------------
+    def _set(self, site: SiteState, pattern: Optional[Tensor], source: str) -> None:
+        if pattern is not None:
+            pattern = pattern.detach().to(device="cpu", dtype=torch.bool)
+            if pattern.dim() == 2:
+                pattern = pattern[None]
+            if pattern.dim() != 3 or pattern.shape[1] != pattern.shape[2] or \
+                    (site.heads is not None and pattern.shape[0] not in (1, site.heads)):
+                raise ValueError(f"pattern for {site.name!r} must have shape (n, n), (1, n, n) or "
+                                 f"({site.heads or 'H'}, n, n), got {tuple(pattern.shape)}")
+            if site.length is not None and pattern.shape[1] != -(-site.length // self.policy.block_size):
+                raise ValueError(f"pattern for {site.name!r} has {pattern.shape[1]} blocks per side; the site "
+                                 f"was calibrated at L={site.length} with block size {self.policy.block_size} "
+                                 f"({-(-site.length // self.policy.block_size)} blocks)")
+            pattern = pattern.contiguous()
+        site.pattern = pattern
+        site.switch_step = site.steps if pattern is not None else None
+        site.source = source if pattern is not None else ""
+        for gm, attr in list(site.buffers):
+            g = gm()
+            if g is not None:
+                buf = getattr(g, attr)
+                setattr(g, attr, pattern.to(buf.device) if pattern is not None
+                        else torch.zeros((buf.shape[0], 0, 0), dtype=torch.bool, device=buf.device))
+        for rep in site.reports:
+            rep.details["spion"] = site.describe()
+
+    def stored(self, site: SiteState) -> Tensor:
+        if site.pattern is not None:
+            return site.pattern.clone()
+        return torch.zeros((1, 0, 0), dtype=torch.bool)
+
+
+def _site_map(policy, q, k, attn_mask, preds, spec_json: str) -> Tensor:
+    from .codegen import reference
+    from .spec import AttentionSpec
+
+    spec = AttentionSpec.from_json(spec_json)
+    s, allowed = reference.logits(spec, q, k, attn_mask, preds) if preds is not None \
+        else reference.logits(spec, q, k, attn_mask)
+    s = s.float().masked_fill(~allowed, float("-inf"))
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)       # rows with no allowed key: zeros
+    p = p.mean(0)                                       # (Hq, N, N)
+    if not policy.per_head:
+        p = p.mean(0, keepdim=True)
+    fs = 1 if policy.variant == "spion-f" else policy.filter_size
+    return pool_map(p, policy.block_size, fs)
+
+
+def state_for(policy) -> SpionState:
+    """The state of the compile that uses ``policy`` (one per policy object)."""
+    with _LOCK:
+        uid = _BY_POLICY.get(id(policy))
+        if uid is not None and _STATES.get(uid) is not None and _STATES[uid].policy is policy:
+            return _STATES[uid]
+        st = SpionState(policy)
+        _STATES[st.uid] = st
+        _BY_POLICY[id(policy)] = st.uid
+
+        def _drop(i=id(policy), u=st.uid):
+            with _LOCK:
+                _STATES.pop(u, None)
+                if _BY_POLICY.get(i) == u:
+                    del _BY_POLICY[i]
+
+        weakref.finalize(policy, _drop)
+        return st
+
+
+def state_of(fast) -> SpionState:
+    """The SPION state of a module returned by ``attncomp.compile(..., policy=SPION(...))`` (or of the
+    object returned by ``attncomp.backend``)."""
+    from .policy import SPION
+
+    pol = None
+    for obj in (fast, getattr(fast, "_orig_mod", None)):
+        if obj is None:
+            continue
+        st = getattr(obj, "_attncomp", None)
+        pol = getattr(st, "policy", None) or getattr(obj, "policy", None)
+        if pol is not None:
+            break
+    if not isinstance(pol, SPION):
+        raise TypeError("expected a module compiled with policy SPION (attncomp.compile(model, policy='spion'))")
+    return state_for(pol)
+
+
+# -- the op that hands each site its pattern ----------------------------------------------------
+
+@torch.library.custom_op("attncomp::spion_pattern", mutates_args=())
+def _spion_pattern(q: Tensor, k: Tensor, attn_mask: Optional[Tensor], q_pos: Optional[Tensor],
+                   k_pos: Optional[Tensor], q_seg: Optional[Tensor], k_seg: Optional[Tensor],
+                   q_valid: Optional[Tensor], k_valid: Optional[Tensor], stored: Optional[Tensor], spec: str,
+                   key: str, block_size: int, heads: int) -> Tensor:
+    """The block pattern of one SPION site for this call: ``(H or 1, ceil(Nq/Bs), ceil(Nk/Bs))`` bool.
+
+    While the site is in its dense phase: every block (exact dense attention), and the call's
+    statistic is recorded when training or calibrating. After its switch: its pattern, fitted to the
+    call's length. A package loaded without the live state uses ``stored`` (the pattern at export);
+    ``heads``: 0 for per-head patterns (leading dim ``Hq``), else 1.
+    """
+    nq, nk = -(-q.shape[2] // block_size), -(-k.shape[2] // block_size)
+    uid, _, name = key.partition(":")
+    st = _STATES.get(uid)
+    site = st.sites.get(name) if st is not None else None
+    pat = None
+    if site is not None:
+        site.heads = q.shape[1]
+        if st.recording(site):
+            from .spec import Predicates
+
+            preds = None
+            if any(t is not None for t in (q_pos, k_pos, q_seg, k_seg, q_valid, k_valid)):
+                preds = Predicates(q_pos, k_pos, q_seg, k_seg, q_valid, k_valid)
+            st.observe(site, q, k, attn_mask, preds, spec)
+        pat = site.pattern
+    elif stored is not None and stored.shape[-1] > 0:
+        pat = stored
+    if pat is None:
+        return torch.ones((heads or q.shape[1], nq, nk), dtype=torch.bool, device=q.device)
+    return fit_pattern(pat.to(q.device), nq, nk).clone(memory_format=torch.contiguous_format)
+
+
+@_spion_pattern.register_fake
+def _(q, k, attn_mask, q_pos, k_pos, q_seg, k_seg, q_valid, k_valid, stored, spec, key, block_size, heads):
+    nq = (q.shape[2] + block_size - 1) // block_size
+    nk = (k.shape[2] + block_size - 1) // block_size
+    return q.new_empty((heads or q.shape[1], nq, nk), dtype=torch.bool)
+
+
+# -- user API -----------------------------------------------------------------------------------
+
+def set_patterns(fast, patterns: Dict[Union[str, int], Optional[Tensor]]) -> None:
+    """Set the block pattern of sites explicitly: ``{site name or number: bool (n, n) or (H, n, n)}``
+    (``None`` returns a site to its dense phase). Sites not captured yet (before the first call) get
+    their pattern when they are."""
+    st = state_of(fast)
+    with st.lock:
+        for key, pat in patterns.items():
+            try:
+                site = st.lookup(key)
+            except KeyError:
+                if st.sites:
+                    raise
+                st.pending[key if isinstance(key, int) else canonical_name(key)] = pat
+                continue
+            st._set(site, pat, "set_patterns")
+
+
+def calibrate(fast, batches: Iterable[Any]) -> Dict[str, Tensor]:
+    """Run ``batches`` through ``fast`` (eval mode, no grad), record every SPION site and switch each
+    to the pattern of its averaged map. A batch is a tuple of positional arguments, a dict of keyword
+    arguments or a single tensor. Returns ``{site: pattern}``."""
+    st = state_of(fast)
+    was = fast.training
+    with st.lock:
+        for s in st.sites.values():
+            s.cal_sum, s.cal_count = None, 0
+        st.calibrating = True
+    try:
+        fast.eval()
+        with torch.no_grad():
+            for b in batches:
+                if isinstance(b, dict):
+                    fast(**b)
+                elif isinstance(b, (tuple, list)):
+                    fast(*b)
+                else:
+                    fast(b)
+    finally:
+        st.calibrating = False
+        fast.train(was)
+    out = {}
+    with st.lock:
+        for s in st.sites.values():
+            if s.cal_count:
+                st._set(s, st.make_pattern(s.cal_sum / s.cal_count), f"calibrate, {s.cal_count} batch(es)")
+                s.cal_sum, s.cal_count = None, 0
+            if s.pattern is not None:
+                out[s.name] = s.pattern
+    if not out:
+        raise RuntimeError("calibrate recorded no SPION site: did the batches run the model's attention "
+                           "(self-attention with Nq == Nk)?")
+    return out
+
+
+def patterns(fast) -> Dict[str, Optional[Tensor]]:
+    """``{site: pattern or None}`` in site order."""
+    st = state_of(fast)
+    return {s.name: s.pattern for s in sorted(st.sites.values(), key=lambda s: s.index)}
+
+
+def summary(fast) -> str:
+    """One line per site: pattern size, density and switch step, or the dense phase."""
+    st = state_of(fast)
+    rows = [f"{s.index:>3}  {s.name}: {s.describe()}" for s in sorted(st.sites.values(), key=lambda s: s.index)]
+    return "\n".join(rows) or "no SPION site captured yet"

@@ -241,3 +241,186 @@ def test_twelve_layers_under_a_second():
     dt = time.perf_counter() - t0
     assert p.shape == (12, L // 64, L // 64) and p.diagonal(dim1=1, dim2=2).all()
     assert dt < 3.0, f"{dt:.2f}s"
+
+
+def test_tie_branches_keep_the_current_block():
+    # Reading 2: after the down branch returns, the right branch is still compared from the current
+    # block (2,2); were r, c moved to the child's, (2,3) would be compared as (3,3) and missed.
+    A = torch.zeros(6, 6, dtype=torch.float64)
+    A[1, 1] = A[2, 2] = 9.0
+    A[3, 2] = A[2, 3] = 3.0
+    p = spion.generate_pattern(A, 1, filter_size=1, threshold=0.5)
+    assert p[3, 2] and p[2, 3]
+    assert torch.equal(p, ref_generate(A.tolist(), 1, 1, 0.5))
+
+
+# ---------------------------------------------------------------------------------------------
+# The training procedure on a toy model (reference backend): dense phase, set_patterns, calibrate,
+# automatic switch, other lengths, gradients, against a float64 eager oracle with block masks.
+
+import torch.nn as nn  # noqa: E402
+
+import attncomp  # noqa: E402
+from tests.utils import rel_err  # noqa: E402
+
+
+class Attn(nn.Module):
+    def __init__(self, d=32, h=4):
+        super().__init__()
+        self.h, self.hd = h, d // h
+        self.scale = 1.0 / math.sqrt(d // h)
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+
+    def heads(self, t):
+        B, N, D = t.shape
+        return t.view(B, N, self.h, self.hd).transpose(1, 2)
+
+    def forward(self, x, keep=None):
+        B, N, D = x.shape
+        q, k, v = self.heads(self.q(x)), self.heads(self.k(x)), self.heads(self.v(x))
+        s = (q @ k.transpose(-1, -2)) * self.scale
+        p = s.softmax(-1)
+        return self.o((p @ v).transpose(1, 2).reshape(B, N, D))
+
+
+class Toy(nn.Module):
+    def __init__(self, n=2, d=32):
+        super().__init__()
+        self.layers = nn.ModuleList([Attn(d) for _ in range(n)])
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + layer(self.norm(x))
+        return x
+
+
+def oracle(model, x, pats, bs):
+    """float64 eager run of ``Toy`` with each layer's block pattern (diagonal kept) as a mask; also
+    returns each layer's dense probabilities averaged over batch and heads."""
+    x = x.double()
+    maps = []
+    for i, layer in enumerate(model.layers):
+        h = nn.functional.layer_norm(x, (x.shape[-1],), model.norm.weight.double(), model.norm.bias.double(),
+                                     model.norm.eps)
+        lin = [lambda t, m=m: nn.functional.linear(t, m.weight.double(), m.bias.double())
+               for m in (layer.q, layer.k, layer.v)]
+        q, k, v = (layer.heads(f(h)) for f in lin)
+        s = (q @ k.transpose(-1, -2)) * layer.scale
+        maps.append(s.softmax(-1).mean((0, 1)))
+        N = x.shape[1]
+        pat = pats[i] if pats is not None else None
+        if pat is not None:
+            b = torch.arange(N) // bs
+            keep = pat[:, b][:, :, b] | (b[:, None] == b[None, :])
+            s = s.masked_fill(~keep[None], float("-inf"))
+        o = (s.softmax(-1) @ v).transpose(1, 2).reshape(x.shape)
+        x = x + nn.functional.linear(o, layer.o.weight.double(), layer.o.bias.double())
+    return x, maps
+
+
+def _compile(model, **kw):
+    capture = kw.pop("capture", "fx")
+    pol = attncomp.SPION(block_size=16, threshold=kw.pop("threshold", 0.8), **kw)
+    # no Inductor around the op: these tests are about the SPION state, and Inductor's compile time
+    # would dominate them (tests/e2e/test_spion_models.py runs the default pipeline)
+    return attncomp.compile(model, policy=pol, backend="reference", inductor=False, capture=capture)
+
+
+def test_dense_phase_then_set_patterns():
+    torch.manual_seed(0)
+    model = Toy()
+    fast = _compile(model)
+    x = torch.randn(2, 61, 32)
+    y = fast(x)
+    want, _ = oracle(model, x, None, 16)
+    assert rel_err(y, want) < 1e-5                       # dense phase: exact attention
+    rep = attncomp.report(fast)
+    assert [s.policy for s in rep.sites] == ["spion", "spion"] and all(s.rewritten for s in rep.sites)
+    assert all("dense phase" in s.details["spion"] for s in rep.sites)
+    names = list(spion.patterns(fast))
+    assert len(names) == 2 and all(v is None for v in spion.patterns(fast).values())
+
+    g = torch.Generator().manual_seed(1)
+    pats = [torch.rand(1, 4, 4, generator=g) < 0.3, torch.rand(4, 4, generator=g) < 0.3]
+    spion.set_patterns(fast, {names[0]: pats[0], 1: pats[1]})
+    y = fast(x)
+    want, _ = oracle(model, x, [pats[0], pats[1][None]], 16)
+    dense, _ = oracle(model, x, None, 16)
+    assert rel_err(y, want) < 1e-5 and rel_err(y, dense) > 1e-3
+    assert "density" in str(attncomp.report(fast))
+    # back to dense, and the negative cases
+    spion.set_patterns(fast, {0: None, 1: None})
+    assert rel_err(fast(x), dense) < 1e-5
+    with pytest.raises(KeyError, match="no attention site"):
+        spion.set_patterns(fast, {"nope": pats[0]})
+    with pytest.raises(ValueError, match="shape"):
+        spion.set_patterns(fast, {0: torch.ones(3, 4, 4, dtype=torch.bool)})
+
+
+def test_calibrate_other_lengths_and_gradients():
+    torch.manual_seed(2)
+    model = Toy()
+    fast = _compile(model, threshold=0.7)
+    batches = [torch.randn(3, 64, 32) for _ in range(3)]
+    pats = spion.calibrate(fast, batches)
+    assert len(pats) == 2
+    # the patterns are those of the averaged dense maps of the batches (float64 oracle)
+    maps = [sum(oracle(model, b, None, 16)[1][i] for b in batches) / 3 for i in range(2)]
+    for i, (name, p) in enumerate(pats.items()):
+        assert torch.equal(p[0], spion.generate_pattern(maps[i], 16, filter_size=31, threshold=0.7)), name
+        assert not p.all()
+    assert "calibrate, 3 batch(es)" in spion.summary(fast)
+    # a longer sequence: patterns extended by fit_pattern; forward and gradients match the oracle
+    model.train()
+    fast.train()
+    x = torch.randn(2, 90, 32, requires_grad=True)
+    ext = [spion.fit_pattern(p, 6, 6) for p in pats.values()]
+    w = torch.randn(2, 90, 32)
+    (fast(x) * w).sum().backward()
+    gx = x.grad.clone()
+    gq = model.layers[1].q.weight.grad.clone()
+    model.zero_grad()
+    x2 = x.detach().double().requires_grad_()
+    want, _ = oracle(model, x2, ext, 16)
+    (want * w).sum().backward()
+    assert rel_err(gx, x2.grad) < 1e-4
+    assert rel_err(gq, model.layers[1].q.weight.grad) < 1e-4
+    y = fast(x.detach())
+    assert rel_err(y, oracle(model, x.detach(), ext, 16)[0]) < 1e-5
+
+
+def test_automatic_switch_alg2():
+    torch.manual_seed(3)
+    model = Toy(n=1).train()
+    fast = _compile(model, alpha=10.0)            # any change counts as small: switch at step 3
+    for _ in range(4):
+        fast(torch.randn(2, 48, 32)).sum().backward()
+    site = next(iter(spion.state_of(fast).sites.values()))
+    assert site.switch_step == 3 and site.pattern is not None and site.pattern.shape == (1, 3, 3)
+    assert "switched at step 3" in str(attncomp.report(fast))
+    # negative twin: an alpha no change meets never switches
+    model2 = Toy(n=1).train()
+    fast2 = _compile(model2, alpha=1e-30)
+    for _ in range(4):
+        fast2(torch.randn(2, 48, 32)).sum().backward()
+    site2 = next(iter(spion.state_of(fast2).sites.values()))
+    assert site2.pattern is None and site2.steps == 4
+    # eval mode records nothing
+    fast2.eval()
+    with torch.no_grad():
+        fast2(torch.randn(2, 48, 32))
+    assert site2.steps == 4
+
+
+def test_per_head_patterns_and_variants():
+    torch.manual_seed(4)
+    model = Toy(n=1)
+    fast = _compile(model, per_head=True, variant="spion-c", density=0.5)
+    pats = spion.calibrate(fast, [torch.randn(2, 64, 32)])
+    (p,) = pats.values()
+    assert p.shape == (4, 4, 4) and (p.sum((1, 2)) == 8).all()
+    x = torch.randn(2, 64, 32)
+    assert rel_err(fast(x), oracle(model, x, [p], 16)[0]) < 1e-5
+    with pytest.raises(TypeError, match="SPION"):
+        spion.calibrate(attncomp.compile(Toy(n=1), policy="dense", backend="reference", inductor=False), [x])

@@ -11,7 +11,7 @@ the op always receives explicit per-token tensors. ``dense`` and ``et`` keep eve
 those sites compute exactly what the model computed. ``spion`` sites without a caller-given pattern get
 an ``attncomp::spion_pattern`` node (:mod:`attncomp.spion`) that feeds the op every block while the
 site is in its dense phase (recording the averaged attention statistic) and its calibrated pattern
-after it switches (Alg. 2); the pattern also lives in a graph constant, so exported packages keep it.
+after it switches (Alg. 2); the pattern also lives in a graph buffer, so exported packages keep it.
 """
 
 from __future__ import annotations
@@ -75,21 +75,17 @@ def _spion_pattern_node(gm: fx.GraphModule, ctx: CompileContext, n: fx.Node, arg
     A = ops.ARG_INDEX
     st = spion.state_for(pol)
     qv = getattr(args[0], "meta", {}).get("val")
-    heads = 1
-    if isinstance(qv, torch.Tensor) and qv.dim() == 4 and isinstance(qv.shape[1], int):
-        heads = qv.shape[1]
-    elif pol.per_head and rep is not None:
-        rep.details.setdefault("notes", []).append(
-            "per-head patterns need the head count at compile time: one pattern for all heads")
+    heads = qv.shape[1] if isinstance(qv, torch.Tensor) and qv.dim() == 4 and isinstance(qv.shape[1], int) else None
     site = st.site(rep.name if rep is not None else n.name, heads)
     stored_attr = None
     if "dynamo" not in ctx.capture and "torch.compile" not in ctx.capture:
-        # graphs that torch.export may trace (attncomp.export) hold the pattern as a plain tensor
-        # attribute, a constant of the exported program; dynamo graphs read the live state only
+        # graphs that torch.export may trace (attncomp.export) hold the pattern in a non-persistent
+        # buffer, saved with the exported program; dynamo graphs (whose buffers must have a source in
+        # the user's module) read the live state only
         stored_attr = f"_spion_pattern_{i}"
         while hasattr(gm, stored_attr):
             stored_attr += "_"
-        setattr(gm, stored_attr, st.stored(site))
+        gm.register_buffer(stored_attr, st.stored(site), persistent=False)
         site.buffers.append((weakref.ref(gm), stored_attr))
     if rep is not None:
         site.reports.append(rep)
@@ -99,4 +95,4 @@ def _spion_pattern_node(gm: fx.GraphModule, ctx: CompileContext, n: fx.Node, arg
         stored = gm.graph.get_attr(stored_attr) if stored_attr is not None else None
         return gm.graph.call_function(torch.ops.attncomp.spion_pattern.default,
                                       (args[0], args[1], args[A["attn_mask"]], *preds, stored, args[A["spec"]],
-                                       st.key(site), pol.block_size, heads if pol.per_head else 1))
+                                       st.key(site), pol.block_size, 0 if pol.per_head else 1))
