@@ -13,9 +13,18 @@ A package is a zip archive holding exactly:
   the compile report...).
 - ``program.json``: the graph, signature and range constraints, as ``torch._export.serde`` writes
   them (no state dict, no constants, no example inputs: those are pickles there).
-- ``tensors.json``: for every parameter, buffer, constant and example input: its entry, dtype, shape
-  and flags.
-- ``tensors/<i>.bin``: raw little-endian bytes of one contiguous tensor.
+- ``tensors.json``: for every parameter, buffer, constant and example input: the name of its tensor
+  in ``tensors.safetensors``, dtype, shape and flags.
+- ``tensors.safetensors``: every distinct tensor once (tied weights stay tied), in ``safetensors``
+  (Hugging Face's pickle-free format: a JSON header of names, dtypes, shapes and offsets, then raw
+  little-endian bytes).
+- ``kernels/<cache key>/<file>`` (optional): compiled kernel artefacts (CUDA cubins with their launch
+  metadata, built by ``python -m attncomp build-kernels`` or the TVM backend) under their runtime cache
+  key; loading puts them into the runtime's disk cache, so the package runs on a GPU machine that
+  cannot build them.
+
+Format version 1 (``tensors/<i>.bin`` raw bytes, no kernels) is still read; any other version is
+refused with a message saying which versions this attncomp reads.
 
 Loading checks before deserialising anything: the archive is readable, the format version is known,
 torch's major.minor matches the one that wrote the package, the entries are exactly those listed
@@ -53,12 +62,19 @@ log = logging.getLogger(__name__)
 __all__ = ["save_package", "load_package", "read_manifest", "PackageError", "FORMAT_NAME", "FORMAT_VERSION"]
 
 FORMAT_NAME = "attncomp-package"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+#: versions :func:`load_package` reads
+READ_VERSIONS = (1, 2)
 
 MANIFEST = "manifest.json"
 PROGRAM = "program.json"
 TENSORS = "tensors.json"
-_TENSOR_ENTRY = re.compile(r"^tensors/(0|[1-9][0-9]{0,8})\.bin$")
+SAFETENSORS = "tensors.safetensors"
+_TENSOR_ENTRY = re.compile(r"^tensors/(0|[1-9][0-9]{0,8})\.bin$")  # format version 1
+_TENSOR_KEY = re.compile(r"^t(0|[1-9][0-9]{0,8})$")
+_KERNEL_ENTRY = re.compile(r"^kernels/([A-Za-z0-9_\-]{1,128})/([A-Za-z0-9_][A-Za-z0-9_.\-]{0,127})$")
+_SAFETENSORS_DTYPES = ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8",
+                       "uint16", "uint32", "uint64", "bool", "float8_e4m3fn", "float8_e5m2", "complex64")
 
 # refuse before reading: a manifest or graph this large is not something save_package wrote
 _MAX_JSON = 256 << 20
@@ -100,7 +116,7 @@ class _TensorWriter:
     """Collects tensors as entries; one entry per distinct tensor object (tied weights stay tied)."""
 
     def __init__(self):
-        self.entries: Dict[str, bytes] = {}
+        self.tensors: Dict[str, torch.Tensor] = {}
         self._by_id: Dict[int, str] = {}
         self._keep: List[torch.Tensor] = []  # ids stay unique while the tensors are alive
 
@@ -114,7 +130,7 @@ class _TensorWriter:
             raise PackageError(f"{what}: tensor subclass {type(t).__name__} cannot be packaged without pickle")
         if t.layout != torch.strided:
             raise PackageError(f"{what}: only strided (dense) tensors can be packaged, got {t.layout}")
-        if str(t.dtype).replace("torch.", "") not in _DTYPES:
+        if str(t.dtype).replace("torch.", "") not in _SAFETENSORS_DTYPES:
             raise PackageError(f"{what}: dtype {t.dtype} is not supported by the package format")
         if t.device.type == "meta":
             raise PackageError(f"{what}: a meta tensor has no data to package")
@@ -124,10 +140,10 @@ class _TensorWriter:
         dname = str(t.dtype).replace("torch.", "")
         entry = self._by_id.get(id(t))
         if entry is None:
-            entry = f"tensors/{len(self._by_id)}.bin"
+            entry = f"t{len(self._by_id)}"
             self._by_id[id(t)] = entry
             self._keep.append(t)
-            self.entries[entry] = _tensor_bytes(t)
+            self.tensors[entry] = t.detach().to("cpu").contiguous()
         return {"entry": entry, "dtype": dname, "shape": [int(s) for s in t.shape],
                 "requires_grad": bool(t.requires_grad), "is_param": isinstance(t, torch.nn.Parameter),
                 "device": str(t.device)}
@@ -156,8 +172,12 @@ def _example_inputs(ep, writer: _TensorWriter) -> Optional[Dict[str, Any]]:
 
 
 def save_package(path: Union[str, os.PathLike], exported_program: "torch.export.ExportedProgram",
-                 meta: Optional[dict] = None) -> str:
+                 meta: Optional[dict] = None, kernels: Optional[Dict[str, bytes]] = None) -> str:
     """Write ``exported_program`` and the JSON-serialisable ``meta`` to ``path`` (atomically).
+
+    ``kernels`` maps ``"<cache key>/<file name>"`` to the bytes of a compiled kernel artefact (see
+    :func:`attncomp.runtime.cubin.package_kernels`); they travel in the package and land in the
+    loading machine's kernel cache.
 
     Returns the package digest (sha256 of its manifest, which covers every entry): give it to
     :func:`load_package` as ``expected_digest`` to refuse any other package.
@@ -194,7 +214,15 @@ def save_package(path: Union[str, os.PathLike], exported_program: "torch.export.
 
     tensors_json = json.dumps({"state_dict": state_dict, "constants": constants, "example_inputs": examples},
                               sort_keys=True).encode()
-    payload: Dict[str, bytes] = {PROGRAM: program, TENSORS: tensors_json, **writer.entries}
+    from safetensors.torch import save as _st_save
+
+    payload: Dict[str, bytes] = {PROGRAM: program, TENSORS: tensors_json,
+                                 SAFETENSORS: _st_save(writer.tensors) if writer.tensors else b""}
+    for name, data in sorted((kernels or {}).items()):
+        entry = f"kernels/{name}"
+        if not _KERNEL_ENTRY.match(entry) or not isinstance(data, (bytes, bytearray)):
+            raise PackageError(f"kernel artefact {name!r}: expected '<cache key>/<file name>' and bytes")
+        payload[entry] = bytes(data)
     manifest = {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
@@ -211,7 +239,7 @@ def save_package(path: Union[str, os.PathLike], exported_program: "torch.export.
         for name, data in [(MANIFEST, manifest_bytes)] + list(payload.items()):
             info = zipfile.ZipInfo(name, date_time=_ZIP_DATE)
             # raw weights barely compress; storing them keeps loading a plain copy
-            info.compress_type = zipfile.ZIP_STORED if name.endswith(".bin") else zipfile.ZIP_DEFLATED
+            info.compress_type = zipfile.ZIP_STORED if _stored(name) else zipfile.ZIP_DEFLATED
             info.external_attr = 0o644 << 16
             zf.writestr(info, data)
     path = Path(path)
@@ -259,9 +287,10 @@ def _check_manifest(m: Any, path: str, allow_version_mismatch: bool) -> None:
     if not isinstance(m, dict) or m.get("format") != FORMAT_NAME:
         raise PackageError(f"{path}: manifest.json does not describe an {FORMAT_NAME}")
     fv = m.get("format_version")
-    if fv != FORMAT_VERSION:
+    if fv not in READ_VERSIONS or isinstance(fv, bool):
         raise PackageError(f"{path}: package format version {fv!r} is not supported; this attncomp "
-                           f"reads version {FORMAT_VERSION} (re-export the model with this attncomp)")
+                           f"reads versions {', '.join(map(str, READ_VERSIONS))} and writes {FORMAT_VERSION} "
+                           "(re-export the model with this attncomp)")
     v = m.get("versions")
     ents = m.get("entries")
     if not isinstance(v, dict) or not isinstance(ents, dict) or not isinstance(m.get("meta", {}), dict):
@@ -291,18 +320,23 @@ def _verified_entries(zf: zipfile.ZipFile, manifest: dict) -> Dict[str, bytes]:
     if dup:
         raise PackageError(f"entries {dup} appear more than once in the archive")
     listed = manifest["entries"]
+    v1 = manifest.get("format_version") == 1
     for name in listed:
-        if name not in (PROGRAM, TENSORS) and not _TENSOR_ENTRY.match(name):
-            raise PackageError(f"entry {name!r} is not part of the {FORMAT_NAME} format (it holds only JSON "
-                               "and raw tensor bytes, never pickled or executable data); refusing the package")
+        if name in (PROGRAM, TENSORS) or (_TENSOR_ENTRY.match(name) if v1 else
+                                          (name == SAFETENSORS or _KERNEL_ENTRY.match(name))):
+            continue
+        raise PackageError(f"entry {name!r} is not part of the {FORMAT_NAME} format version "
+                           f"{manifest.get('format_version')} (it holds only JSON, tensors and kernel "
+                           "artefacts, never pickled data); refusing the package")
     present = set(names) - {MANIFEST}
     extra = sorted(present - set(listed))
     if extra:
         raise PackageError(f"unexpected entries {extra} not listed in manifest.json (the format holds no pickled "
                            "or executable data); refusing the package")
     missing = sorted(set(listed) - present)
-    if missing or PROGRAM not in listed or TENSORS not in listed:
-        raise PackageError(f"entries {missing or [PROGRAM, TENSORS]} are missing from the package")
+    required = [PROGRAM, TENSORS] + ([] if v1 else [SAFETENSORS])
+    if missing or any(r not in listed for r in required):
+        raise PackageError(f"entries {missing or required} are missing from the package")
     out: Dict[str, bytes] = {}
     by_name = {i.filename: i for i in infos}
     for name, rec in listed.items():
@@ -314,13 +348,18 @@ def _verified_entries(zf: zipfile.ZipFile, manifest: dict) -> Dict[str, bytes]:
                                f"{rec['size']} (tampered or truncated)")
         # bound what reading can allocate: tensors are stored uncompressed, so their size is bounded
         # by the file's; JSON may be compressed, up to a fixed limit
-        if name.endswith(".bin") and (info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size):
-            raise PackageError(f"entry {name!r}: tensor data must be stored uncompressed")
-        data = _read_entry(zf, info, None if name.endswith(".bin") else _MAX_JSON)
+        if _stored(name) and (info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size):
+            raise PackageError(f"entry {name!r}: tensor and kernel data must be stored uncompressed")
+        data = _read_entry(zf, info, None if _stored(name) else _MAX_JSON)
         if hashlib.sha256(data).hexdigest() != rec["sha256"]:
             raise PackageError(f"entry {name!r}: sha256 does not match the manifest (tampered or corrupt)")
         out[name] = data
     return out
+
+
+def _stored(name: str) -> bool:
+    """Entries written uncompressed (their size bounds what reading them allocates)."""
+    return name.endswith(".bin") or name == SAFETENSORS or name.startswith("kernels/")
 
 
 def read_manifest(path: Union[str, os.PathLike]) -> dict:
@@ -518,10 +557,40 @@ def _check_operators_exist(program: dict) -> None:
 # ---------------------------------------------------------------------------------------------
 # Tensors.
 
-def _make_tensor(desc: Any, entries: Dict[str, bytes], what: str, device) -> torch.Tensor:
+def _safetensors(data: bytes) -> Dict[str, torch.Tensor]:
+    """The tensors of a safetensors blob (its header is JSON; nothing is unpickled)."""
+    if not data:
+        return {}
+    from safetensors import SafetensorError
+    from safetensors.torch import load as _st_load
+
+    try:
+        out = _st_load(data)
+    except (SafetensorError, ValueError, RuntimeError, OverflowError) as e:
+        raise PackageError(f"entry {SAFETENSORS!r} is not a valid safetensors file: {e}") from None
+    bad = sorted(k for k in out if not _TENSOR_KEY.match(k))
+    if bad:
+        raise PackageError(f"entry {SAFETENSORS!r} holds tensors {bad[:5]} that this format does not name")
+    return out
+
+
+def _make_tensor(desc: Any, entries: Dict[str, Any], what: str, device) -> torch.Tensor:
     if not isinstance(desc, dict):
         raise PackageError(f"{TENSORS}: {what} is malformed")
     entry, dname, shape = desc.get("entry"), desc.get("dtype"), desc.get("shape")
+    if isinstance(entries.get(entry), torch.Tensor) and _TENSOR_KEY.match(str(entry)):
+        t = entries[entry]
+        if dname not in _DTYPES:
+            raise PackageError(f"{TENSORS}: {what} has unsupported dtype {dname!r}")
+        if not (isinstance(shape, list) and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
+                                                for s in shape)):
+            raise PackageError(f"{TENSORS}: {what} has an invalid shape {shape!r}")
+        if str(t.dtype).replace("torch.", "") != dname or list(t.shape) != shape:
+            raise PackageError(f"{SAFETENSORS}: tensor {entry!r} of {what} is {t.dtype} {list(t.shape)}, which "
+                               f"does not match {TENSORS}'s {dname} {shape}")
+        if t.dtype == torch.bool and t.numel() and bool((t.view(torch.uint8) > 1).any()):
+            raise PackageError(f"{SAFETENSORS}: bool tensor {what} holds values other than 0 and 1")
+        return _finish_tensor(t.clone(), desc, device)
     if entry not in entries or not _TENSOR_ENTRY.match(str(entry)):
         raise PackageError(f"{TENSORS}: {what} refers to entry {entry!r}, which the package does not hold")
     if dname not in _DTYPES:
@@ -543,6 +612,10 @@ def _make_tensor(desc: Any, entries: Dict[str, bytes], what: str, device) -> tor
         t = torch.frombuffer(bytearray(data), dtype=dtype).reshape(shape)
         if dtype == torch.bool and bool((t.view(torch.uint8) > 1).any()):
             raise PackageError(f"entry {entry!r}: bool tensor {what} holds values other than 0 and 1")
+    return _finish_tensor(t, desc, device)
+
+
+def _finish_tensor(t: torch.Tensor, desc: dict, device) -> torch.Tensor:
     dev = device if device is not None else _saved_device(desc.get("device"))
     if dev is not None and torch.device(dev) != t.device:
         t = t.to(dev)
@@ -594,7 +667,7 @@ def _tensors(doc: Any, entries: Dict[str, bytes], device):
     if isinstance(ex, dict):
         descs = list(ex.get("args", [])) + list(ex.get("kwargs", {}).values())
         used |= {d.get("entry") for d in descs if isinstance(d, dict)}
-    unused = sorted(n for n in entries if _TENSOR_ENTRY.match(n) and n not in used)
+    unused = sorted(n for n in entries if (_TENSOR_ENTRY.match(n) or _TENSOR_KEY.match(n)) and n not in used)
     if unused:
         raise PackageError(f"entries {unused} are not referenced by {TENSORS}; refusing the package")
     return state_dict, constants, examples
@@ -602,6 +675,16 @@ def _tensors(doc: Any, entries: Dict[str, bytes], device):
 
 # ---------------------------------------------------------------------------------------------
 # Loading.
+
+def _install_kernels(entries: Dict[str, bytes]) -> None:
+    """Put the package's kernel artefacts into the runtime's disk cache (verified entries only)."""
+    from .cache import default_cache
+
+    store = default_cache()
+    for name, data in entries.items():
+        m = _KERNEL_ENTRY.match(name)
+        if m and store.enabled:
+            store.put(m.group(1), m.group(2), data)
 
 def load_package(path: Union[str, os.PathLike], *, map_location: Optional[Union[str, torch.device]] = None,
                  expected_digest: Optional[str] = None, allow_version_mismatch: bool = False
@@ -631,8 +714,13 @@ def load_package(path: Union[str, os.PathLike], *, map_location: Optional[Union[
         raise PackageError(f"entry {PROGRAM!r} does not hold an exported program")
     _check_program(program)
     _check_operators_exist(program)
-    state_dict, constants, examples = _tensors(_load_json(TENSORS, entries[TENSORS]), entries,
+    pool: Dict[str, Any] = dict(entries)
+    if manifest.get("format_version") != 1:
+        pool = {n: d for n, d in entries.items() if n in (PROGRAM, TENSORS)}
+        pool.update(_safetensors(entries[SAFETENSORS]))
+    state_dict, constants, examples = _tensors(_load_json(TENSORS, entries[TENSORS]), pool,
                                                None if map_location is None else torch.device(map_location))
+    _install_kernels(entries)
 
     from torch._export.serde.serialize import SerializedArtifact, deserialize
 

@@ -237,7 +237,7 @@ def test_flipped_byte_in_any_entry_names_the_entry(pkg, tmp_path):
             load_package(p)
 
 
-@pytest.mark.parametrize("entry", ["program.json", "tensors.json", "tensors/0.bin"])
+@pytest.mark.parametrize("entry", ["program.json", "tensors.json", "tensors.safetensors"])
 def test_changed_entry_with_valid_zip_checksum_fails_sha256(pkg, tmp_path, entry):
     manifest, entries = _read(pkg.path)
     data = bytearray(entries[entry])
@@ -299,9 +299,9 @@ def test_expected_digest(pkg, tmp_path):
 
 def test_missing_entry(pkg, tmp_path):
     manifest, entries = _read(pkg.path)
-    del entries["tensors/1.bin"]
+    del entries["tensors.safetensors"]
     _write(tmp_path / "m.acpkg", manifest, entries, rehash=False)
-    with pytest.raises(PackageError, match=r"\['tensors/1.bin'\] are missing"):
+    with pytest.raises(PackageError, match=r"\['tensors.safetensors'\] are missing"):
         load_package(tmp_path / "m.acpkg")
 
 
@@ -447,7 +447,8 @@ def test_bad_tensor_records_are_refused(pkg, tmp_path):
     manifest, entries = _read(pkg.path)
     doc = json.loads(entries["tensors.json"])
     name = next(iter(doc["state_dict"]))
-    for change, msg in [({"dtype": "object"}, "unsupported dtype"), ({"shape": [10 ** 6]}, "cannot hold"),
+    for change, msg in [({"dtype": "object"}, "unsupported dtype"), ({"shape": [10 ** 6]}, "does not match"),
+                        ({"dtype": "float16"}, "does not match"),
                         ({"shape": [-1]}, "invalid shape"), ({"entry": "../etc/passwd"}, "does not hold")]:
         bad = json.loads(entries["tensors.json"])
         bad["state_dict"][name].update(change)
@@ -480,10 +481,110 @@ def test_tied_weights_stay_tied(tmp_path):
     m = Tied()
     ep = torch.export.export(m, (torch.randn(2, 4),))
     save_package(tmp_path / "t.acpkg", ep)
-    # one entry for the shared weight, one for the example input
-    assert len([n for n in read_manifest(tmp_path / "t.acpkg")["entries"] if n.startswith("tensors/")]) == 2
+    # one tensor for the shared weight, one for the example input
+    from safetensors.torch import load as st_load
+
+    _, entries = _read(tmp_path / "t.acpkg")
+    assert len(st_load(entries["tensors.safetensors"])) == 2
     ep2, _ = load_package(tmp_path / "t.acpkg")
     sd = ep2.state_dict
     assert sd["a.weight"] is sd["b.weight"]
     x = torch.randn(2, 4)
     torch.testing.assert_close(ep2.module()(x), m(x))
+
+
+# ---------------------------------------------------------------------------------------------
+# format version 2: safetensors, kernel artefacts; version 1 still read
+
+def _as_version_1(manifest, entries):
+    """The same package in format version 1 (raw ``tensors/<i>.bin`` entries), as older attncomp wrote."""
+    from safetensors.torch import load as st_load
+
+    from attncomp.runtime.package import _tensor_bytes
+
+    tensors = st_load(entries.pop("tensors.safetensors"))
+    names = {key: f"tensors/{key[1:]}.bin" for key in tensors}
+    for key, t in tensors.items():
+        entries[names[key]] = _tensor_bytes(t)
+    doc = json.loads(entries["tensors.json"])
+
+    def rename(d):
+        if isinstance(d, dict) and "entry" in d:
+            d["entry"] = names[d["entry"]]
+        return d
+
+    for part in ("state_dict", "constants"):
+        for d in doc[part].values():
+            rename(d)
+    if doc.get("example_inputs"):
+        for d in doc["example_inputs"]["args"] + list(doc["example_inputs"]["kwargs"].values()):
+            rename(d)
+    entries["tensors.json"] = json.dumps(doc).encode()
+    manifest["format_version"] = 1
+    return manifest, {n: d for n, d in entries.items() if not n.startswith("kernels/")}
+
+
+def test_format_version_1_still_loads(pkg, tmp_path):
+    manifest, entries = _read(pkg.path)
+    assert FORMAT_VERSION == 2 and "tensors.safetensors" in entries
+    m1, e1 = _as_version_1(manifest, entries)
+    _write(tmp_path / "v1.acpkg", m1, e1)
+    ep, meta = load_package(tmp_path / "v1.acpkg")
+    assert meta == pkg.meta
+    torch.testing.assert_close(ep.module()(pkg.x), pkg.model(pkg.x))
+    # a version 1 package cannot smuggle version 2 entries (kernels) in
+    e1["kernels/" + "A" * 52 + "/kernel.cubin"] = b"\x7fELF"
+    _write(tmp_path / "v1k.acpkg", dict(m1), e1)
+    with pytest.raises(PackageError, match="not part of the attncomp-package format version 1"):
+        load_package(tmp_path / "v1k.acpkg")
+
+
+def test_unknown_format_version_names_what_is_read(pkg, tmp_path):
+    manifest, entries = _read(pkg.path)
+    manifest["format_version"] = 3
+    _write(tmp_path / "v3.acpkg", manifest, entries)
+    with pytest.raises(PackageError, match="reads versions 1, 2 and writes 2"):
+        load_package(tmp_path / "v3.acpkg")
+
+
+def test_kernel_artefacts_travel_into_the_cache(pkg, tmp_path, monkeypatch):
+    from attncomp.runtime.cache import DiskCache, cache_key
+
+    key = cache_key(kind="test-kernel", arch="sm_90")
+    p = tmp_path / "k.acpkg"
+    save_package(p, pkg.ep, pkg.meta, kernels={f"{key}/kernel.cubin": b"\x7fELF cubin bytes",
+                                               f"{key}/launch.json": b'{"grid": [1, 1, 1]}'})
+    assert f"kernels/{key}/kernel.cubin" in read_manifest(p)["entries"]
+    monkeypatch.setenv("ATTNCOMP_CACHE_DIR", str(tmp_path / "cache"))
+    ep, _ = load_package(p)
+    store = DiskCache(tmp_path / "cache")
+    assert store.get(key, "kernel.cubin") == b"\x7fELF cubin bytes"
+    assert store.get_json(key, "launch.json") == {"grid": [1, 1, 1]}
+    # tampering with a kernel is caught like any other entry
+    manifest, entries = _read(p)
+    entries[f"kernels/{key}/kernel.cubin"] = b"\x7fELF evil bytes!"
+    _write(tmp_path / "kt.acpkg", manifest, entries, rehash=False)
+    with pytest.raises(PackageError, match="kernel.cubin': (size|sha256)"):
+        load_package(tmp_path / "kt.acpkg")
+    with pytest.raises(PackageError, match="cache key"):
+        save_package(tmp_path / "bad.acpkg", pkg.ep, kernels={"../../etc/passwd": b""})
+
+
+def test_tampered_safetensors_are_refused(pkg, tmp_path):
+    from safetensors.torch import load as st_load, save as st_save
+
+    manifest, entries = _read(pkg.path)
+    tensors = st_load(entries["tensors.safetensors"])
+    extra = dict(tensors, evil=torch.zeros(3))
+    _write(tmp_path / "x.acpkg", dict(manifest), dict(entries, **{"tensors.safetensors": st_save(extra)}))
+    with pytest.raises(PackageError, match="does not name"):
+        load_package(tmp_path / "x.acpkg")
+    _write(tmp_path / "g.acpkg", dict(manifest), dict(entries, **{"tensors.safetensors": b"\xff" * 64}))
+    with pytest.raises(PackageError, match="not a valid safetensors"):
+        load_package(tmp_path / "g.acpkg")
+    k = next(iter(tensors))
+    unused = dict(tensors, t999=torch.zeros(2))
+    _write(tmp_path / "u.acpkg", dict(manifest), dict(entries, **{"tensors.safetensors": st_save(unused)}))
+    with pytest.raises(PackageError, match="not referenced"):
+        load_package(tmp_path / "u.acpkg")
+    assert k.startswith("t")
