@@ -997,12 +997,18 @@ def _always_true(at: _Atom) -> bool:
     return False
 
 
+def _vmap_exit(n: fx.Node) -> bool:
+    return n.op == "call_function" and getattr(n.target, "__name__", "") == "_remove_batch_dim"
+
+
 def _residual(res: MaskAnalysis, src: _Src, axes, what: Optional[str] = None) -> None:
     res.residual.append(src)
     words = {"b": "batch", "h": "heads", "i": "queries", "j": "keys", "x": "other dims"}
     if what is None:
         what = f"{src.node.name} ({describe(src.node)})"
-    if axes is None:
+    if _vmap_exit(src.node):
+        res.reasons.append(f"{what} is built inside torch.vmap (batched values are not analysed)")
+    elif axes is None:
         res.reasons.append(f"{what}")
     elif "h" in axes:
         res.reasons.append(f"{what} varies over heads")
@@ -1213,16 +1219,10 @@ def _rewrite(gm: fx.GraphModule, node: fx.Node, idx: Dict[str, int], res: MaskAn
     new: Dict[str, Any] = {}
     fields: Dict[str, Any] = {}
     default_words = None
-    if res.positions is not None and spec.causal:
-        # the site is already causal on default positions: keep the found bounds in the residual
-        raise _Fail("the site is causal (is_causal or a causal buffer) and the mask has its own position bounds")
     q_node, k_node = node.args[idx["q"]], node.args[idx["k"]]
     with g.inserting_before(node):
         if res.positions is not None:
             kt, qt, syms, left, right = res.positions
-            qs, ks = _shape(q_node), _shape(k_node)
-            nq = static_int(qs[-2]) if qs else None
-            nk = static_int(ks[-2]) if ks else None
             align = None
             if len(kt) == 1 and kt[0][0] == 1 and len(qt) == 1 and qt[0][0] == 1 \
                     and _is_plain_arange(kt[0][1]) is not None and _is_plain_arange(qt[0][1]) is not None \
@@ -1241,6 +1241,11 @@ def _rewrite(gm: fx.GraphModule, node: fx.Node, idx: Dict[str, int], res: MaskAn
                         left = None if left is None else left + nk - nq
                 elif offset is not None and offset == _sym_sum(((1, ln_k), (-1, ln_q))):
                     align = "bottom_right"
+            if spec.causal:   # is_causal / a causal buffer: top-left on default positions, AND-ed
+                if align != "top_left":
+                    raise _Fail("the site is causal (is_causal or a causal buffer) on default positions and "
+                                "the mask bounds other positions")
+                right = 0 if right is None else min(right, 0)
             if align is None:
                 new["q_pos"] = em.vector(qt, syms, 0, ("b", "i"))
                 new["k_pos"] = em.vector(kt, (), 0, ("b", "j"))
