@@ -305,7 +305,16 @@ def _attention_backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, at
         dm = q.new_empty((0,))
     else:
         dm = _reduce_to(dm, attn_mask.shape).to(attn_mask.dtype)
-    return dq, dk, dv, dm
+    return _layout_like(dq, q), _layout_like(dk, k), _layout_like(dv, v), dm
+
+
+def _layout_like(g: Tensor, t: Tensor) -> Tensor:
+    """``g`` with the strides the fake implementation promises (``empty_like(t)``): compiled graphs
+    assert them, and backends return their own layouts."""
+    out = torch.empty_like(t)
+    if out.stride() == g.stride():
+        return g
+    return out.copy_(g)
 
 
 def _reduce_to(g: Tensor, shape) -> Tensor:
