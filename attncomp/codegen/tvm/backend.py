@@ -226,20 +226,82 @@ def attention_backward(spec: AttentionSpec, q, k, v, attn_mask, out, lse, grad_o
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
+_cubins: dict = {}
+
+
+def build_command(variant: Variant, arch: str) -> str:
+    """The command line that builds the CUDA kernel of ``variant`` ahead of time."""
+    bits = [f"python -m attncomp build-kernels --arch {arch} --policy {variant.policy}",
+            f"--head-dim {variant.head_dim}"]
+    if variant.head_dim_v != variant.head_dim:
+        bits.append(f"--value-dim {variant.head_dim_v}")
+    if variant.policy == "dfss":
+        bits.append(f"--nm {variant.nm_n}:{variant.nm_m}")
+    if variant.policy == "spion":
+        bits.append(f"--block-size {variant.block_size}")
+    bits.append("--causal" if variant.causal else "--no-causal")
+    if variant.mask != "none":
+        bits.append(f"--mask {variant.mask}")
+    return " ".join(bits)
+
+
+def cuda_forward(spec: AttentionSpec, q, k, v, attn_mask=None, q_aux=None, k_aux=None, block_pattern=None,
+                 dropout_p: float = 0.0, seed: int = 0, preds=None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The forward on CUDA tensors through the prebuilt cubin of the call's kernel variant."""
+    from ...runtime.cache import default_cache
+    from ...runtime.cubin import CubinKernel
+    from . import cuda as _cuda
+
+    ct = _compute_dtype(q.dtype)
+    B, Hq, Nq, _ = q.shape
+    Nk, Dv = k.shape[2], v.shape[-1]
+    lse = _empty((B, Hq, Nq), torch.float32, q.device)
+    if Nq == 0 or B * Hq == 0 or Nk == 0:
+        return _empty((B, Hq, Nq, Dv), q.dtype, q.device).zero_(), lse.fill_(float("-inf"))
+    variant = _cuda.cuda_variant(make_variant(spec, q, v, attn_mask, preds, dropout_p))
+    major, minor = torch.cuda.get_device_capability(q.device)
+    arch = f"sm_{major}{minor}"
+    key = _cuda.cubin_key(variant, arch)
+    kernel = _cubins.get(key)
+    if kernel is None:
+        can_build = _build.tvm_available() and _cuda.nvcc_version() != "none"
+        art = _cuda.get_cubin(variant, arch, build=can_build)
+        if art is None:
+            raise RuntimeError(
+                f"TVM backend: no CUDA kernel for this site ({spec.describe()}, head dim {variant.head_dim}, {arch}) "
+                f"in the kernel cache {default_cache().root}. Build it on a machine with TVM and nvcc:\n    "
+                f"{build_command(variant, arch)} --out <folder>\nthen bring the folder here and call "
+                "attncomp.runtime.cubin.import_folder(<folder>), or export a package that carries it.")
+        kernel = _cubins[key] = CubinKernel(*art)
+    qc, kc, vc = _prep(q, ct), _prep(k, ct), _prep(v, ct)
+    out = _empty((B, Hq, Nq, Dv), ct, q.device)
+    extra = _extra_values(variant, spec, q, k, attn_mask, q_aux, k_aux, block_pattern, preds, dropout_p, seed, ct)
+    tensors = {"q": qc, "k": kc, "v": vc, "o": out, "lse": lse}
+    tensors.update({n: t for n, t in extra.items() if isinstance(t, torch.Tensor)})
+    scalars = {n: x for n, x in extra.items() if not isinstance(x, torch.Tensor)}
+    kernel.launch(tensors, scalars)
+    return out.to(q.dtype), lse
+
+
 class TVMBackend:
     """TIR kernels compiled by apache-tvm for the CPU (``llvm``): every policy, forward and backward."""
 
     name = "tvm"
 
     def supports(self, spec: AttentionSpec, q: torch.Tensor, preds=None) -> Optional[str]:
-        if not _build.tvm_available():
-            return "apache-tvm is not installed (pip install 'attncomp[tvm]')"
         pol = spec.policy.name
         if pol not in _POLICIES:
             return f"policy {pol!r} has no TVM kernel (TVM runs: {', '.join(_POLICIES)})"
-        if q.device.type != "cpu":
-            return (f"the TVM backend runs CPU tensors here (got {q.device.type}); CUDA kernels are built "
-                    "ahead of time with `python -m attncomp build-kernels`")
+        if q.device.type == "cuda":
+            from ...runtime.cubin import cuda_bindings_available
+
+            if not cuda_bindings_available():
+                return ("CUDA tensors run prebuilt cubins through cuda.bindings, which is not installed "
+                        "(pip install cuda-bindings)")
+        elif q.device.type != "cpu":
+            return f"the TVM backend runs CPU tensors (llvm) and CUDA tensors (prebuilt cubins), not {q.device.type}"
+        elif not _build.tvm_available():
+            return "apache-tvm is not installed (pip install 'attncomp[tvm]')"
         if q.dtype not in _DTYPES:
             return f"dtype {q.dtype} not supported (float16, bfloat16, float32, float64)"
         if q.dim() != 4:
@@ -252,6 +314,9 @@ class TVMBackend:
 
     def forward(self, spec, q, k, v, attn_mask, q_aux, k_aux, block_pattern, dropout_p, seed, preds=None):
         self._check(spec, q, k, v, preds)
+        if q.is_cuda:
+            with torch.no_grad():
+                return cuda_forward(spec, q, k, v, attn_mask, q_aux, k_aux, block_pattern, dropout_p, seed, preds)
         with torch.no_grad():
             return attention_forward(spec, q, k, v, attn_mask, q_aux, k_aux, block_pattern, dropout_p, seed, preds)
 
@@ -259,6 +324,9 @@ class TVMBackend:
                  out, lse, grad_out, need_mask_grad=False, preds=None):
         # the mask gradient (a full B x H x Nq x Nk tensor) is left to the caller's fallback
         self._check(spec, q, k, v, preds)
+        if q.is_cuda:
+            raise RuntimeError(f"TVM backend: the CUDA kernels are forward only so far ({spec.describe()}); "
+                               "train with backend='triton' on a GPU, or run the TVM backward on CPU tensors")
         with torch.no_grad():
             dq, dk, dv = attention_backward(spec, q, k, v, attn_mask, out, lse, grad_out, q_aux, k_aux,
                                             block_pattern, dropout_p, seed, preds)
