@@ -424,3 +424,50 @@ def test_per_head_patterns_and_variants():
     assert rel_err(fast(x), oracle(model, x, [p], 16)[0]) < 1e-5
     with pytest.raises(TypeError, match="SPION"):
         spion.calibrate(attncomp.compile(Toy(n=1), policy="dense", backend="reference", inductor=False), [x])
+
+
+# ---------------------------------------------------------------------------------------------
+# Plots: a PNG that decodes to the pattern.
+
+def _read_png(path):
+    import struct
+    import zlib
+
+    data = open(path, "rb").read()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, idat, W, H = 8, b"", 0, 0
+    while pos < len(data):
+        (n,) = struct.unpack(">I", data[pos:pos + 4])
+        kind, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + n]
+        assert struct.unpack(">I", data[pos + 8 + n:pos + 12 + n])[0] == zlib.crc32(kind + body) & 0xFFFFFFFF
+        if kind == b"IHDR":
+            W, H = struct.unpack(">II", body[:8])
+        elif kind == b"IDAT":
+            idat += body
+        pos += 12 + n
+    raw = torch.frombuffer(bytearray(zlib.decompress(idat)), dtype=torch.uint8).view(H, 1 + 3 * W)
+    assert (raw[:, 0] == 0).all()
+    return raw[:, 1:].reshape(H, W, 3)
+
+
+def test_plot_pattern_png(tmp_path):
+    from attncomp import plot
+
+    g = torch.Generator().manual_seed(7)
+    p = torch.rand(5, 5, generator=g) < 0.4
+    img = _read_png(plot.pattern(p, "x", str(tmp_path / "p.png"), size=100))
+    cell = 20
+    # the grid starts below the title at (34, 12); sample each block's centre
+    centres = img[34 + cell // 2:34 + 5 * cell:cell, 12 + cell // 2:12 + 5 * cell:cell]
+    dark = centres.int().sum(-1) < 400
+    assert torch.equal(dark, p)
+    torch.manual_seed(0)
+    fast = _compile(Toy(n=1))
+    fast(torch.randn(1, 32, 32))
+    with pytest.raises(ValueError, match="no pattern yet"):
+        plot.pattern(fast, 0, str(tmp_path / "q.png"))
+    spion.set_patterns(fast, {0: torch.eye(2, dtype=torch.bool)})
+    img = _read_png(plot.pattern(fast, 0, str(tmp_path / "q.png")))
+    assert img.shape[2] == 3 and img.shape[0] > 100
+    c = _read_png(plot.curves(str(tmp_path / "c.png"), {"a": [3, 2, 1], "b": [1, 2, 3]}, marks={"s": 1}))
+    assert c.shape == (400, 640, 3) and (c != 255).any()
