@@ -228,3 +228,65 @@ def test_ops_attention_python_entry_takes_preds_or_keywords():
     assert torch.equal(a, b)
     with pytest.raises(ValueError, match="not both"):
         ops.attention(q, k, v, spec=spec, k_valid=kv, preds=Predicates(k_valid=kv))
+
+
+# -- GPU (run by `make test-gpu` / the GPU issue) ------------------------------------------------
+
+def _gpu_case(policy, dtype=torch.bfloat16, B=2, Hq=8, Hk=2, N=300, D=64):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    mk = lambda *s: torch.randn(*s, device="cuda", dtype=dtype, generator=g).requires_grad_(True)  # noqa: E731
+    q, k, v = mk(B, Hq, N, D), mk(B, Hk, N, D), mk(B, Hk, N, D)
+    extra = {}
+    if policy == "spion":
+        extra = dict(block_pattern=torch.rand(1, -(-N // 64), -(-N // 64), device="cuda", generator=g) < 0.5)
+    return q, k, v, extra
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", POLICIES)
+def test_gpu_host_path_never_syncs(policy):
+    """Every policy, forward and backward, derived LSH buckets and drawn keep masks included, under
+    ``torch.cuda.set_sync_debug_mode("error")``; equal to the float32 reference."""
+    q, k, v, extra = _gpu_case(policy)
+    pol = SPION(block_size=64) if policy == "spion" else policy
+    kv = torch.rand(2, 300, device="cuda") < 0.9
+    kw = dict(policy=pol, enable_gqa=True, is_causal=True, k_valid=kv, **extra)
+    attention(q, k, v, **kw).sum().backward()            # warm-up: autotuning may synchronise once
+    q.grad = k.grad = v.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = attention(q, k, v, **kw)
+        out.float().sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    f = [t.detach().float() for t in (q, k, v)]
+    ref = attention(*f, backend="reference", **kw)
+    assert_close(out.float(), ref, torch.bfloat16, msg=policy)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ("dense", "dfss"))
+def test_gpu_op_captured_in_cuda_graph(policy):
+    q, k, v, _ = _gpu_case(policy)
+    q, k, v = (t.detach() for t in (q, k, v))
+    spec = AttentionSpec(causal=True, policy=get_policy(policy).resolved(q.dtype)).to_json()
+    kv = torch.rand(2, 300, device="cuda") < 0.9
+
+    def call():
+        return torch.ops.attncomp.attention(q, k, v, None, None, None, None, None, None, None, None, None, kv,
+                                            spec, 0.0, 0)[0]
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            call()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    q.normal_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close(out.float(), call().float(), torch.bfloat16)

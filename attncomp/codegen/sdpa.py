@@ -156,7 +156,7 @@ class SdpaBackend:
             raise RuntimeError("SDPA backend: dropout is not run here (attncomp's dropout draws differ)")
         hq, hk = q.shape[1], k.shape[1]
         if q.is_cuda:
-            dq, dk, dv = _cuda_backward(spec, q, k, v, attn_mask, preds, grad_out)
+            dq, dk, dv = _cuda_backward(spec, q, k, v, attn_mask, preds, grad_out, out, lse)
             return dq, dk, dv, None
         kk, vv = _expand(k, hq), _expand(v, hq)
         is_causal, bias, _ = _plan(spec, q, k, attn_mask, preds)
@@ -173,31 +173,42 @@ class SdpaBackend:
 
 # -- CUDA (run by the GPU issue; the CPU tests cover the choice logic) ----------------------------
 
+def _aligned_bias(bias: Tensor, q: Tensor, nk: int) -> Tensor:
+    """The memory-efficient kernel wants the bias's last dim contiguous and 16-element aligned: pad,
+    then take a view of the first ``nk`` columns (broadcast dims stay stride 0)."""
+    pad = (-nk) % 16
+    b = torch.nn.functional.pad(bias, (0, pad)) if pad else bias.contiguous()
+    return b[..., :nk].expand(q.shape[0], q.shape[1], q.shape[2], nk)
+
+
 def _cuda_forward(q, k, v, bias, is_causal, scale) -> Tuple[Tensor, Tensor]:
     if bias is None and q.dtype in (torch.float16, torch.bfloat16):
         r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)
         return r[0], r[1]
     if bias is not None:
-        # the memory-efficient kernel wants the bias's last dim 16-byte aligned: pad, then slice a view
-        nk = bias.shape[-1]
-        pad = (-nk) % 16
-        full = torch.nn.functional.pad(bias.expand(q.shape[0], q.shape[1], q.shape[2], nk), (0, pad))
-        bias = full[..., :nk]
+        bias = _aligned_bias(bias, q, k.shape[-2])
     r = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, 0.0, is_causal, scale=scale)
     return r[0], r[1][..., : q.shape[-2]]
 
 
-def _cuda_backward(spec, q, k, v, attn_mask, preds, grad_out):
-    # recompute through SDPA's autograd: the kernel SDPA picks for these inputs runs forward and backward
-    hq = q.shape[1]
+def _cuda_backward(spec, q, k, v, attn_mask, preds, grad_out, out, lse):
+    """SDPA's memory-efficient backward kernel (it takes a bias; no bias is a zero one, broadcast).
+    ``lse`` is attncomp's (natural log, -inf on empty rows)."""
+    hq, hk, nq, nk = q.shape[1], k.shape[1], q.shape[-2], k.shape[-2]
     is_causal, bias, row_ok = _plan(spec, q, k, attn_mask, preds)
+    zero = torch.zeros((), dtype=q.dtype, device=q.device)
+    if bias is None:
+        bias = torch.zeros((1, 1, 1, nk), dtype=q.dtype, device=q.device)
     if row_ok is not None:
-        # rows with no allowed key: a finite bias keeps SDPA's softmax finite, a zero grad_out drops them
-        bias = torch.where(row_ok[..., None], bias, torch.zeros((), dtype=bias.dtype, device=bias.device))
-        grad_out = torch.where(row_ok[..., None], grad_out, torch.zeros((), dtype=grad_out.dtype, device=q.device))
-    with torch.enable_grad():
-        qq, kk0, vv0 = (t.detach().requires_grad_(True) for t in (q, k, v))
-        o = torch.nn.functional.scaled_dot_product_attention(qq, _expand(kk0, hq), _expand(vv0, hq), attn_mask=bias,
-                                                             is_causal=is_causal, scale=_scale(spec, q.shape[-1]))
-        dq, dk, dv = torch.autograd.grad(o, (qq, kk0, vv0), grad_out.to(o.dtype))
-    return dq, dk, dv
+        # rows with no allowed key: a finite bias and a zero grad_out drop them from every gradient
+        bias = torch.where(row_ok[..., None], bias, zero)
+        grad_out = torch.where(row_ok[..., None], grad_out.to(q.dtype), zero)
+    bias = _aligned_bias(bias, q, nk)
+    lse = torch.where(torch.isneginf(lse), torch.zeros((), dtype=lse.dtype, device=lse.device), lse)
+    pad = (-nq) % 32
+    lse = torch.nn.functional.pad(lse.float(), (0, pad)).contiguous()
+    seed_t = torch.empty((), dtype=torch.int64)
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        grad_out.to(q.dtype).contiguous(), q, _expand(k, hq), _expand(v, hq), bias, out.contiguous(), lse, seed_t,
+        seed_t, 0.0, [True, True, True, False], is_causal, scale=_scale(spec, q.shape[-1]))
+    return dq, _sum_groups(dk, hk), _sum_groups(dv, hk)
