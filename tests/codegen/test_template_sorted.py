@@ -76,9 +76,9 @@ def _check(spec, q, k, v, q_aux, k_aux, *, attn_mask=None, dropout_p=0.0, seed=0
 # hash
 
 
-@pytest.mark.parametrize("draw", range(8))
+@pytest.mark.parametrize("draw", range(6))
 def test_hash_forward_random_buckets(draw):
-    """Every collision pattern of a bucket draw is computed exactly: 8 draws over bucket counts 2..64,
+    """Every collision pattern of a bucket draw is computed exactly: 6 draws over bucket counts 2..64,
     skewed sizes, one bucket, all distinct; causal and not; odd lengths."""
     g = torch.Generator().manual_seed(draw)
     nb = [2, 4, 8, 16, 32, 64][draw % 6]
@@ -90,8 +90,7 @@ def test_hash_forward_random_buckets(draw):
     _check(spec, q, k, v, _buckets(g, (1, 2, N), nb, kind), _buckets(g, (1, 2, N), nb, kind), grad=False)
 
 
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("kind", ["uniform", "skewed"])
+@pytest.mark.parametrize("causal,kind", [(True, "uniform"), (False, "skewed")])
 def test_hash_gradients(causal, kind):
     g = torch.Generator().manual_seed(7)
     q, k, v = qkv(2, 2, 45, 32)
@@ -99,8 +98,7 @@ def test_hash_gradients(causal, kind):
     _check(spec, q, k, v, _buckets(g, (2, 2, 45), 4, kind), _buckets(g, (2, 2, 45), 4, kind))
 
 
-@pytest.mark.parametrize("dtype,D", [(torch.float16, 64), (torch.bfloat16, 128), (torch.bfloat16, 48),
-                                     (torch.float32, 80), (torch.float16, 96), (torch.bfloat16, 256)])
+@pytest.mark.parametrize("dtype,D", [(torch.float16, 64), (torch.bfloat16, 256), (torch.float32, 80)])
 def test_hash_half_precision_head_dims(dtype, D):
     g = torch.Generator().manual_seed(D)
     q, k, v = qkv(1, 2, 40, D, dtype=dtype)
@@ -155,8 +153,7 @@ def test_hash_rows_without_keys_are_zero():
 # drop
 
 
-@pytest.mark.parametrize("rates,causal", [((0.5, 0.5), True), ((0.3, 0.7), False), ((0.8, 0.1), True),
-                                          ((0.0, 0.0), True)])
+@pytest.mark.parametrize("rates,causal", [((0.5, 0.5), True), ((0.3, 0.7), False)])
 def test_drop_forward_and_gradients(rates, causal):
     g = torch.Generator().manual_seed(int(rates[0] * 10 + rates[1] * 100))
     q, k, v = qkv(2, 2, 53, 32)
@@ -167,7 +164,7 @@ def test_drop_forward_and_gradients(rates, causal):
     assert (out[~q_keep] == 0).all() and torch.isneginf(lse[~q_keep]).all()
 
 
-@pytest.mark.parametrize("dtype,D", [(torch.float32, 80), (torch.bfloat16, 256), (torch.float16, 32)])
+@pytest.mark.parametrize("dtype,D", [(torch.bfloat16, 256), (torch.float16, 32)])
 def test_drop_head_dims(dtype, D):
     g = torch.Generator().manual_seed(D)
     q, k, v = qkv(1, 2, 37, D, dtype=dtype)

@@ -339,7 +339,10 @@ def _run_tuned(kind: str, site: Site, launch, candidates_fn, config: Optional[di
             cands = candidates_fn(site.D, site.Dv, site.dtype, site.nm_m)
             config = configs.choose(f"triton_attention_{kind}", site.tune_key(), cands,
                                     _bencher(launch) if site.device.type == "cuda" else None)
-            config = _config_memo[sig] = _launch_with_fallback(launch, config, cands)
+            # last resort: the smallest tiles that hold whole N:M groups, one pipeline stage
+            b = max(32, 4 * site.nm_m)
+            small = {"BLOCK_M": b, "BLOCK_N": b, "num_warps": 4, "num_stages": 1}
+            config = _config_memo[sig] = _launch_with_fallback(launch, config, cands + [small])
     else:
         launch(config)
     last_configs[kind] = config

@@ -54,7 +54,7 @@ POS_NONE = 0    # no position predicate
 POS_ARANGE = 1  # default positions: q = i + offset, k = j
 POS_VECTOR = 2  # q_pos / k_pos tensors
 
-_NEG = float("-inf")
+_NEG = tl.constexpr(float("-inf"))
 
 
 @triton.jit
