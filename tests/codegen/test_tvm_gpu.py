@@ -1,0 +1,67 @@
+"""TVM backend's CUDA kernels on a GPU: prebuilt cubins (no TVM on the GPU machine) against the reference.
+
+Build the artefacts on a machine with apache-tvm and nvcc, bring the folder, run::
+
+    python -m attncomp build-kernels --arch sm_90 --head-dim 64 --out build/tvm-cubins
+    ATTNCOMP_TVM_CUBINS=build/tvm-cubins python -m pytest -q -m gpu tests/codegen/test_tvm_gpu.py
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from attncomp.codegen import reference as R
+from attncomp.codegen.tvm import backend as TB
+from attncomp.policy import DFSS, Dense, Drop, Hash, SPION, ceil_div
+from attncomp.runtime.cubin import import_folder
+from attncomp.spec import AttentionSpec, dtype_name
+from tests.utils import assert_close
+
+pytestmark = pytest.mark.gpu
+
+CUBINS = os.environ.get("ATTNCOMP_TVM_CUBINS", "build/tvm-cubins")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _artefacts(tmp_path_factory):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    cache = tmp_path_factory.mktemp("tvm-cubin-cache")
+    os.environ["ATTNCOMP_CACHE_DIR"] = str(cache)
+    if not os.path.isdir(CUBINS):
+        pytest.skip(f"no cubin folder {CUBINS} (build it with python -m attncomp build-kernels ... --out)")
+    assert import_folder(CUBINS) > 0
+
+
+@pytest.fixture(autouse=True)
+def _keep_cache(monkeypatch):
+    monkeypatch.setenv("ATTNCOMP_CACHE_DIR", os.environ["ATTNCOMP_CACHE_DIR"])
+
+
+CASES = [(Dense(), False), (Dense(), True), (DFSS(2, 4), False), (DFSS(2, 4), True), (Hash(n_buckets=4), False),
+         (Drop(), True), (SPION(block_size=64), False)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0].name}-{'causal' if c[1] else 'full'}")
+def test_cubin_forward_matches_reference(case, dtype):
+    pol, causal = case
+    B, H, Nq, Nk, D = 2, 3, 150, 203 if not causal else 150, 64
+    g = torch.Generator().manual_seed(1234)
+    q, k, v = (torch.randn(B, H, n, D, generator=g).to("cuda", dtype) for n in (Nq, Nk, Nk))
+    qa = ka = bp = None
+    if isinstance(pol, Hash):
+        qa, ka = torch.randint(0, 3, (B, H, Nq), generator=g).cuda(), torch.randint(0, 3, (B, H, Nk), generator=g).cuda()
+    elif isinstance(pol, Drop):
+        qa, ka = (torch.rand(B, H, Nq, generator=g) > 0.3).cuda(), (torch.rand(B, H, Nk, generator=g) > 0.3).cuda()
+    elif isinstance(pol, SPION):
+        bp = (torch.rand(H, ceil_div(Nq, 64), ceil_div(Nk, 64), generator=g) > 0.5).cuda()
+    spec = AttentionSpec(causal=causal, dtype=dtype_name(dtype), head_dim=D, policy=pol.resolved(torch.float16))
+    out, lse = TB.TVMBackend().forward(spec, q, k, v, None, qa, ka, bp, 0.0, 0)
+    torch.cuda.synchronize()
+    ref, rlse = R.attention(q.double(), k.double(), v.double(), None, spec=spec, q_aux=qa, k_aux=ka, block_pattern=bp)
+    assert_close(out, ref, dtype, "out")
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(rlse))
