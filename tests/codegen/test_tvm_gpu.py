@@ -25,20 +25,22 @@ pytestmark = pytest.mark.gpu
 CUBINS = os.environ.get("ATTNCOMP_TVM_CUBINS", "build/tvm-cubins")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _artefacts(tmp_path_factory):
+@pytest.fixture(scope="module")
+def artefact_cache(tmp_path_factory):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    cache = tmp_path_factory.mktemp("tvm-cubin-cache")
-    os.environ["ATTNCOMP_CACHE_DIR"] = str(cache)
     if not os.path.isdir(CUBINS):
         pytest.skip(f"no cubin folder {CUBINS} (build it with python -m attncomp build-kernels ... --out)")
-    assert import_folder(CUBINS) > 0
+    from attncomp.runtime.cache import DiskCache
+
+    cache = tmp_path_factory.mktemp("tvm-cubin-cache")
+    assert import_folder(CUBINS, store=DiskCache(cache)) > 0
+    return cache
 
 
 @pytest.fixture(autouse=True)
-def _keep_cache(monkeypatch):
-    monkeypatch.setenv("ATTNCOMP_CACHE_DIR", os.environ["ATTNCOMP_CACHE_DIR"])
+def _use_artefacts(artefact_cache, monkeypatch):
+    monkeypatch.setenv("ATTNCOMP_CACHE_DIR", str(artefact_cache))
 
 
 CASES = [(Dense(), False), (Dense(), True), (DFSS(2, 4), False), (DFSS(2, 4), True), (Hash(n_buckets=4), False),
