@@ -167,6 +167,13 @@ class _FMask:
 
 
 @dataclass
+class _Abs:
+    """``abs(inner)`` of an integer expression (bidirectional windows: ``abs(q_idx - kv_idx) <= w``)."""
+    layout: Layout
+    inner: _Num
+
+
+@dataclass
 class _Ind:
     """A numeric 0/1 tensor: 1 where ``pred`` holds."""
     layout: Layout
@@ -193,6 +200,8 @@ def _map_layouts(v, f):
                        biases=tuple(_map_layouts(b, f) for b in v.biases))
     if isinstance(v, _Ind):
         return replace(v, layout=f(v.layout), pred=_map_layouts(v.pred, f))
+    if isinstance(v, _Abs):
+        return replace(v, layout=f(v.layout), inner=_map_layouts(v.inner, f))
     raise TypeError(type(v))
 
 
@@ -230,6 +239,7 @@ _FUNCS = {
     "rsub": {torch.rsub, aten.rsub.Scalar, aten.rsub.Tensor},
     "mul": {operator.mul, torch.mul, aten.mul.Tensor, aten.mul.Scalar},
     "neg": {operator.neg, torch.neg, aten.neg.default},
+    "abs": {abs, operator.abs, torch.abs, aten.abs.default},
     "where": {torch.where, aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar},
     "masked_fill": {torch.masked_fill, aten.masked_fill.Scalar, aten.masked_fill.Tensor},
     "unsqueeze": {torch.unsqueeze, aten.unsqueeze.default},
@@ -254,7 +264,7 @@ _METHODS = {
     "__and__": "and", "logical_and": "and", "bitwise_and": "and", "__or__": "or", "logical_or": "or",
     "bitwise_or": "or", "__invert__": "not", "logical_not": "not", "bitwise_not": "not",
     "add": "add", "__add__": "add", "__radd__": "add", "sub": "sub", "__sub__": "sub", "__rsub__": "rsub",
-    "mul": "mul", "__mul__": "mul", "__rmul__": "mul", "neg": "neg", "__neg__": "neg",
+    "mul": "mul", "__mul__": "mul", "__rmul__": "mul", "neg": "neg", "__neg__": "neg", "abs": "abs", "__abs__": "abs",
     "masked_fill": "masked_fill", "unsqueeze": "unsqueeze", "squeeze": "squeeze", "expand": "expand",
     "view": "reshape", "reshape": "reshape", "permute": "permute", "transpose": "transpose",
     "contiguous": "identity", "clone": "identity", "detach": "identity", "to": "cast", "type": "cast",
@@ -359,6 +369,8 @@ class _Eval:
             return replace(v, layout=layout, pred=_Eval._with_layout(v.pred, layout))
         if isinstance(v, _Pred) and v.inv is not None:
             return replace(v, layout=layout, inv=replace(v.inv, layout=layout))
+        if isinstance(v, _Abs):
+            return replace(v, layout=layout, inner=replace(v.inner, layout=layout))
         return replace(v, layout=layout)
 
     def fresh_layout(self, shape) -> Layout:
@@ -456,6 +468,9 @@ class _Eval:
             return self.opaque(n)
         if k in ("add", "sub", "rsub", "mul", "neg"):
             return self.arith(n, k, a)
+        if k == "abs":
+            x = self(a[0])
+            return _Abs(x.layout, x) if isinstance(x, _Num) and self.integral(x) else self.opaque(n)
         if k == "where":
             return self.where(n, self(a[0]), self(a[1]), self(a[2]))
         if k == "masked_fill":
@@ -504,6 +519,17 @@ class _Eval:
                     return pred if truth else self.negate(n, pred)
                 if isinstance(p, _FMask) and val == 0 and not p.biases:
                     return p.pred if op == "eq" else self.negate(n, p.pred)
+        for p, c, o in ((x, y, op), (y, x, _SWAP[op])):
+            # abs(e) <= c  <=>  -c <= e <= c (abs(e) >= c is a disjunction: not a conjunct)
+            if isinstance(p, _Abs) and isinstance(c, _Num) and c.is_const() and not c.layout \
+                    and isinstance(c.const, int) and o in ("le", "lt"):
+                bound = c.const if o == "le" else c.const - 1
+                lay = self.broadcast(p.layout, c.layout)
+                if bound < 0:
+                    return _Pred(lay, (), false=True)
+                e = p.inner
+                lin = replace(e, const=0, layout=lay)
+                return _Pred(lay, (_Atom("cmp", _Src(n, lay), lin, -bound - e.const, bound - e.const),))
         if not (isinstance(x, _Num) and isinstance(y, _Num)):
             return self.opaque(n)
         d = self.lin_sub(x, y)

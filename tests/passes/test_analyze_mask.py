@@ -106,6 +106,8 @@ CASES = {
     "causal_bottom_right": (lambda q, k, am, pid, cp, r: _causal_br(q, k), "sdpa", ["causal (bottom-right)"], True),
     "window": (lambda q, k, am, pid, cp, r: _window(q, k), "sdpa", ["window(3, 0)"], False),
     "two_sided_window": (lambda q, k, am, pid, cp, r: _two_sided(q, k), "sdpa", ["window(2, 1)"], False),
+    "abs_window": (lambda q, k, am, pid, cp, r: (lambda i, j: (torch.abs(i - j) <= 2)[None, None] & _padding(am))(*_ij(q, k)),
+                   "sdpa", ["window(2, 2)", "padding"], False),
     "decode_cache_position": (lambda q, k, am, pid, cp, r: (torch.arange(k.shape[2])[None, :] <= cp[:, None])[None, None],
                               "sdpa", ["causal (positions)"], True),
     "packed_documents": (lambda q, k, am, pid, cp, r: _packed(q, k, pid), "sdpa", ["causal", "documents"], False),
@@ -138,6 +140,8 @@ NEGATIVE = {
                          ["causal", "materialised mask", "heads"], False),
     "float_bias": (lambda q, k, am, pid, cp, r: torch.where(_causal(q, k), torch.tensor(0.0, dtype=q.dtype), NEG) + r, "eager",
                    ["causal", "materialised mask"], False),
+    "abs_at_least": (lambda q, k, am, pid, cp, r: (lambda i, j: (torch.abs(i - j) >= 2)[None, None] | _causal(q, k))(*_ij(q, k)),
+                     "sdpa", ["materialised mask"], False),
     "float_not_a_mask": (lambda q, k, am, pid, cp, r: torch.where(_causal(q, k), torch.tensor(0.0, dtype=q.dtype), -1.0), "eager",
                          ["materialised mask"], False),
 }
@@ -313,9 +317,11 @@ def _hf(family, impl=None, **over):
         "qwen2": lambda: T.Qwen2Config(num_key_value_heads=2, **kw),
         "bert": lambda: T.BertConfig(**kw),
         "gpt2": lambda: T.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=97, bos_token_id=0, eos_token_id=0),
+        "modernbert": lambda: T.ModernBertConfig(local_attention=4, global_attn_every_n_layers=2, pad_token_id=0,
+                                                 bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2, **kw),
     }
     models = {"llama": T.LlamaModel, "mistral": T.MistralModel, "gemma2": T.Gemma2Model, "qwen2": T.Qwen2Model,
-              "bert": T.BertModel, "gpt2": T.GPT2Model}
+              "bert": T.BertModel, "gpt2": T.GPT2Model, "modernbert": T.ModernBertModel}
     cfg = cfgs[family]()
     for k_, v_ in over.items():
         setattr(cfg, k_, v_)
@@ -335,6 +341,7 @@ HF = [
     ("bert", None, "right", ["padding"]),
     ("bert", "eager", "left", ["padding"]),
     ("gpt2", None, "right", ["causal", "padding"]),
+    ("modernbert", None, "right", ["padding"]),
 ]
 
 
@@ -373,9 +380,11 @@ def test_hf_models_masks_become_predicates(family, impl, side, words):
         for w in words:
             if w == "window(3, 0)" or family != "gemma2":
                 assert w in mask, (s.name, mask)
+    masks = [s.details["mask"] for s in sites]
     if family == "gemma2":   # local and global layers alternate
-        masks = [s.details["mask"] for s in sites]
         assert any("window(3, 0)" in m for m in masks) and any(m.startswith("causal") for m in masks), masks
+    if family == "modernbert":   # global, then a local layer: abs(q_idx - kv_idx) <= half window
+        assert masks[0] == "padding" and masks[1].startswith("window(2, 2)"), masks
     valid = am.bool()   # padded query rows differ from eager by design (DESIGN §4)
     torch.testing.assert_close(got.last_hidden_state[valid], exp.last_hidden_state[valid], rtol=1e-4, atol=1e-5)
 
