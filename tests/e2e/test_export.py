@@ -214,7 +214,7 @@ def _flip_byte(data: bytes) -> bytes:
 
 def _tamper_cases():
     def weight(name, data):
-        return _flip_byte(data) if name.endswith(".bin") and len(data) > 64 else data
+        return _flip_byte(data) if name.endswith((".bin", ".safetensors")) and len(data) > 64 else data
 
     def program(name, data):
         if name != "program.json":
@@ -222,7 +222,7 @@ def _tamper_cases():
         return data.replace(b"attncomp", b"attncomq", 1)
 
     def drop_entry(name, data):
-        return None if name.endswith(".bin") else data
+        return None if name.endswith((".bin", ".safetensors")) else data
 
     return {"weight-bytes": weight, "program-json": program, "missing-entry": drop_entry}
 
