@@ -51,8 +51,12 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=300)
     ap.add_argument("--backward", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="CPU threads for torch (1: host cost without OpenMP noise on a shared machine)")
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     B, H, N, D = 1, 2, 16, 16
     dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
@@ -67,8 +71,12 @@ def main(argv=None):
                 o.sum().backward()
         else:
             step = fn
-        with torch.set_grad_enabled(args.backward):
-            us = _time_us(step, args.iters, dev)
+        try:
+            with torch.set_grad_enabled(args.backward):
+                us = _time_us(step, args.iters, dev)
+        except Exception as e:  # one failing row does not stop the others
+            print(f"{name:11s} {policy:6s} {mask:14s} failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
+            return
         rows.append({"path": name, "policy": policy, "mask": mask, "us": round(us, 1), "device": str(dev),
                      "backward": args.backward})
         print(f"{name:11s} {policy:6s} {mask:14s} {us:8.1f} us/call", flush=True)

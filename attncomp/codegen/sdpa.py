@@ -181,8 +181,14 @@ def _aligned_bias(bias: Tensor, q: Tensor, nk: int) -> Tensor:
     return b[..., :nk].expand(q.shape[0], q.shape[1], q.shape[2], nk)
 
 
+def _use_flash(q, k, bias, is_causal) -> bool:
+    # FlashAttention aligns causal bottom-right when Nq != Nk: top-left causal goes to the
+    # memory-efficient kernel then
+    return bias is None and q.dtype in (torch.float16, torch.bfloat16) and (not is_causal or q.shape[-2] == k.shape[-2])
+
+
 def _cuda_forward(q, k, v, bias, is_causal, scale) -> Tuple[Tensor, Tensor]:
-    if bias is None and q.dtype in (torch.float16, torch.bfloat16):
+    if _use_flash(q, k, bias, is_causal):
         r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)
         return r[0], r[1]
     if bias is not None:
@@ -192,23 +198,28 @@ def _cuda_forward(q, k, v, bias, is_causal, scale) -> Tuple[Tensor, Tensor]:
 
 
 def _cuda_backward(spec, q, k, v, attn_mask, preds, grad_out, out, lse):
-    """SDPA's memory-efficient backward kernel (it takes a bias; no bias is a zero one, broadcast).
-    ``lse`` is attncomp's (natural log, -inf on empty rows)."""
-    hq, hk, nq, nk = q.shape[1], k.shape[1], q.shape[-2], k.shape[-2]
+    """SDPA's flash or memory-efficient backward kernel. The forward is recomputed with the same
+    kernel so that its backward gets exactly the auxiliary outputs it expects (random-state and
+    sequence bookkeeping that the op does not keep)."""
+    hq, hk, nk = q.shape[1], k.shape[1], k.shape[-2]
+    scale = _scale(spec, q.shape[-1])
     is_causal, bias, row_ok = _plan(spec, q, k, attn_mask, preds)
+    kk, vv = _expand(k, hq), _expand(v, hq)
+    go = grad_out.to(q.dtype).contiguous()
+    if _use_flash(q, k, bias, is_causal):
+        r = torch.ops.aten._scaled_dot_product_flash_attention(q, kk, vv, 0.0, is_causal, False, scale=scale)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            go, q, kk, vv, r[0], r[1], r[2], r[3], r[4], r[5], 0.0, is_causal, r[6], r[7], scale=scale)
+        return dq, _sum_groups(dk, hk), _sum_groups(dv, hk)
     zero = torch.zeros((), dtype=q.dtype, device=q.device)
     if bias is None:
         bias = torch.zeros((1, 1, 1, nk), dtype=q.dtype, device=q.device)
     if row_ok is not None:
         # rows with no allowed key: a finite bias and a zero grad_out drop them from every gradient
         bias = torch.where(row_ok[..., None], bias, zero)
-        grad_out = torch.where(row_ok[..., None], grad_out.to(q.dtype), zero)
+        go = torch.where(row_ok[..., None], go, zero)
     bias = _aligned_bias(bias, q, nk)
-    lse = torch.where(torch.isneginf(lse), torch.zeros((), dtype=lse.dtype, device=lse.device), lse)
-    pad = (-nq) % 32
-    lse = torch.nn.functional.pad(lse.float(), (0, pad)).contiguous()
-    seed_t = torch.empty((), dtype=torch.int64)
+    r = torch.ops.aten._scaled_dot_product_efficient_attention(q, kk, vv, bias, True, 0.0, is_causal, scale=scale)
     dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        grad_out.to(q.dtype).contiguous(), q, _expand(k, hq), _expand(v, hq), bias, out.contiguous(), lse, seed_t,
-        seed_t, 0.0, [True, True, True, False], is_causal, scale=_scale(spec, q.shape[-1]))
+        go, q, kk, vv, bias, r[0], r[1], r[2], r[3], 0.0, [True, True, True, False], is_causal, scale=scale)
     return dq, _sum_groups(dk, hk), _sum_groups(dv, hk)
