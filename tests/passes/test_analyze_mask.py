@@ -423,3 +423,47 @@ def test_vmap_built_mask_stays_materialised_and_runs():
     mask = ctx.sites[0].details["mask"]
     assert "materialised mask" in mask and "torch.vmap" in mask, mask
     torch.testing.assert_close(out, M()(q, k, v, am))
+
+
+@pytest.mark.parametrize("family,words", [("llama", ["causal (bottom-right)", "padding"]),
+                                          ("mistral", ["window(3, 0) bottom-right", "padding"])])
+def test_hf_kv_cache_offsets(family, words):
+    """Queries at the end of a cached sequence (3 new tokens after 6 cached, left padding): the causal
+    and window bounds are bottom-right, the padding covers cached keys too; outputs equal eager."""
+    import copy
+
+    model = _hf(family)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, 97, (2, 9), generator=g)
+    am = torch.ones(2, 9, dtype=torch.int64)
+    am[1, :2] = 0
+    with torch.no_grad():
+        cache = model(input_ids=ids[:, :6], attention_mask=am[:, :6], use_cache=True).past_key_values
+    c1, c2 = copy.deepcopy(cache), copy.deepcopy(cache)
+    got, ctx = _run_hf(model, dict(input_ids=ids[:, 6:], attention_mask=am, past_key_values=c1, use_cache=True))
+    exp = model(input_ids=ids[:, 6:], attention_mask=am, past_key_values=c2, use_cache=True)
+    assert len(ctx.sites) == 2
+    for s in ctx.sites:
+        for w in words:
+            assert w in s.details["mask"], s.details
+        assert "materialised" not in s.details["mask"]
+    torch.testing.assert_close(got.last_hidden_state, exp.last_hidden_state, rtol=1e-4, atol=1e-5)
+
+
+def test_hf_export_graph():
+    """torch.export's aten graph of a Hugging Face model (use_cache=False, as export requires)."""
+    model = _hf("mistral", use_cache=False)
+    ids = torch.randint(1, 97, (2, 9), generator=torch.Generator().manual_seed(4))
+    am = torch.ones(2, 9, dtype=torch.int64)
+    am[0, 7:] = 0
+    ctx = CompileContext()
+    gm = capture(model, dict(input_ids=ids, attention_mask=am), ctx, route="export")
+    gm = run_passes(gm, ctx, PASSES)
+    assert len(ctx.sites) == 2
+    for s in ctx.sites:
+        assert s.rewritten and "window(3, 0)" in s.details["mask"] and "padding" in s.details["mask"], s.details
+        assert "materialised" not in s.details["mask"]
+    got = gm(input_ids=ids, attention_mask=am)
+    exp = model(input_ids=ids, attention_mask=am)
+    got = got["last_hidden_state"] if isinstance(got, dict) else got.last_hidden_state if hasattr(got, "last_hidden_state") else got[0]
+    torch.testing.assert_close(got[am.bool()], exp.last_hidden_state[am.bool()], rtol=1e-4, atol=1e-5)
