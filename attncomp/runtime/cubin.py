@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 __all__ = ["CubinKernel", "ArtefactError", "pack_arguments", "launch_dims", "import_folder", "export_folder",
-           "cuda_bindings_available"]
+           "cuda_bindings_available", "artefacts_for_specs"]
 
 _CTYPES = {
     "int": ctypes.c_int32, "int32_t": ctypes.c_int32, "unsigned int": ctypes.c_uint32, "uint": ctypes.c_uint32,
@@ -252,3 +252,35 @@ def import_folder(folder: Union[str, os.PathLike], store=None) -> int:
         store.put(d.name, "launch.json", meta.read_bytes())
         n += 1
     return n
+
+
+def _spec_matches(variant: dict, spec) -> bool:
+    pol = "dense" if spec.policy.name == "et" else spec.policy.name
+    return (variant.get("policy") == pol and bool(variant.get("causal")) == bool(spec.causal)
+            and variant.get("mask") == spec.mask_kind
+            and (spec.head_dim is None or variant.get("head_dim") == spec.head_dim)
+            and variant.get("window_left") == getattr(spec, "window_left", None)
+            and variant.get("window_right") == getattr(spec, "window_right", None))
+
+
+def artefacts_for_specs(specs, store=None) -> Dict[str, bytes]:
+    """``{"<key>/<file>": bytes}`` of every cached cubin whose kernel variant serves one of ``specs``
+    (what a package of those sites carries to a GPU machine)."""
+    from .cache import default_cache
+
+    store = store or default_cache()
+    root = Path(store.root)
+    out: Dict[str, bytes] = {}
+    if not specs or not root.is_dir():
+        return out
+    for d in sorted(root.iterdir()):
+        if not (d.is_dir() and _KEY.match(d.name) and (d / "launch.json").exists()):
+            continue
+        meta = store.get_json(d.name, "launch.json")
+        cubin = store.get(d.name, "kernel.cubin")
+        if not isinstance(meta, dict) or cubin is None or not isinstance(meta.get("variant"), dict):
+            continue
+        if any(_spec_matches(meta["variant"], sp) for sp in specs):
+            out[f"{d.name}/kernel.cubin"] = cubin
+            out[f"{d.name}/launch.json"] = json.dumps(meta, sort_keys=True).encode()
+    return out

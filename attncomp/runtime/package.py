@@ -171,13 +171,41 @@ def _example_inputs(ep, writer: _TensorWriter) -> Optional[Dict[str, Any]]:
     return None
 
 
+def _tvm_site_kernels(program: bytes) -> Dict[str, bytes]:
+    """Cached CUDA artefacts for the program's sites that run on the TVM backend."""
+    from ..spec import AttentionSpec
+
+    specs = []
+
+    def walk(x):
+        if isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, list):
+            for v in x:
+                walk(v)
+        elif isinstance(x, str) and x.startswith("{") and '"backend":"tvm"' in x:
+            try:
+                specs.append(AttentionSpec.from_json(x))
+            except Exception:  # a string that only looks like a spec
+                pass
+
+    walk(json.loads(program))
+    if not specs:
+        return {}
+    from .cubin import artefacts_for_specs
+
+    return artefacts_for_specs(specs)
+
+
 def save_package(path: Union[str, os.PathLike], exported_program: "torch.export.ExportedProgram",
                  meta: Optional[dict] = None, kernels: Optional[Dict[str, bytes]] = None) -> str:
     """Write ``exported_program`` and the JSON-serialisable ``meta`` to ``path`` (atomically).
 
-    ``kernels`` maps ``"<cache key>/<file name>"`` to the bytes of a compiled kernel artefact (see
-    :func:`attncomp.runtime.cubin.package_kernels`); they travel in the package and land in the
-    loading machine's kernel cache.
+    ``kernels`` maps ``"<cache key>/<file name>"`` to the bytes of a compiled kernel artefact; they
+    travel in the package and land in the loading machine's kernel cache. By default (``None``) the
+    package carries the CUDA kernels in this machine's cache that serve its ``backend="tvm"`` sites
+    (built by ``python -m attncomp build-kernels``), so it runs on a GPU machine without TVM.
 
     Returns the package digest (sha256 of its manifest, which covers every entry): give it to
     :func:`load_package` as ``expected_digest`` to refuse any other package.
@@ -215,6 +243,9 @@ def save_package(path: Union[str, os.PathLike], exported_program: "torch.export.
     tensors_json = json.dumps({"state_dict": state_dict, "constants": constants, "example_inputs": examples},
                               sort_keys=True).encode()
     from safetensors.torch import save as _st_save
+
+    if kernels is None:
+        kernels = _tvm_site_kernels(program)
 
     payload: Dict[str, bytes] = {PROGRAM: program, TENSORS: tensors_json,
                                  SAFETENSORS: _st_save(writer.tensors) if writer.tensors else b""}

@@ -588,3 +588,33 @@ def test_tampered_safetensors_are_refused(pkg, tmp_path):
     with pytest.raises(PackageError, match="not referenced"):
         load_package(tmp_path / "u.acpkg")
     assert k.startswith("t")
+
+
+def test_package_of_tvm_sites_carries_their_cuda_kernels(tmp_path, monkeypatch):
+    """A package whose sites run on backend "tvm" carries the cached cubins that serve them."""
+    pytest.importorskip("tvm")
+    import shutil
+
+    if shutil.which("nvcc") is None:
+        pytest.skip("needs nvcc")
+    from attncomp.cli import main
+    from attncomp.runtime.cache import DiskCache
+
+    class TvmSite(torch.nn.Module):
+        def forward(self, q, k, v):
+            return attncomp.functional.attention(q, k, v, is_causal=True, policy="dense", backend="tvm")
+
+    q = torch.randn(1, 2, 8, 32)
+    ep = torch.export.export(TvmSite(), (q, q, q))
+    monkeypatch.setenv("ATTNCOMP_CACHE_DIR", str(tmp_path / "build"))
+    assert main(["build-kernels", "--arch", "sm_90", "--policy", "dense,dfss", "--head-dim", "32", "--causal"]) == 0
+    save_package(tmp_path / "tvm.acpkg", ep)
+    kernels = [n for n in read_manifest(tmp_path / "tvm.acpkg")["entries"] if n.startswith("kernels/")]
+    assert len(kernels) == 2 and {n.rsplit("/", 1)[1] for n in kernels} == {"kernel.cubin", "launch.json"}
+    monkeypatch.setenv("ATTNCOMP_CACHE_DIR", str(tmp_path / "gpu-machine"))
+    load_package(tmp_path / "tvm.acpkg")
+    key = kernels[0].split("/")[1]
+    assert DiskCache(tmp_path / "gpu-machine").get(key, "kernel.cubin")[:4] == b"\x7fELF"
+    # a package of sites on other backends carries none
+    save_package(tmp_path / "plain.acpkg", torch.export.export(Toy(), (torch.randn(2, 8, 32),)))
+    assert not [n for n in read_manifest(tmp_path / "plain.acpkg")["entries"] if n.startswith("kernels/")]
