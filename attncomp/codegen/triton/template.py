@@ -138,6 +138,21 @@ def _query_side(QPerm, Lo, Hi, row0, offs_m, mval, b, QPos, s_qpos, QSeg, s_qseg
 
 
 @triton.jit
+def _pos_partial(m0, m1, n0, n1, off, left, right, POS: tl.constexpr, HAS_LEFT: tl.constexpr,
+                 HAS_RIGHT: tl.constexpr, PERMUTED: tl.constexpr):
+    """Whether the window around default positions may exclude an entry of the tile of queries
+    ``m0..m1`` and keys ``n0..n1`` (always with position vectors or a sorted layout, whose row
+    order is not the position order)."""
+    part = (POS == 2) or PERMUTED
+    if POS == 1 and not PERMUTED:
+        if HAS_LEFT:
+            part = part | (n0 < m1 + off - left)
+        if HAS_RIGHT:
+            part = part | (n1 > m0 + off + right)
+    return part
+
+
+@triton.jit
 def _span(first, last, off, before, after, BLOCK: tl.constexpr, n_tiles,
           POS: tl.constexpr, HAS_BEFORE: tl.constexpr, HAS_AFTER: tl.constexpr):
     """Tiles ``[t_lo, t_hi)`` of the other side reachable from tokens ``first..last`` of this side
@@ -154,7 +169,7 @@ def _span(first, last, off, before, after, BLOCK: tl.constexpr, n_tiles,
 
 @triton.jit
 def _entry(
-    qk, m2, n2, qi2, kj2, qp2, qs2, qv2, lo2, hi2, kp2, ks2, kv2, b, h,
+    qk, m2, n2, qi2, kj2, qp2, qs2, qv2, lo2, hi2, kp2, ks2, kv2, b, h, pos_check,
     Mask, smb, smh, smm, smn, Pat, sph, spr, spc, Nq, Nk, win_left, win_right, qk_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr, CHECK_K: tl.constexpr,
     POLICY: tl.constexpr, NM_N: tl.constexpr, NM_M: tl.constexpr, EXCLUDE_SELF: tl.constexpr,
@@ -167,8 +182,9 @@ def _entry(
     ``qk`` is the raw ``q·k`` tile, queries by keys, or keys by queries when ``TRANSPOSED``; the
     ``*2`` arguments are broadcastable to it: row-order indices ``m2``/``n2``, original indices
     ``qi2``/``kj2``, and the per-token values of :func:`_tok_vals` and the sorted ranges.
-    With ``PRESCALE`` the result is in log2 units; without it, raw ``q·k`` (the caller applies the
-    scale inside its ``exp2`` multiply-add).
+    ``pos_check`` (a scalar) is false for tiles the position window contains entirely (their
+    position test is skipped). With ``PRESCALE`` the result is in log2 units; without it, raw ``q·k``
+    (the caller applies the scale inside its ``exp2`` multiply-add).
     """
     if PRESCALE:
         s = qk * qk_scale
@@ -184,10 +200,11 @@ def _entry(
     if CHECK_K:
         s = tl.where(n2 < Nk, s, _NEG)
     if POS != 0:
-        if HAS_LEFT:
-            s = tl.where(kp2 >= qp2 - win_left, s, _NEG)
-        if HAS_RIGHT:
-            s = tl.where(kp2 <= qp2 + win_right, s, _NEG)
+        if pos_check:
+            if HAS_LEFT:
+                s = tl.where(kp2 >= qp2 - win_left, s, _NEG)
+            if HAS_RIGHT:
+                s = tl.where(kp2 <= qp2 + win_right, s, _NEG)
     if SEG:
         s = tl.where(qs2 == ks2, s, _NEG)
     if QVAL:
@@ -312,8 +329,10 @@ def _attention_kernel(
                     qk = _dot(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32))
                 else:
                     qk = _dot(k, q, tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32))
+                pos_check = _pos_partial(start_m, start_m + BLOCK_M - 1, ktile * BLOCK_N, ktile * BLOCK_N + BLOCK_N - 1,
+                                         pos_off, win_left, win_right, POS, HAS_LEFT, HAS_RIGHT, PERMUTED)
                 s = _entry(qk, _bq(offs_m, T), _bk(offs_n, T), _bq(qi, T), _bk(kj, T), _bq(qp, T), _bq(qs, T),
-                           _bq(qv, T), _bq(lo, T), _bq(hi, T), _bk(kp, T), _bk(ks, T), _bk(kv, T), b, h,
+                           _bq(qv, T), _bq(lo, T), _bq(hi, T), _bk(kp, T), _bk(ks, T), _bk(kv, T), b, h, pos_check,
                            Mask, smb, smh, smm, smn, Pat, sph, spr, spc, Nq, Nk, win_left, win_right, qk_scale,
                            BLOCK_M, BLOCK_N, MASK_KIND, CHECK_K, POLICY, NM_N, NM_M, EXCLUDE_SELF, POS, HAS_LEFT,
                            HAS_RIGHT, SEG, QVAL, KVAL, SPION_BS, T, PRESCALE)
@@ -391,9 +410,11 @@ def _attention_kernel(
             kj = _orig(kperm, offs_n, nval, PERMUTED)
             kT = _load_tile(k_base, kj, nval, skn, offs_d, HEAD_D, BLOCK_D, CHECK_K, True)
             kp, ks, kv = _tok_vals(kj, nval, b, KPos, s_kpos, KSeg, s_kseg, KVal, s_kval, 0, POS, SEG, KVAL)
+            pos_check = _pos_partial(tile * BLOCK_M, tile * BLOCK_M + BLOCK_M - 1, start_n, start_n + BLOCK_N - 1,
+                                     pos_off, win_left, win_right, POS, HAS_LEFT, HAS_RIGHT, PERMUTED)
             s = _entry(_dot(q, kT, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)),
                        offs_m[:, None], offs_n[None, :], qi[:, None], kj[None, :], qp[:, None], qs[:, None], qv[:, None],
-                       lo[:, None], hi[:, None], kp[None, :], ks[None, :], kv[None, :], b, h,
+                       lo[:, None], hi[:, None], kp[None, :], ks[None, :], kv[None, :], b, h, pos_check,
                        Mask, smb, smh, smm, smn, Pat, sph, spr, spc, Nq, Nk, win_left, win_right, qk_scale,
                        BLOCK_M, BLOCK_N, MASK_KIND, CHECK_K, POLICY, NM_N, NM_M, EXCLUDE_SELF, POS, HAS_LEFT, HAS_RIGHT,
                        SEG, QVAL, KVAL, SPION_BS, False, PRESCALE)
