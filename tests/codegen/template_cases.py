@@ -92,3 +92,13 @@ CASES = [
     ("spion", ("segments", "q_valid", "bottom_right"), "bool", 2, 4, 2, 30, 47, 160, torch.float32),
     ("spion", (), "none", 1, 2, 2, 33, 33, 256, torch.bfloat16),
 ]
+
+
+def close(name, a, b, tol, grad=False):
+    """``a`` equals ``b`` within ``tol = (atol, rtol)``, ``atol`` scaled by ``b``'s largest
+    magnitude for gradients (sums of many rounded products); never NaN."""
+    atol, rtol = tol
+    if grad:
+        atol = atol * max(1.0, b.abs().max().item())
+    assert not torch.isnan(a).any(), f"NaN in {name}"
+    torch.testing.assert_close(a.double(), b.double(), atol=atol, rtol=rtol, msg=lambda m: f"{name}\n{m}")

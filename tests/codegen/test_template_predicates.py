@@ -26,7 +26,7 @@ from attncomp.codegen import reference as R  # noqa: E402
 from attncomp.codegen.triton import backend as TB  # noqa: E402
 from attncomp.policy import SPION  # noqa: E402
 from attncomp.spec import AttentionSpec, Predicates, dtype_name  # noqa: E402
-from tests.codegen.template_cases import CASES, make_mask, make_policy, make_preds  # noqa: E402
+from tests.codegen.template_cases import CASES, close, make_mask, make_policy, make_preds  # noqa: E402
 from tests.utils import TOL, poison  # noqa: E402
 
 BACKEND = TB.TritonBackend()
@@ -47,11 +47,7 @@ def _ids(c):
 
 
 def _close(name, a, b, dtype, scale_by_max=False):
-    atol, rtol = TOL[dtype]
-    if scale_by_max:
-        atol = atol * max(1.0, b.abs().max().item())
-    assert not torch.isnan(a).any(), f"NaN in {name}"
-    torch.testing.assert_close(a.double(), b.double(), atol=atol, rtol=rtol, msg=lambda m: f"{name}\n{m}")
+    close(name, a, b, TOL[dtype], grad=scale_by_max)
 
 
 def run_case(policy, kinds, mask_kind, B, Hq, Hk, Nq, Nk, D, dtype, *, dropout_p=0.0, backward=True):
