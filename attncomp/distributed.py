@@ -269,29 +269,57 @@ def _block_backward(spec: AttentionSpec, q, k, v, q_aux, k_aux, out, lse, dout):
             dout.contiguous(), q, k, v, None, q_aux, k_aux, None, *_no_preds(), out.contiguous(),
             lse.float().contiguous(), spec.replace(backend=name).to_json(), 0.0, 0, False)
         return dq, dk, dv
+    return _formula_backward(spec, q, k, v, q_aux, k_aux, out, lse, dout)
+
+
+#: most logits (batch x heads x rows x keys) the exact block backward holds at once: rows are
+#: processed in chunks under it
+_BWD_CHUNK_ELEMS = 1 << 26
+
+
+def _formula_backward(spec: AttentionSpec, q, k, v, q_aux, k_aux, out, lse, dout):
     from .codegen import reference as ref
 
-    Hq, Hk = q.shape[1], k.shape[1]
+    B, Hq, nq, _ = q.shape
+    Hk, nk = k.shape[1], k.shape[2]
+    ct = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
     scale = spec.scale if spec.scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    s, allowed = ref.logits(spec, q, k, None)
-    keep = ref.keep_mask(spec, s, allowed, q_aux, k_aux, None)
-    ct = s.dtype
-    lse_c = lse.to(ct)[..., None]
-    live = keep & torch.isfinite(lse_c)
-    p = torch.where(live, torch.exp(s - torch.where(torch.isfinite(lse_c), lse_c, torch.zeros_like(lse_c))),
-                    torch.zeros_like(s))
-    do = dout.to(ct)
-    delta = (do * out.to(ct)).sum(-1, keepdim=True)
-    kk = k.repeat_interleave(Hq // Hk, dim=1).to(ct) if Hq != Hk else k.to(ct)
-    vv = v.repeat_interleave(Hq // Hk, dim=1).to(ct) if Hq != Hk else v.to(ct)
-    dv = torch.matmul(p.transpose(-1, -2), do)
-    ds = p * (torch.matmul(do, vv.transpose(-1, -2)) - delta)
-    dq = torch.matmul(ds, kk) * scale
-    dk = torch.matmul(ds.transpose(-1, -2), q.to(ct)) * scale
+    pol = spec.policy
+    no_self = isinstance(pol, Hash) and pol.exclude_self
+    # the keep rule on chunks of rows: causality and self-exclusion by global row index here
+    rule = spec.replace(causal=False, policy=get_policy(pol, exclude_self=False) if no_self else pol)
+    kk = (k.repeat_interleave(Hq // Hk, dim=1) if Hq != Hk else k).to(ct)
+    vv = (v.repeat_interleave(Hq // Hk, dim=1) if Hq != Hk else v).to(ct)
+    dq = torch.empty(q.shape, dtype=ct, device=q.device)
+    dk = torch.zeros(kk.shape, dtype=ct, device=q.device)
+    dv = torch.zeros(vv.shape, dtype=ct, device=q.device)
+    rows = max(1, min(nq, _BWD_CHUNK_ELEMS // max(1, B * Hq * nk)))
+    j = torch.arange(nk, device=q.device)[None, :]
+    for a in range(0, nq, rows):
+        b = min(nq, a + rows)
+        qc = q[:, :, a:b].to(ct)
+        s = torch.matmul(qc, kk.transpose(-1, -2)) * scale
+        i = torch.arange(a, b, device=q.device)[:, None]
+        allowed = torch.ones((b - a, nk), dtype=torch.bool, device=q.device)
+        if spec.causal:
+            allowed = allowed & (j <= i)
+        if no_self:
+            allowed = allowed & (j != i)
+        allowed = allowed.expand(B, Hq, b - a, nk)
+        keep = ref.keep_mask(rule, s, allowed, None if q_aux is None else q_aux[:, :, a:b], k_aux, None)
+        lse_c = lse[:, :, a:b].to(ct)[..., None]
+        finite = torch.isfinite(lse_c)
+        p = torch.where(keep & finite, torch.exp(s - torch.where(finite, lse_c, torch.zeros_like(lse_c))),
+                        torch.zeros_like(s))
+        do = dout[:, :, a:b].to(ct)
+        delta = (do * out[:, :, a:b].to(ct)).sum(-1, keepdim=True)
+        ds = p * (torch.matmul(do, vv.transpose(-1, -2)) - delta)
+        dv += torch.matmul(p.transpose(-1, -2), do)
+        dq[:, :, a:b] = torch.matmul(ds, kk) * scale
+        dk += torch.matmul(ds.transpose(-1, -2), qc) * scale
     if Hq != Hk:
-        B, _, N, _ = dk.shape
-        dk = dk.view(B, Hk, Hq // Hk, N, -1).sum(2)
-        dv = dv.view(B, Hk, Hq // Hk, N, -1).sum(2)
+        dk = dk.view(B, Hk, Hq // Hk, nk, -1).sum(2)
+        dv = dv.view(B, Hk, Hq // Hk, nk, -1).sum(2)
     return dq, dk, dv
 
 

@@ -31,3 +31,13 @@ def test_gpu_two_ranks_match_one_pass(policy, layout, causal, dtype):
     err = workers.thread_ring_case(2, policy, layout, causal, dtype, "cuda", Hq=8, n=384, D=64, Dv=64)
     tol = 3e-2 if dtype == torch.bfloat16 else 5e-3
     assert max(err.values()) < tol, err
+
+
+@pytest.mark.parametrize("policy", ["dense", "dfss", {"name": "hash", "n_buckets": 4, "exclude_self": True}, "drop"])
+def test_block_backward_in_row_chunks(monkeypatch, policy):
+    # the exact block backward bounds its memory by processing rows in chunks: same gradients
+    from attncomp import distributed as D
+
+    monkeypatch.setattr(D, "_BWD_CHUNK_ELEMS", 2 * 4 * 3 * 8)  # 3 rows of 8 keys per chunk: chunks straddle
+    err = workers.thread_ring_case(2, workers._policy(policy), "balanced", True, torch.float64, "cpu")
+    assert max(err.values()) < 2e-6, err
