@@ -250,7 +250,7 @@ _FUNCS = {
     "transpose": {torch.transpose, aten.transpose.int, torch.swapaxes},
     "identity": {torch.clone, aten.clone.default, aten.contiguous.default, aten.alias.default,
                  aten.detach.default, aten.detach_.default, torch.detach, aten.lift_fresh_copy.default},
-    "index": {aten.index.Tensor},
+    "index": {aten.index.Tensor, aten.index},
     "slice": {aten.slice.Tensor},
     "select": {aten.select.int, torch.select},
     "arange": {torch.arange, aten.arange.default, aten.arange.start, aten.arange.start_step},
@@ -335,6 +335,27 @@ def _shape(n: Any) -> Optional[Tuple]:
     return shp
 
 
+def _vmap_op(n: fx.Node) -> Optional[str]:
+    """``_add_batch_dim`` / ``_remove_batch_dim`` (torch.vmap in dynamo graphs), else None."""
+    if n.op != "call_function":
+        return None
+    name = getattr(n.target, "__name__", "")
+    mod = getattr(n.target, "__module__", "") or ""
+    if name in ("_add_batch_dim", "_remove_batch_dim") and "functorch" in mod:
+        return name
+    return None
+
+
+def _same_len(a: Any, b: Any) -> bool:
+    """Whether an ``arange`` length argument and a tensor size are provably equal."""
+    sa = static_int(a) if not isinstance(a, fx.Node) else static_int(a.meta.get("val", a.meta.get("example_value")))
+    sb = static_int(b)
+    if sa is not None and sb is not None:
+        return sa == sb
+    va = a.meta.get("val", a.meta.get("example_value")) if isinstance(a, fx.Node) else a
+    return va is not None and str(va) == str(b)
+
+
 def _is_big_negative(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and v <= _FILL_MAX
 
@@ -346,6 +367,54 @@ class _Eval:
         self.gm = gm
         self.labels = _Labels()
         self.memo: Dict[fx.Node, Any] = {}
+        self._batched: Dict[fx.Node, bool] = {}
+        levels = [n.args[2] for n in gm.graph.nodes if _vmap_op(n) == "_add_batch_dim"]
+        #: nesting depth of torch.vmap regions (Hugging Face vmaps over b, h, i, j: 4)
+        self.vmap_depth = max((l for l in levels if isinstance(l, int)), default=0)
+
+    # -- torch.vmap regions: a batched value carries its vmapped dims as leading dims, level l at
+    # position l - 1 of ``vmap_depth`` (the order ``_remove_batch_dim`` chains put them back in); only
+    # elementwise ops, comparisons and gathers are modelled inside, each on 0-d logical values
+    def batched(self, n: Any) -> bool:
+        """Whether ``n`` is a batched value inside a torch.vmap region (unusable outside it)."""
+        if not isinstance(n, fx.Node):
+            return False
+        if n in self._batched:
+            return self._batched[n]
+        kind = _vmap_op(n)
+        if kind == "_add_batch_dim":
+            out = True
+        elif kind == "_remove_batch_dim":
+            out = n.args[1] != 1
+        else:
+            out = any(self.batched(a) for a in n.all_input_nodes)
+        self._batched[n] = out
+        return out
+
+    def add_batch_dim(self, n):
+        x, in_dim, level = n.args[:3]
+        v = self(x)
+        lv = n.meta.get("example_value", n.meta.get("val"))
+        if self.batched(x) or in_dim != 0 or len(v.layout) != 1 or not isinstance(level, int) \
+                or not isinstance(lv, torch.Tensor) or lv.dim() != 0:
+            raise _Fail(f"{n.name}: a torch.vmap over other than a 1-D vector")
+        K = self.vmap_depth
+        return self.relayout(v, (None,) * (level - 1) + (v.layout[0],) + (None,) * (K - level))
+
+    def remove_batch_dim(self, n):
+        y, level, size, out_dim = n.args[:4]
+        prev = y if isinstance(y, fx.Node) and _vmap_op(y) == "_remove_batch_dim" else None
+        want = self.vmap_depth if prev is None else prev.args[1] - 1
+        if out_dim != 0 or level != want:
+            raise _Fail(f"{n.name}: a torch.vmap nesting the pass does not model")
+        v = self(y)
+        K = self.vmap_depth
+        if len(v.layout) > K:
+            raise _Fail(f"{n.name}: a torch.vmap body with non-scalar values")
+        lay = (None,) * (K - len(v.layout)) + tuple(v.layout)
+        if lay[level - 1] is None and size != 1:
+            lay = lay[:level - 1] + (self.labels.new(),) + lay[level:]
+        return self._with_layout(v, lay)
 
     # -- helpers ---------------------------------------------------------------------------------
     def relayout(self, v, layout: Layout):
@@ -390,6 +459,8 @@ class _Eval:
 
     def opaque(self, n: fx.Node, layout: Optional[Layout] = None):
         """``n`` as a value the pass does not look into: a leaf over its own dims."""
+        if self.batched(n):
+            raise _Fail(f"{n.name} ({describe(n)}) inside torch.vmap is not an index expression the pass models")
         if layout is None:
             shape = _shape(n)
             if shape is None:
@@ -444,6 +515,11 @@ class _Eval:
         return v
 
     def _eval(self, n: fx.Node):
+        vk = _vmap_op(n)
+        if vk == "_add_batch_dim":
+            return self.add_batch_dim(n)
+        if vk == "_remove_batch_dim":
+            return self.remove_batch_dim(n)
         k = _kind(n)
         a = list(n.args)
         if k is None:
@@ -726,6 +802,8 @@ class _Eval:
 
     # shapes
     def shape_op(self, n, k, a):
+        if self.batched(n) and k != "index":
+            raise _Fail(f"{n.name} ({describe(n)}): a view inside torch.vmap")
         if k == "getitem":
             return self.getitem(n, self(a[0]), a[1])
         x = self(a[0])
@@ -864,7 +942,7 @@ class _Eval:
         return False
 
     def adv_index(self, n, x, idx: List[Any]):
-        lays = []
+        lays, vals = [], []
         for i in idx:
             if i is None:
                 return self.opaque(n)
@@ -872,8 +950,35 @@ class _Eval:
             if not isinstance(v, _Num) or self.dtype(i) == torch.bool:
                 return self.opaque(n)
             lays.append(v.layout)
+            vals.append(v)
         lay = self.broadcast(*lays) + tuple(x.layout[len(idx):])
-        return self.opaque(n, lay)
+        gathered = self.identity_gather(n, x, vals, lay)
+        return gathered if gathered is not None else self.opaque(n, lay)
+
+    def identity_gather(self, n, x, vals: List[_Num], lay: Layout):
+        """``x[arange(n0)[..], arange(n1)[..]]`` with ``n_d == x.shape[d]`` is ``x`` itself with its dims
+        moved to the indices' dims (``padding_mask[batch_idx, kv_idx]``), so it stays a vector of
+        the graph outside torch.vmap too."""
+        src = n.args[0]
+        shp = _shape(src)
+        if shp is None or self.batched(src) or len(vals) != len(x.layout) or len(shp) != len(vals):
+            return None
+        for v, dim in zip(vals, shp):
+            if len(v.terms) != 1 or v.syms or v.const != 0 or v.terms[0][0] != 1:
+                return None
+            leaf = v.terms[0][1]
+            ln = _is_plain_arange(leaf)
+            if ln is None or len(leaf.layout) != 1 or not _same_len(ln, dim):
+                return None
+        fresh = self.relayout(x, x.layout)
+        for d, v in enumerate(vals):
+            xl, il = fresh.layout[d], v.terms[0][1].layout[0]
+            if xl is None or il is None:
+                if (xl is None) != (il is None):
+                    return None
+                continue
+            self.labels.union(xl, il)
+        return self._with_layout(fresh, lay)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1049,12 +1154,14 @@ def _residual(res: MaskAnalysis, src: _Src, axes, what: Optional[str] = None) ->
 
 
 class _Emitter:
-    def __init__(self, g: fx.Graph, axis):
-        self.g, self.axis = g, axis
+    def __init__(self, g: fx.Graph, axis, batched=lambda n: False):
+        self.g, self.axis, self.batched = g, axis, batched
 
     def layout_to(self, node: fx.Node, layout: Layout, axes: Tuple[str, ...]) -> fx.Node:
         """``node`` (dims labelled ``layout``) as a tensor with dims ``axes`` (size 1 where absent)."""
         g = self.g
+        if self.batched(node):
+            raise _Fail(f"{node.name} is a batched value inside torch.vmap")
         present = [(d, self.axis(l)) for d, l in enumerate(layout) if l is not None]
         names = [a for _, a in present]
         if len(set(names)) != len(names) or any(a not in axes for a in names):
@@ -1241,7 +1348,7 @@ def analyze_mask(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
 def _rewrite(gm: fx.GraphModule, node: fx.Node, idx: Dict[str, int], res: MaskAnalysis, ev: _Eval) -> str:
     spec = spec_of(node)
     g = gm.graph
-    em = _Emitter(g, res.axis)
+    em = _Emitter(g, res.axis, ev.batched)
     new: Dict[str, Any] = {}
     fields: Dict[str, Any] = {}
     default_words = None

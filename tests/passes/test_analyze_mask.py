@@ -402,27 +402,36 @@ def test_hf_packed_documents():
     torch.testing.assert_close(got.last_hidden_state, exp.last_hidden_state, rtol=1e-4, atol=1e-5)
 
 
-def test_vmap_built_mask_stays_materialised_and_runs():
-    """Hugging Face builds custom masks with torch.vmap; dynamo keeps the batching calls in the graph.
-    Batched values are not analysed (the mask stays, with that reason) and the graph still runs."""
+@pytest.mark.parametrize("data", [False, True], ids=["index", "data"])
+def test_vmap_built_masks(data):
+    """Hugging Face builds custom masks with torch.vmap (dynamo keeps the batching calls in the graph):
+    sliding window + padding become predicates; a mask function that reads an (B, Nq, Nk) tensor (the
+    negative twin) stays materialised. Both graphs run and equal eager."""
     MU = pytest.importorskip("transformers.masking_utils")
 
     class M(nn.Module):
-        def forward(self, q, k, v, am):
+        def forward(self, q, k, v, am, r):
             mf = MU.and_masks(MU.sliding_window_causal_mask_function(3), MU.padding_mask_function(am.bool()))
+            if data:
+                rb = r[:, 0] > 0.2
+                mf = MU.and_masks(mf, lambda b, h, i, j: rb[b, i, j])
             m = MU.sdpa_mask(batch_size=q.shape[0], q_length=q.shape[2], kv_length=k.shape[2], mask_function=mf,
                              allow_is_causal_skip=False, use_vmap=True)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=m)
 
-    q, k, v, am = inputs(7, 7, 6)[:4]
+    x = inputs(7, 7, 6)
+    q, k, v, am, r = x[0], x[1], x[2], x[3], x[6]
     ctx = CompileContext()
     torch._dynamo.reset()
-    out = torch.compile(M(), backend=lambda gm, ex: run_passes(gm, ctx, PASSES))(q, k, v, am)
+    out = torch.compile(M(), backend=lambda gm, ex: run_passes(gm, ctx, PASSES))(q, k, v, am, r)
     torch._dynamo.reset()
     assert len(ctx.sites) == 1 and ctx.sites[0].rewritten
     mask = ctx.sites[0].details["mask"]
-    assert "materialised mask" in mask and "torch.vmap" in mask, mask
-    torch.testing.assert_close(out, M()(q, k, v, am))
+    assert "window(2, 0)" in mask and "padding" in mask, mask
+    assert ("materialised mask" in mask) == data, mask
+    exp = M()(q, k, v, am, r)
+    rows = ~torch.isnan(exp).any(-1)
+    torch.testing.assert_close(out[rows], exp[rows])
 
 
 @pytest.mark.parametrize("family,words", [("llama", ["causal (bottom-right)", "padding"]),
