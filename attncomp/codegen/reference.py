@@ -20,6 +20,7 @@ Rules implemented here (one place, so every backend is checked against the same 
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional, Tuple
 
@@ -44,8 +45,17 @@ def default_positions(spec: AttentionSpec, nq: int, nk: int, device) -> Tuple[to
     """``(q_pos, k_pos)`` as ``(1, Nq)``/``(1, Nk)`` int64 when the caller gives none: ``arange``, the
     queries shifted by ``Nk - Nq`` under bottom-right alignment (the last query sees the last key)."""
     off = (nk - nq) if spec.causal_align == "bottom_right" else 0
-    qp = torch.arange(nq, device=device, dtype=torch.int64) + off
-    return qp[None], torch.arange(nk, device=device, dtype=torch.int64)[None]
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        # memory allocated inside a CUDA graph capture belongs to the graph: not for a cache
+        return _positions.__wrapped__(nq, off, device), _positions.__wrapped__(nk, 0, device)
+    return _positions(nq, off, device), _positions(nk, 0, device)
+
+
+@functools.lru_cache(maxsize=256)
+def _positions(n: int, offset: int, device: torch.device) -> torch.Tensor:
+    # cached per size and device (read only): no per-call arange on the host path
+    return (torch.arange(n, device=device, dtype=torch.int64) + offset)[None]
 
 
 def predicate_mask(spec: AttentionSpec, nq: int, nk: int, device, preds: Optional[Predicates] = None,

@@ -65,7 +65,6 @@ def _plan(spec: AttentionSpec, q: Tensor, k: Tensor, attn_mask: Optional[Tensor]
     pm = predicate_mask(spec, nq, nk, q.device, preds, positions=not is_causal)
     if attn_mask is None and pm is None:
         return is_causal, None, None
-    ninf = torch.full((), float("-inf"), dtype=q.dtype, device=q.device)
     if attn_mask is None:
         allowed, bias = pm, None
     elif attn_mask.dtype == torch.bool:
@@ -73,10 +72,11 @@ def _plan(spec: AttentionSpec, q: Tensor, k: Tensor, attn_mask: Optional[Tensor]
     else:
         bias = attn_mask.to(q.dtype)
         if pm is not None:
-            bias = torch.where(pm, bias, ninf)
+            bias = torch.where(pm, bias, float("-inf"))
         allowed = None
     if bias is None:
-        bias = torch.where(allowed, torch.zeros((), dtype=q.dtype, device=q.device), ninf)
+        # Python scalars: no scalar tensors built (and filled) per call
+        bias = torch.where(allowed, 0.0, float("-inf")).to(q.dtype)
         row_ok = allowed.any(-1)
     else:
         row_ok = (bias != float("-inf")).any(-1)
@@ -145,8 +145,8 @@ class SdpaBackend:
         raw_lse = lse
         lse = lse.to(torch.float32)
         if row_ok is not None:
-            out = torch.where(row_ok[..., None], out, torch.zeros((), dtype=out.dtype, device=out.device))
-            lse = torch.where(row_ok, lse, torch.full((), float("-inf"), device=lse.device))
+            out = torch.where(row_ok[..., None], out, 0.0)
+            lse = torch.where(row_ok, lse, float("-inf"))
         return out, lse.expand(q.shape[:-1]).contiguous(), raw_lse
 
     # -- backward -----------------------------------------------------------------------------
@@ -165,7 +165,7 @@ class SdpaBackend:
             _, _, raw = self._forward(spec, q, k, v, attn_mask, preds)
         else:
             # an empty row's lse is -inf; SDPA's kernel wants a finite one there (its p is 0 anyway)
-            raw = torch.where(torch.isneginf(lse), torch.zeros((), dtype=lse.dtype, device=lse.device), lse)
+            raw = torch.where(torch.isneginf(lse), 0.0, lse)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_out.to(q.dtype), q, kk, vv, out, raw, 0.0, is_causal, attn_mask=bias, scale=_scale(spec, q.shape[-1]))
         return dq, _sum_groups(dk, hk), _sum_groups(dv, hk), None
@@ -211,7 +211,7 @@ def _cuda_backward(spec, q, k, v, attn_mask, preds, grad_out, out, lse):
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
             go, q, kk, vv, r[0], r[1], r[2], r[3], r[4], r[5], 0.0, is_causal, r[6], r[7], scale=scale)
         return dq, _sum_groups(dk, hk), _sum_groups(dv, hk)
-    zero = torch.zeros((), dtype=q.dtype, device=q.device)
+    zero = 0.0
     if bias is None:
         bias = torch.zeros((1, 1, 1, nk), dtype=q.dtype, device=q.device)
     if row_ok is not None:
