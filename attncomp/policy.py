@@ -160,7 +160,8 @@ class SPION(Policy):
     Pattern generation and the training procedure (:mod:`attncomp.spion`): ``variant`` ``"spion"``
     (filter + flood fill), ``"spion-f"`` (no filter) or ``"spion-c"`` (filter + top blocks, ``density``
     the fraction kept); ``alpha``: the transition threshold of Alg. 2 (``None``: switch only through
-    ``attncomp.spion.calibrate``/``set_patterns``); ``per_head``: one pattern per query head.
+    ``attncomp.spion.calibrate``/``set_patterns``), tested every ``interval`` training steps (the
+    "epoch" of Alg. 2: its maps are averaged); ``per_head``: one pattern per query head.
     """
 
     name: ClassVar[str] = "spion"
@@ -172,6 +173,7 @@ class SPION(Policy):
     density: Optional[float] = None
     alpha: Optional[float] = None
     per_head: bool = False
+    interval: int = 50
 
     def __post_init__(self):
         if self.block_size not in _VALID_BLOCK:
@@ -193,6 +195,8 @@ class SPION(Policy):
             raise ValueError(f"SPION alpha must be a positive number or None, got {self.alpha!r}")
         if not isinstance(self.per_head, bool):
             raise ValueError(f"SPION per_head must be a bool, got {self.per_head!r}")
+        if isinstance(self.interval, bool) or not isinstance(self.interval, int) or self.interval < 1:
+            raise ValueError(f"SPION interval must be a positive int, got {self.interval!r}")
 
 
 @dataclass(frozen=True)

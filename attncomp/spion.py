@@ -333,10 +333,11 @@ def fit_pattern(pattern: torch.Tensor, nq: int, nk: int) -> torch.Tensor:
 # ``Nq == Nk`` are recorded; the first recorded length is the site's calibration length ``L``, and
 # calls of other lengths are not recorded.
 #
-# Transition (Alg. 2 lines 5-7, Eq. 2). With ``A_i`` the map of the site's i-th recorded training
-# step, ``d_i = | ||A_{i-1}||_F - ||A_i||_F |`` (Eq. 2 as printed) and the site switches at step i
-# when ``|d_{i-1} - d_i| < alpha * ||A_i||_F`` (relative to the map's norm, so one ``alpha`` serves
-# every length). Its pattern is generated from the mean of the last ``WINDOW`` recorded maps.
+# Transition (Alg. 2 lines 5-7, Eq. 2). Alg. 2 compares the maps of successive epochs; here an
+# "epoch" is ``interval`` recorded training steps of the site and ``A_i`` the mean of their maps.
+# ``d_i = | ||A_{i-1}||_F - ||A_i||_F |`` (Eq. 2 as printed) and the site switches at the end of
+# interval i >= 2 when ``|d_{i-1} - d_i| < alpha * ||A_i||_F`` (relative to the map's norm, so one
+# ``alpha`` serves every length), to the pattern of ``A_i``.
 # ``calibrate`` instead runs the given batches (eval mode, no grad), records every site, and switches
 # each to the pattern of the mean of those maps. Until a site switches it runs dense (a pattern with
 # every block kept: exactly dense attention).
@@ -347,12 +348,9 @@ import re
 import threading
 import uuid
 import weakref
-from collections import deque
 from typing import Any, Iterable, List, Union
 
 from torch import Tensor
-
-WINDOW = 8
 
 __all__ += ["SpionState", "calibrate", "set_patterns", "patterns", "summary", "state_of"]
 
@@ -373,7 +371,8 @@ class SiteState:
         self.name, self.index, self.heads = name, index, heads
         self.length: Optional[int] = None
         self.steps = 0
-        self.maps: deque = deque(maxlen=WINDOW)
+        self.acc: Optional[Tensor] = None
+        self.acc_count = 0
         self.norms: List[float] = []
         self.cal_sum: Optional[Tensor] = None
         self.cal_count = 0
@@ -464,11 +463,15 @@ class SpionState:
                 site.cal_count += 1
                 return
             site.steps += 1
-            site.maps.append(A)
-            site.norms.append(float(torch.linalg.vector_norm(A)))
+            site.acc = A if site.acc is None else site.acc + A
+            site.acc_count += 1
+            if site.acc_count < self.policy.interval:
+                return
+            mean = site.acc / site.acc_count
+            site.acc, site.acc_count = None, 0
+            site.norms.append(float(torch.linalg.vector_norm(mean)))
             nr = site.norms[-3:]
             if len(nr) == 3 and abs(abs(nr[0] - nr[1]) - abs(nr[1] - nr[2])) < self.policy.alpha * nr[2]:
-                mean = torch.stack(list(site.maps)).mean(0)
                 self._set(site, self.make_pattern(mean), "auto (Alg. 2)")
 
     def make_pattern(self, pooled: Tensor) -> Tensor:

@@ -393,15 +393,17 @@ def test_calibrate_other_lengths_and_gradients():
 def test_automatic_switch_alg2():
     torch.manual_seed(3)
     model = Toy(n=1).train()
-    fast = _compile(model, alpha=10.0)            # any change counts as small: switch at step 3
-    for _ in range(4):
+    # any change counts as small: the switch comes with the third interval (Alg. 2 needs i > 1)
+    fast = _compile(model, alpha=10.0, interval=2)
+    for step in range(7):
         fast(torch.randn(2, 48, 32)).sum().backward()
-    site = next(iter(spion.state_of(fast).sites.values()))
-    assert site.switch_step == 3 and site.pattern is not None and site.pattern.shape == (1, 3, 3)
-    assert "switched at step 3" in str(attncomp.report(fast))
+        site = next(iter(spion.state_of(fast).sites.values()))
+        assert (site.pattern is None) == (step < 5)
+    assert site.switch_step == 6 and site.pattern.shape == (1, 3, 3)
+    assert "switched at step 6" in str(attncomp.report(fast))
     # negative twin: an alpha no change meets never switches
     model2 = Toy(n=1).train()
-    fast2 = _compile(model2, alpha=1e-30)
+    fast2 = _compile(model2, alpha=1e-30, interval=1)
     for _ in range(4):
         fast2(torch.randn(2, 48, 32)).sum().backward()
     site2 = next(iter(spion.state_of(fast2).sites.values()))

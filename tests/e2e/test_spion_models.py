@@ -34,7 +34,7 @@ def test_bert_training_switches_under_the_default_pipeline():
     # dynamo capture, Inductor around the op: the dense phase trains, records, and switches (Alg. 2)
     g = torch.Generator().manual_seed(3)
     model = _bert().train()
-    fast = attncomp.compile(model, policy=attncomp.SPION(block_size=16, threshold=0.7, alpha=10.0),
+    fast = attncomp.compile(model, policy=attncomp.SPION(block_size=16, threshold=0.7, alpha=10.0, interval=1),
                             backend="reference")
     x = _inputs(2, 48, g)
     for step in range(4):
