@@ -715,11 +715,16 @@ class _Eval:
         cx, cy = const(x), const(y)
         dt = self.dtype(n) if isinstance(n, fx.Node) else None
         if cx is not None and cy is not None:
-            if cx is True and cy is False:
-                return _Pred(lay, c.atoms, c.false)
-            if cx is False and cy is True:
+            # where(c, 1, 0): c itself, as a bool or as a 0/1 number
+            as_bool = dt == torch.bool or (dt is None and isinstance(cx, bool))
+            if cx == 1 and cy == 0:
+                p = _Pred(lay, c.atoms, c.false)
+                return p if as_bool else _Ind(lay, p)
+            if cx == 0 and cy == 1:
                 neg = self.negate(n, c)
-                return replace(neg, layout=lay) if isinstance(neg, _Pred) else neg
+                if not isinstance(neg, _Pred) or (not as_bool and neg.inv is not None):
+                    return self.opaque(n)
+                return replace(neg, layout=lay) if as_bool else _Ind(lay, replace(neg, layout=lay))
             if cx == 0 and _is_big_negative(cy):
                 return _FMask(lay, replace(c, layout=lay))
             if cy == 0 and _is_big_negative(cx):
@@ -727,8 +732,6 @@ class _Eval:
                 if not isinstance(neg, _Pred):  # allowed iff this where() reads 0
                     neg = _Pred(lay, (_Atom("leaf", _Src(n, lay, "zero")),))
                 return _FMask(lay, replace(neg, layout=lay))
-            if cx == 1 and cy == 0 and dt != torch.bool:
-                return _Ind(lay, replace(c, layout=lay))
             return self.opaque(n)
         if cy is False and isinstance(x, _Pred):
             return _Pred(lay, c.atoms + x.atoms, c.false or x.false)
@@ -886,6 +889,8 @@ class _Eval:
         return False
 
     def reshape(self, n, x):
+        if any(isinstance(a, torch.dtype) for a in list(n.args[1:]) + list(n.kwargs.values())):
+            return self.opaque(n)   # a bit-reinterpreting view
         src, out = _shape(n.args[0]), _shape(n)
         if src is None or out is None or len(src) != len(x.layout):
             return self.opaque(n)
