@@ -6,18 +6,20 @@ import pytest
 
 from tests.distributed import harness, workers
 
-#: cases that need the compiled module to behave like the model it wraps (DESIGN §1: parameters
-#: registered before the first call, the wrapper's forward and hooks run, no deepcopy of the
-#: wrapped module), which ``attncomp.compile`` does not do yet
+#: cases that fail on what attncomp.compile does now (not on the wrappers' side): training through
+#: hash and drop sites fails even in one process, and a compiled FSDP2-wrapped model neither keeps
+#: its report nor follows the parameters FSDP2 swaps in after an optimizer step
+_HASH = "attncomp.compile: training through hash sites fails in dynamo/Inductor compilation (also in one process)"
+_DROP = "attncomp.compile: drop sites' lifted per-call seed has no dynamo source (also in one process)"
 PENDING_COMPILE = {
-    "ddp-compile_then_wrap-lazy-dense": "compiled module lists no parameters before its first call, so DDP refuses it",
-    "ddp-wrap_then_compile-lazy-hash": "attncomp.compile cannot capture a DistributedDataParallel module",
-    "ddp-wrap_then_compile-example-drop": "attncomp.compile cannot capture a DistributedDataParallel module",
-    "fsdp2-compile_then_wrap-lazy-drop": "compiled module deep-copies the FSDP2-sharded model at capture",
-    "fsdp2-compile_then_wrap-example-hash": "graphs captured before fully_shard keep the unsharded parameters, "
-                                            "so the sharded ones get no gradient",
-    "fsdp2-wrap_then_compile-lazy-dfss": "compiled module deep-copies the FSDP2-sharded model at capture",
-    "fsdp2-wrap_then_compile-example-dense": "compiled module deep-copies the FSDP2-sharded model at capture",
+    "ddp-wrap_then_compile-lazy-hash": _HASH,
+    "ddp-wrap_then_compile-example-drop": _DROP,
+    "fsdp2-compile_then_wrap-lazy-drop": _DROP,
+    "fsdp2-compile_then_wrap-example-hash": _HASH,
+    "fsdp2-wrap_then_compile-lazy-dfss": "attncomp.compile of an FSDP2-wrapped model: no report, gradients differ",
+    "fsdp2-wrap_then_compile-example-dense": "attncomp.compile of an FSDP2-wrapped model: gradients differ after "
+                                             "the first optimizer step (the graph does not see the updated "
+                                             "parameters), no report",
 }
 CASES = [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=PENDING_COMPILE[n])) if n in PENDING_COMPILE
          else n for n in (workers.dp_case_name(c) for c in workers.DP_CASES)]
@@ -41,6 +43,7 @@ def test_compiled_model_trains_like_single_process(dp_results, case):
         assert r["rewritten"] >= 1, f"rank {rank}: no attention site was rewritten"
 
 
+@pytest.mark.xfail(strict=True, reason=_DROP)
 def test_drop_draws_reproducible_per_step_and_rank_independent(dp_results):
     res = dp_results[0]["_drop"]
     assert "raised" not in res, res.get("raised")
