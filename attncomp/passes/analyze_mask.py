@@ -1,37 +1,48 @@
 """Turn the masks models compute into the structured predicates of DESIGN.md §4.1.
 
-Matches: every ``attncomp::attention`` node whose ``attn_mask`` argument is computed in the graph.
+Matches: every ``attncomp::attention`` node whose ``attn_mask`` argument is computed in the graph
+(dynamo's torch-level graphs, torch.export's aten graphs and fx traces, after :mod:`.canonicalize`).
 The subgraph that computes the mask is evaluated symbolically over the four axes ``(b, h, i, j)`` of
 the logits: ``arange``s and position vectors (``cache_position``, ``position_ids``) are integer
-vectors along one axis, comparisons of an ``i``-vector with a ``j``-vector are position bounds or
-segment equalities, boolean tensors that vary only along ``(b, j)`` or ``(b, i)`` are padding, and
-``&``/``where``/``masked_fill``/casts/additive ``0``-or-large-negative floats combine them. Shapes are
-followed through ``unsqueeze``/``None``-indexing/``expand``/``view``/``permute``/full slices and
-advanced indexing (``padding_mask[batch_idx, kv_idx]``, as Hugging Face's mask functions and
-``vmap`` write it): every tensor dim carries a label, labels of dims that meet in an elementwise
-operation are unified, and the mask's last four dims name ``b, h, i, j``. A tensor's broadcast value
-depends only on the axes its non-size-1 dims carry, whatever op computed it, which is what makes the
-classification sound for ops the pass does not otherwise understand.
+vectors along one axis, kept as ``const + sum(coef * vector) + sum(coef * size)``; a comparison of an
+``i``-vector with a ``j``-vector is a position bound (``abs(i - j) <= w`` two of them), an equality of
+per-token vectors (``cumsum(position_ids == 0)``) a segment test, a boolean tensor that varies only
+along ``(b, j)`` or ``(b, i)`` padding; ``&``, ``where``/``masked_fill``, casts, ``1 - m``, sums of
+additive ``0``-or-large-negative floats (``torch.finfo(dtype).min``, ``-inf``) combine them.
+
+Shapes: every tensor dim carries a label. Labels of dims that meet in an elementwise operation are
+unified; views (``unsqueeze``, ``None``-indexing, ``expand``, ``view``/``reshape`` that only add or drop
+size-1 dims, ``permute``/``transpose``, full slices) move labels, and give the moved value fresh ones,
+so one vector read along two axes (``seg[:, :, None] == seg[:, None, :]``) stays two axes. Advanced
+indexing takes the labels of its index tensors (``padding_mask[batch_idx, kv_idx]``; with plain
+``arange`` indices over the whole tensor it is the tensor itself). In torch.vmap regions (dynamo keeps
+``_add_batch_dim``/``_remove_batch_dim``), a batched value carries level ``l`` at position ``l - 1``;
+only elementwise ops, comparisons and gathers of 0-d values are modelled there, and batched values are
+never read outside. The mask's last four dims name ``b, h, i, j``. A tensor's broadcast value depends
+only on the axes its non-size-1 dims carry, whatever op computed it: that is what makes the
+classification sound for the ops the pass does not look into (they are leaves over their own dims).
 
 The mask is a conjunction; each conjunct becomes
 
-* position bounds ``lo <= k_expr[j] - q_expr[i] <= hi`` -> ``q_pos``/``k_pos`` and ``window(left, right)``
-  (``right == 0``: causal); plain ``arange``s from 0 need no tensors (top-left, or bottom-right when the
-  query offset is ``Nk - Nq``);
+* position bounds ``lo <= k_expr[j] - q_expr[i] <= hi`` -> ``window(left, right)`` (``right == 0``:
+  causal) on ``q_pos``/``k_pos`` built from the same vectors; plain ``arange``s from 0 need no tensors
+  (top-left, or bottom-right when the query offset is provably ``Nk - Nq``);
 * an equality of an ``i``-vector and a ``j``-vector -> ``q_seg``/``k_seg`` (packed documents);
 * a boolean vector along ``(b, j)`` -> ``k_valid``; along ``(b, i)`` -> ``q_valid`` (padding);
-* anything else (a value that depends on data along both ``i`` and ``j``, or on heads) -> the dense
-  residual ``attn_mask``, with the reason in the report.
+* anything else (a value that depends on data along both ``i`` and ``j``, or on heads, or a second
+  pair of position vectors) -> the dense residual ``attn_mask``; additive non-mask values (biases) stay
+  additive. The report says why.
 
 Requires: :mod:`.match_attention` ran (sites are ``attncomp::attention`` nodes) and the op has the
 predicate arguments of DESIGN.md §4.1. Leaves (inputs, parameters, ops the pass does not model) need
-shape metadata (``val``/``example_value`` or ``tensor_meta``); without it the mask stays materialised.
+shape metadata (``val``, ``example_value`` or ``tensor_meta``); without it the mask stays materialised.
 
-Guarantees: the rewritten op computes the same allowed set as the original mask (float masks: entries
-``<= -1e4`` count as excluded, as in :mod:`.match_attention`); predicate tensors are O(N) values
-computed in the graph from the same vectors, so the N x N mask nodes become dead and are removed; a
-site whose mask cannot be proven is left unchanged. Each site's report gets a ``mask`` entry: the
-predicates in words, or ``materialised mask: <why>``.
+Guarantees: the rewritten op allows exactly the entries the original mask allowed (float masks: values
+``<= -1e4`` count as excluded, as :mod:`.match_attention` counts fills); predicate tensors are O(N)
+values computed in the graph from the vectors the mask was built from, so the N x N mask nodes become
+dead and are removed; a site whose mask cannot be analysed is left unchanged. Each site's report gets a
+``mask`` entry: the predicates in words (``causal``, ``causal (bottom-right)``, ``window(left, right)``,
+``documents``, ``padding``), followed by ``materialised mask: <why>`` for a residual.
 """
 
 from __future__ import annotations
