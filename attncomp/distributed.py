@@ -416,7 +416,7 @@ class _RingAttention(torch.autograd.Function):
 
 def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, is_causal: bool = False,
                                policy="dense", layout: str = "contiguous", scale: Optional[float] = None,
-                               backend: str = "auto", **policy_tensors) -> Tensor:
+                               backend: str = "auto", draw_seed: Optional[int] = None, **policy_tensors) -> Tensor:
     """Attention over a sequence sharded across the ranks of ``group`` (default: the world).
 
     ``q`` ``(B, Hq, n, D)``, ``k`` ``(B, Hk, n, D)``, ``v`` ``(B, Hk, n, Dv)`` are this rank's shard of
@@ -428,8 +428,9 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, i
     ``policy``: ``"dense"``, ``"et"``, ``"dfss"``, ``"hash"``, ``"drop"`` or a policy object.
     ``policy_tensors``: ``q_buckets``/``k_buckets`` (hash) or ``q_keep``/``k_keep`` (drop), each
     this rank's shard ``(B, H, n)`` in the same layout; without them hash buckets come from the
-    policy's LSH and keep masks from its seed (drawn over the global sequence, so every rank and a
-    single-process call agree).
+    policy's LSH and keep masks from ``draw_seed`` (default: the policy's seed), drawn over the
+    global sequence so that every rank and a single-process call agree. Pass the same fresh
+    ``draw_seed`` on every rank at each training step for new keep masks per step.
     """
     pol = get_policy(policy)
     if pol.name not in _POLICIES:
@@ -460,14 +461,14 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, i
             what = "shard length" if layout == "contiguous" else "chunk length (half the shard)"
             raise ValueError(f"policy dfss {pol.n}:{pol.m} needs the {what} to be a multiple of {pol.m} "
                              f"so that no key group straddles a shard boundary, got {c}")
-    q_aux, k_aux = _policy_tensors(pol, q, k, n, rank, world, layout, policy_tensors)
+    q_aux, k_aux = _policy_tensors(pol, q, k, n, rank, world, layout, policy_tensors, draw_seed)
     spec = AttentionSpec(causal=False, scale=None if scale is None else float(scale), dtype=dtype_name(q.dtype),
                          head_dim=int(D), gqa_groups=Hq // k.shape[1], policy=pol, backend=backend)
     cfg = _Config(spec, layout, bool(is_causal), group, world, rank, tuple(members))
     return _RingAttention.apply(q, k, v, q_aux, k_aux, cfg)
 
 
-def _policy_tensors(pol, q, k, n, rank, world, layout, given):
+def _policy_tensors(pol, q, k, n, rank, world, layout, given, draw_seed=None):
     B, Hq, Hk = q.shape[0], q.shape[1], k.shape[1]
     if isinstance(pol, Hash):
         qa, ka = given.get("q_buckets"), given.get("k_buckets")
@@ -484,10 +485,11 @@ def _policy_tensors(pol, q, k, n, rank, world, layout, given):
         pos = None
         if qa is None or ka is None:
             pos = sequence_positions(n, rank, world, layout, device=q.device)
+        seed = pol.seed if draw_seed is None else int(draw_seed)
         if qa is None:
-            qa = keep_mask((B, Hq, n * world), pol.q_rate, pol.seed, 0, q.device)[:, :, pos]
+            qa = keep_mask((B, Hq, n * world), pol.q_rate, seed, 0, q.device)[:, :, pos]
         if ka is None:
-            ka = keep_mask((B, Hk, n * world), pol.k_rate, pol.seed, 1, q.device)[:, :, pos]
+            ka = keep_mask((B, Hk, n * world), pol.k_rate, seed, 1, q.device)[:, :, pos]
         _check_aux(qa, "q_keep", (B, Hq, n), integer=False)
         _check_aux(ka, "k_keep", (B, Hk, n), integer=False)
         return qa.contiguous(), ka.contiguous()

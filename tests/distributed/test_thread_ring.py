@@ -41,3 +41,29 @@ def test_block_backward_in_row_chunks(monkeypatch, policy):
     monkeypatch.setattr(D, "_BWD_CHUNK_ELEMS", 2 * 4 * 3 * 8)  # 3 rows of 8 keys per chunk: chunks straddle
     err = workers.thread_ring_case(2, workers._policy(policy), "balanced", True, torch.float64, "cpu")
     assert max(err.values()) < 2e-6, err
+
+
+def test_drop_draw_seed_is_global_and_fresh_per_seed():
+    # keep masks drawn from draw_seed over the whole sequence: equal to the single-process call
+    # given the same draws, and different draws for a different seed
+    from attncomp.distributed import context_parallel_attention, shard_sequence
+    from attncomp.policy import keep_mask
+    from tests.distributed.threadring import thread_ring
+
+    import attncomp
+
+    world, B, H, n, D = 2, 1, 2, 8, 4
+    N = world * n
+    Q, K, V, _ = workers._full(3, B, H, H, N, D, D, torch.float64)
+    outs = {}
+    for seed in (11, 12):
+        qk, kk = keep_mask((B, H, N), 0.5, seed, 0), keep_mask((B, H, N), 0.5, seed, 1)
+        exp = attncomp.functional.attention(Q, K, V, is_causal=True, policy="drop", q_keep=qk, k_keep=kk)
+        with thread_ring(world) as run:
+            got = run(lambda r: context_parallel_attention(
+                *(shard_sequence(t, r, world, "balanced") for t in (Q, K, V)), is_causal=True, policy="drop",
+                layout="balanced", draw_seed=seed))
+        for r in range(world):
+            assert (got[r] - shard_sequence(exp, r, world, "balanced")).abs().max() < 2e-6
+        outs[seed] = exp
+    assert (outs[11] - outs[12]).abs().max() > 1e-3
