@@ -250,11 +250,15 @@ def _preds(q_pos, k_pos, q_seg, k_seg, q_valid, k_valid) -> Optional[Predicates]
     return Predicates(q_pos, k_pos, q_seg, k_seg, q_valid, k_valid)
 
 
+_select = None
+
+
 def _backend_for(spec: AttentionSpec, q: Tensor, k: Tensor, v: Tensor, preds=None, dropout_p: float = 0.0,
                  attn_mask: Optional[Tensor] = None):
-    from .runtime.dispatch import select_backend
-
-    return select_backend(spec, q, k, v, preds=preds, dropout_p=dropout_p, attn_mask=attn_mask)
+    global _select
+    if _select is None:  # the runtime is imported on first use, not with the op
+        from .runtime.dispatch import select_backend as _select
+    return _select(spec, q, k, v, preds=preds, dropout_p=dropout_p, attn_mask=attn_mask)
 
 
 def _pkw(preds) -> dict:

@@ -147,7 +147,10 @@ class SdpaBackend:
         if row_ok is not None:
             out = torch.where(row_ok[..., None], out, 0.0)
             lse = torch.where(row_ok, lse, float("-inf"))
-        return out, lse.expand(q.shape[:-1]).contiguous(), raw_lse
+        if lse.shape != q.shape[:-1]:
+            lse = lse.expand(q.shape[:-1])
+        # SDPA's lse follows its own layout; the op's contract (and its fake) is contiguous
+        return out, lse.contiguous(), raw_lse
 
     # -- backward -----------------------------------------------------------------------------
     def backward(self, spec, q, k, v, attn_mask, q_aux, k_aux, block_pattern, dropout_p, seed,

@@ -60,6 +60,7 @@ DENSE_CHOICE = "dense_kernel_choice"
 
 _rule_cache: Dict[tuple, Optional[Dict[str, Any]]] = {}
 _choice_cache: Dict[tuple, Optional[str]] = {}
+_cpu_memo: Dict[tuple, Any] = {}
 
 
 @functools.lru_cache(maxsize=None)
@@ -107,6 +108,7 @@ def clear_rule_cache() -> None:
     """Forget this process's copies of stored rules and choices (the store keeps them)."""
     _rule_cache.clear()
     _choice_cache.clear()
+    _cpu_memo.clear()
     _arch_cache.clear()
 
 
@@ -365,6 +367,18 @@ def select_backend(spec: AttentionSpec, q: torch.Tensor, k: Optional[torch.Tenso
     if preds is not None and not preds.any():
         preds = None
     if name == "auto":
+        if not q.is_cuda and _gpu_arch(q) is None:
+            # CPU: memoised per spec, dtype, sizes and what is present (the choice reads nothing else)
+            p = spec.dropout_p if dropout_p is None else dropout_p
+            n_keys = (k if k is not None else q).shape[-2]
+            mk = (spec, q.dtype, q.device.type, q.shape[-2], n_keys, q.shape[-1], None if v is None else v.shape[-1],
+                  preds is None, p > 0, get_backend)
+            be = _cpu_memo.get(mk)
+            if be is None:
+                if len(_cpu_memo) > 4096:
+                    _cpu_memo.clear()
+                be = _cpu_memo[mk] = _auto_explained(spec, q, n_keys, v, preds, dropout_p, k, attn_mask)[0]
+            return be
         n_keys = (k if k is not None else q).shape[-2]
         return _auto_explained(spec, q, n_keys, v, preds, dropout_p, k, attn_mask)[0]
     be = get_backend(name)

@@ -124,7 +124,7 @@ def test_no_measurement_means_fused_and_cpu_means_reference(table, monkeypatch):
     assert dispatch.choose_form(None, 10 ** 6) == "fused"
     store, _ = table
     store[("dfss", 64, "float32", "cpu")] = {"split_above": 1}
-    be = dispatch.select_backend(AttentionSpec(policy=DFSS(1, 2)), *qk(512, dtype=torch.float32))
+    be = dispatch.select_backend(AttentionSpec(policy=DFSS(1, 2)), *qk(128, dtype=torch.float32))
     assert be.name == "reference"                       # CPU tensors: the exact reference backend
 
 
