@@ -113,7 +113,18 @@ def get_kernel(kind: str, variant: kernels.Variant) -> Callable:
     return fn
 
 
+def _threads() -> None:
+    """TVM's CPU thread pool takes as many threads as torch's intra-op pool (TVM's own count is the
+    physical cores it detects, which on small or containerised machines can be 1). The pool is built
+    on the first parallel launch; ``TVM_NUM_THREADS`` set by the user wins."""
+    if "TVM_NUM_THREADS" not in os.environ:
+        import torch
+
+        os.environ["TVM_NUM_THREADS"] = str(max(1, torch.get_num_threads()))
+
+
 def _load(kind: str, variant: kernels.Variant) -> Callable:
+    _threads()
     import tvm
 
     store = _cache.default_cache()

@@ -549,12 +549,17 @@ def _probs_bwd(v: Variant, ind: str) -> List[str]:
     """P[i, j] = exp(S - lse) of kept entries (0 elsewhere and for rows without a kept key), then
     dP = dO V^T, dropout applied to both, dS = P (dP - delta). Needs Do (BQ, Dv), Lr, Dl in scope."""
     BQ, BK, Dv, dt = v.block_q, v.block_k, v.head_dim_v, v.dtype
-    L = [f"{ind}for i, j in T.grid({BQ}, {BK}):",
-         f"{ind}    P[i, j] = T.if_then_else(Lr[i] == {_neg_inf(v)}, T.{dt}(0), T.exp(S[i, j] - Lr[i]))",
+    RQ = _rows(v, BK)
+    # a row without a kept key has lse = -inf: subtracting +inf instead gives exp(-inf) = 0
+    L = [f"{ind}for i in range({BQ}):",
+         f"{ind}    Mu[0] = T.if_then_else(Lr[i] == {_neg_inf(v)}, T.{dt}(\"inf\"), Lr[i])"]
+    L += _exp_vec(v, ind + "    ", "P[i, j]", "S[i, j] - Mu[0]", BK)
+    L += [f"{ind}for i, j in T.grid({BQ}, {BK}):",
          f"{ind}    Dp[i, j] = T.{dt}(0)",
-         f"{ind}for i, e in T.grid({BQ}, {Dv}):",
-         f"{ind}    for j in T.vectorized({BK}):",
-         f"{ind}        Dp[i, j] = Dp[i, j] + Do[i, e] * VT[b, hk, e, k0 + j]"]
+         f"{ind}for i0, e in T.grid({BQ // RQ}, {Dv}):",
+         f"{ind}    for ii in T.unroll({RQ}):",
+         f"{ind}        for j in T.vectorized({BK}):",
+         f"{ind}            Dp[i0 * {RQ} + ii, j] = Dp[i0 * {RQ} + ii, j] + Do[i0 * {RQ} + ii, e] * VT[b, hk, e, k0 + j]"]
     if v.dropout:
         L += [f"{ind}for i, j in T.grid({BQ}, {BK}):"]
         L += _dropout_index(ind + "    ", "q0 + i", "k0 + j")
@@ -574,7 +579,10 @@ def _bwd_scratch(v: Variant, ind: str) -> List[str]:
         f'{ind}Ds = T.alloc_buffer(({BQ}, {BK}), "{dt}", scope="local")',
         f'{ind}Do = T.alloc_buffer(({BQ}, {Dv}), "{dt}", scope="local")',
         f'{ind}Lr = T.alloc_buffer(({BQ},), "{dt}", scope="local")',
-        f'{ind}Dl = T.alloc_buffer(({BQ},), "{dt}", scope="local")']
+        f'{ind}Dl = T.alloc_buffer(({BQ},), "{dt}", scope="local")',
+        f'{ind}Mu = T.alloc_buffer((1,), "{dt}", scope="local")',
+        f'{ind}En = T.alloc_buffer(({BK},), "{dt}", scope="local")',
+        f'{ind}Ef = T.alloc_buffer(({BK},), "{dt}", scope="local")']
     if v.dropout:
         L.append(f'{ind}Pd = T.alloc_buffer(({BQ}, {BK}), "{dt}", scope="local")')
     return L
