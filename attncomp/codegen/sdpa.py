@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from ..spec import AttentionSpec, Predicates
-from .reference import predicate_mask
+from .reference import default_positions, predicate_mask
 
 __all__ = ["SdpaBackend", "keeps_all", "top_left_causal_only"]
 
@@ -45,6 +45,21 @@ def top_left_causal_only(spec: AttentionSpec, nq: int, nk: int, preds: Optional[
     if _has_positions(preds):
         return False
     return spec.causal_align == "top_left" or nq == nk
+
+
+_CONSTS: dict = {}
+
+
+def _const(value: float, dtype: torch.dtype, device) -> Tensor:
+    """A 0-dim tensor of ``value``, cached per dtype and device (a Python scalar in ``torch.where``
+    costs a host-to-device copy per call on CUDA); built fresh while a CUDA graph is captured."""
+    key = (value, dtype, device)
+    t = _CONSTS.get(key)
+    if t is None:
+        t = torch.full((), value, dtype=dtype, device=device)
+        if not (t.is_cuda and torch.cuda.is_current_stream_capturing()):
+            _CONSTS[key] = t
+    return t
 
 
 def _expand(x: Tensor, hq: int) -> Tensor:
@@ -72,19 +87,17 @@ def _plan(spec: AttentionSpec, q: Tensor, k: Tensor, attn_mask: Optional[Tensor]
     else:
         bias = attn_mask.to(q.dtype)
         if pm is not None:
-            bias = torch.where(pm, bias, float("-inf"))
+            bias = torch.where(pm, bias, _const(float("-inf"), q.dtype, q.device))
         allowed = None
     if bias is None:
-        # Python scalars: no scalar tensors built (and filled) per call
-        bias = torch.where(allowed, 0.0, float("-inf")).to(q.dtype)
+        bias = torch.where(allowed, _const(0.0, q.dtype, q.device), _const(float("-inf"), q.dtype, q.device))
         row_ok = allowed.any(-1)
     else:
         row_ok = (bias != float("-inf")).any(-1)
     if is_causal:
         # a top-left causal row i keeps key 0 only if the mask allows it: recompute the rows with the bound
-        j = torch.arange(nk, device=q.device)
-        i = torch.arange(nq, device=q.device)
-        row_ok = ((bias != float("-inf")) & (j[None, :] <= i[:, None])).any(-1)
+        i, j = default_positions(spec, nq, nk, q.device)    # is_causal: top-left, or Nq == Nk
+        row_ok = ((bias != float("-inf")) & (j[:, None, :] <= i[:, :, None])).any(-1)
     while bias.dim() < 4:
         bias = bias.unsqueeze(0)
     return is_causal, bias, row_ok
@@ -145,8 +158,8 @@ class SdpaBackend:
         raw_lse = lse
         lse = lse.to(torch.float32)
         if row_ok is not None:
-            out = torch.where(row_ok[..., None], out, 0.0)
-            lse = torch.where(row_ok, lse, float("-inf"))
+            out = torch.where(row_ok[..., None], out, _const(0.0, out.dtype, out.device))
+            lse = torch.where(row_ok, lse, _const(float("-inf"), torch.float32, lse.device))
         if lse.shape != q.shape[:-1]:
             lse = lse.expand(q.shape[:-1])
         # SDPA's lse follows its own layout; the op's contract (and its fake) is contiguous
@@ -168,7 +181,7 @@ class SdpaBackend:
             _, _, raw = self._forward(spec, q, k, v, attn_mask, preds)
         else:
             # an empty row's lse is -inf; SDPA's kernel wants a finite one there (its p is 0 anyway)
-            raw = torch.where(torch.isneginf(lse), 0.0, lse)
+            raw = torch.where(torch.isneginf(lse), _const(0.0, lse.dtype, lse.device), lse)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_out.to(q.dtype), q, kk, vv, out, raw, 0.0, is_causal, attn_mask=bias, scale=_scale(spec, q.shape[-1]))
         return dq, _sum_groups(dk, hk), _sum_groups(dv, hk), None
@@ -214,7 +227,7 @@ def _cuda_backward(spec, q, k, v, attn_mask, preds, grad_out, out, lse):
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
             go, q, kk, vv, r[0], r[1], r[2], r[3], r[4], r[5], 0.0, is_causal, r[6], r[7], scale=scale)
         return dq, _sum_groups(dk, hk), _sum_groups(dv, hk)
-    zero = 0.0
+    zero = _const(0.0, q.dtype, q.device)
     if bias is None:
         bias = torch.zeros((1, 1, 1, nk), dtype=q.dtype, device=q.device)
     if row_ok is not None:
