@@ -349,4 +349,11 @@ def test_auto_picks_tvm_on_cpu_where_measured_faster(monkeypatch):
     b64 = big.double()
     assert select_backend(spec.replace(dtype="float64"), b64, b64, b64).name == "reference"
     monkeypatch.setenv("ATTNCOMP_TVM_AUTO", "0")
-    assert select_backend(spec, big, big, big).name == "reference"
+    from attncomp.runtime import dispatch
+
+    dispatch.clear_rule_cache()  # choices are remembered per process
+    try:
+        assert select_backend(spec, big, big, big).name == "reference"
+    finally:
+        monkeypatch.delenv("ATTNCOMP_TVM_AUTO")
+        dispatch.clear_rule_cache()
