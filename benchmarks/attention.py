@@ -62,6 +62,7 @@ def parse_args(argv=None):
     ap.add_argument("--smoke", action="store_true", help="CPU plumbing check under TRITON_INTERPRET=1")
     ap.add_argument("--table", default="policies", choices=("policies", "structured", "all"),
                     help="policies: the policy table; structured: predicate and spion rows (see run_structured)")
+    ap.add_argument("--structured-rows", default="predicates,spion", help="which rows --table structured runs")
     return ap.parse_args(argv)
 
 
@@ -679,7 +680,8 @@ def run_structured(args) -> List[dict]:
     rows = []
     # predicate rows
     N = 48 if smoke else 16384
-    for policy in ("dense", "dfss", "hash", "drop"):
+    which = args.structured_rows.split(",")
+    for policy in (("dense", "dfss", "hash", "drop") if "predicates" in which else ()):
         for kind in PRED_KINDS:
             for D in Ds[:1]:
                 for passes in (["fwd"] if smoke else passes_list):
@@ -698,7 +700,7 @@ def run_structured(args) -> List[dict]:
                     print(_fmt_structured(rows[-1]), flush=True)
     # spion rows
     bs = 16 if smoke else 64
-    for N in ([48] if smoke else ns_of(args) if args.ns else [4096, 16384]):
+    for N in (() if "spion" not in which else [48] if smoke else ns_of(args) if args.ns else [4096, 16384]):
         for D in Ds:
             for pat_kind in ("banded", "flood"):
                 pattern = spion_pattern(pat_kind, -(-N // bs), 0.10 if not smoke else 0.3).to(dev)
@@ -757,7 +759,8 @@ def _fmt_structured(r) -> str:
 def _write_structured(args, rows) -> None:
     import torch
 
-    tag = "cpu" if args.smoke else _machine(args).lower().split()[-1]
+    name = _machine(args).lower()
+    tag = "cpu" if args.smoke else next((g for g in ("h100", "h200", "a100") if g in name), name.split()[-1])
     name = f"structured_{tag}.json"
     paths = [os.path.join(os.environ.get("TMPDIR", "/tmp") if args.smoke else os.path.join(HERE, "results"), name)]
     if os.environ.get("OUT") and not args.smoke:

@@ -104,14 +104,16 @@ def _store_tile(base, rows, valid, stride, offs_c, x, NC: tl.constexpr, BC: tl.c
 @triton.jit
 def _tok_vals(idx, valid, b, Pos, s_pos, Seg, s_seg, Val, s_val, off,
               POS: tl.constexpr, SEG: tl.constexpr, VAL: tl.constexpr):
-    """Per-token predicate values of original indices ``idx``: position (int64), segment id and
-    validity. Values of predicates the site lacks are placeholders the compiler drops."""
+    """Per-token predicate values of original indices ``idx``: position, segment id (both int32:
+    positions and window bounds are taken to lie within +-2**30, segment ids to fit 32 bits; 64-bit
+    compares per logit would cost more than the rest of the predicate) and validity. Values of
+    predicates the site lacks are placeholders the compiler drops."""
     if POS == 2:
-        p = tl.load(Pos + b.to(tl.int64) * s_pos + idx, mask=valid, other=0).to(tl.int64)
+        p = tl.load(Pos + b.to(tl.int64) * s_pos + idx, mask=valid, other=0).to(tl.int32)
     else:
-        p = idx.to(tl.int64) + off
+        p = idx.to(tl.int32) + off
     if SEG:
-        sg = tl.load(Seg + b.to(tl.int64) * s_seg + idx, mask=valid, other=0).to(tl.int64)
+        sg = tl.load(Seg + b.to(tl.int64) * s_seg + idx, mask=valid, other=0).to(tl.int32)
     else:
         sg = p
     if VAL:
@@ -169,7 +171,7 @@ def _span(first, last, off, before, after, BLOCK: tl.constexpr, n_tiles,
 
 @triton.jit
 def _entry(
-    qk, m2, n2, qi2, kj2, qp2, qs2, qv2, lo2, hi2, kp2, ks2, kv2, b, h, pos_check,
+    qk, m2, n2, qi2, kj2, qp2, qs2, qv2, lo2, hi2, kp2, ks2, kv2, b, h, pos_check, n_first,
     Mask, smb, smh, smm, smn, Pat, sph, spr, spc, Nq, Nk, win_left, win_right, qk_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr, CHECK_K: tl.constexpr,
     POLICY: tl.constexpr, NM_N: tl.constexpr, NM_M: tl.constexpr, EXCLUDE_SELF: tl.constexpr,
@@ -183,7 +185,7 @@ def _entry(
     ``*2`` arguments are broadcastable to it: row-order indices ``m2``/``n2``, original indices
     ``qi2``/``kj2``, and the per-token values of :func:`_tok_vals` and the sorted ranges.
     ``pos_check`` (a scalar) is false for tiles the position window contains entirely (their
-    position test is skipped). With ``PRESCALE`` the result is in log2 units; without it, raw ``q·k``
+    position test is skipped); ``n_first`` is the tile's first key (row order). With ``PRESCALE`` the result is in log2 units; without it, raw ``q·k``
     (the caller applies the scale inside its ``exp2`` multiply-add).
     """
     if PRESCALE:
@@ -217,9 +219,15 @@ def _entry(
         s = tl.where(qi2 != kj2, s, _NEG)
     if POLICY == 3:
         bi = qi2 // SPION_BS
-        bj = kj2 // SPION_BS
-        pptr = Pat + h.to(tl.int64) * sph + bi.to(tl.int64) * spr + bj.to(tl.int64) * spc
-        blk = tl.load(pptr, mask=(m2 < Nq) & (n2 < Nk), other=0) != 0
+        if BLOCK_N <= SPION_BS:
+            # the key tile lies in one block column: one pattern read per query row
+            bj = n_first // SPION_BS
+            pptr = Pat + h.to(tl.int64) * sph + bi.to(tl.int64) * spr + bj.to(tl.int64) * spc
+            blk = tl.load(pptr, mask=m2 < Nq, other=0) != 0
+        else:
+            bj = kj2 // SPION_BS
+            pptr = Pat + h.to(tl.int64) * sph + bi.to(tl.int64) * spr + bj.to(tl.int64) * spc
+            blk = tl.load(pptr, mask=(m2 < Nq) & (n2 < Nk), other=0) != 0
         s = tl.where(blk | (bi == bj), s, _NEG)
     if POLICY == 1:
         if TRANSPOSED:
@@ -333,6 +341,7 @@ def _attention_kernel(
                                          pos_off, win_left, win_right, POS, HAS_LEFT, HAS_RIGHT, PERMUTED)
                 s = _entry(qk, _bq(offs_m, T), _bk(offs_n, T), _bq(qi, T), _bk(kj, T), _bq(qp, T), _bq(qs, T),
                            _bq(qv, T), _bq(lo, T), _bq(hi, T), _bk(kp, T), _bk(ks, T), _bk(kv, T), b, h, pos_check,
+                           ktile * BLOCK_N,
                            Mask, smb, smh, smm, smn, Pat, sph, spr, spc, Nq, Nk, win_left, win_right, qk_scale,
                            BLOCK_M, BLOCK_N, MASK_KIND, CHECK_K, POLICY, NM_N, NM_M, EXCLUDE_SELF, POS, HAS_LEFT,
                            HAS_RIGHT, SEG, QVAL, KVAL, SPION_BS, T, PRESCALE)
@@ -414,7 +423,7 @@ def _attention_kernel(
                                      pos_off, win_left, win_right, POS, HAS_LEFT, HAS_RIGHT, PERMUTED)
             s = _entry(_dot(q, kT, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)),
                        offs_m[:, None], offs_n[None, :], qi[:, None], kj[None, :], qp[:, None], qs[:, None], qv[:, None],
-                       lo[:, None], hi[:, None], kp[None, :], ks[None, :], kv[None, :], b, h, pos_check,
+                       lo[:, None], hi[:, None], kp[None, :], ks[None, :], kv[None, :], b, h, pos_check, start_n,
                        Mask, smb, smh, smm, smn, Pat, sph, spr, spc, Nq, Nk, win_left, win_right, qk_scale,
                        BLOCK_M, BLOCK_N, MASK_KIND, CHECK_K, POLICY, NM_N, NM_M, EXCLUDE_SELF, POS, HAS_LEFT, HAS_RIGHT,
                        SEG, QVAL, KVAL, SPION_BS, False, PRESCALE)
