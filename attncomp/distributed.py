@@ -465,6 +465,13 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, i
     spec = AttentionSpec(causal=False, scale=None if scale is None else float(scale), dtype=dtype_name(q.dtype),
                          head_dim=int(D), gqa_groups=Hq // k.shape[1], policy=pol, backend=backend)
     cfg = _Config(spec, layout, bool(is_causal), group, world, rank, tuple(members))
+    return _ring_attention(q, k, v, q_aux, k_aux, cfg)
+
+
+@torch.compiler.disable
+def _ring_attention(q, k, v, q_aux, k_aux, cfg: _Config) -> Tensor:
+    # point-to-point communication does not belong in a traced graph: under torch.compile (and in
+    # models compiled by attncomp) the ring runs eagerly between the compiled regions
     return _RingAttention.apply(q, k, v, q_aux, k_aux, cfg)
 
 

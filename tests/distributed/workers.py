@@ -45,6 +45,56 @@ def _policy(p):
     return attncomp.get_policy(p)
 
 
+def _cp_toy(cp: bool, d: int = 16, heads: int = 2):
+    """Residual attention layer whose attention is context-parallel (``cp``) or over the whole
+    sequence (the single-process reference), same weights either way."""
+    import torch.nn as nn
+
+    import attncomp
+    from attncomp.distributed import context_parallel_attention
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = nn.Linear(d, 3 * d)
+            self.out = nn.Linear(d, d)
+
+        def forward(self, x):
+            B, N, _ = x.shape
+            q, k, v = self.qkv(x).view(B, N, 3, heads, d // heads).permute(2, 0, 3, 1, 4)
+            if cp:
+                a = context_parallel_attention(q, k, v, is_causal=True, layout="balanced")
+            else:
+                a = attncomp.functional.attention(q, k, v, is_causal=True, policy="dense")
+            return x + self.out(torch.tanh(a.transpose(1, 2).reshape(B, N, d)))
+
+    torch.manual_seed(0)
+    return Layer().double()
+
+
+def _compiled_cp_model(rank: int, world: int):
+    """A model calling context_parallel_attention, compiled by attncomp.compile: its output shard and
+    its parameter gradients (summed over ranks) against the uncompiled model on the whole sequence."""
+    import attncomp
+    from attncomp.distributed import shard_sequence
+
+    X = torch.randn(2, 8 * world, 16, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    ref = _cp_toy(cp=False)
+    y_ref = ref(X)
+    y_ref.pow(2).sum().backward()
+    model = _cp_toy(cp=True)
+    run = attncomp.compile(model, policy="dense")
+    x = shard_sequence(X, rank, world, "balanced", dim=1)
+    y = run(x)
+    y.pow(2).sum().backward()
+    err = {"out": (y - shard_sequence(y_ref, rank, world, "balanced", dim=1)).abs().max().item()}
+    for n, p in model.named_parameters():
+        g = p.grad.clone()
+        dist.all_reduce(g)
+        err[n] = (g - dict(ref.named_parameters())[n].grad).abs().max().item()
+    return err
+
+
 def context_parallel(rank: int, world: int):
     """Every case of :func:`cp_cases` on this rank: max abs errors of the output and gradient shards
     against the single-process result, and of shard-local attention (which must differ)."""
@@ -90,6 +140,11 @@ def context_parallel(rank: int, world: int):
                                                 enable_gqa=True, scale=ex.get("scale"), **tens)
         err["local_only"] = (loc - sh(exp)).abs().max().item()
         res[name] = err
+    if world == 2:  # one ring size is enough for the compiled model (a capture costs seconds)
+        try:
+            res["_compiled_model"] = _compiled_cp_model(rank, world)
+        except Exception as e:  # recorded; the parent test names it
+            res["_compiled_model"] = {"raised": f"{type(e).__name__}: {e}"[:2000]}
     # clear errors for what cannot be sharded
     errs = {}
     x = torch.randn(1, 2, 6, 8, dtype=torch.float64)
