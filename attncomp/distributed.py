@@ -27,8 +27,9 @@ Policies: ``dense`` (and ``et``, dense attention), ``dfss`` (key groups of ``M``
 of the sequence; shards, or chunks for ``"balanced"``, must be multiples of ``M`` so that no group
 straddles a shard boundary), ``hash`` (buckets are per token: given shards, or angular LSH computed on
 the shard, which equals the global LSH; ``exclude_self`` applies to the block where a rank meets its
-own keys) and ``drop`` (keep masks are sharded like the sequence: given shards, or drawn from the
-policy's seed over the *global* sequence and sliced, so the draw equals a single-process call's).
+own keys) and ``drop`` (keep masks are sharded like the sequence: given shards, or drawn from
+``draw_seed``, default the policy's seed, over the *global* sequence and sliced, so the draw equals a
+single-process call's).
 ``spion`` is refused: its block pattern and diagonal rule are indexed by global tiles, which the per
 block op calls do not see.
 
@@ -36,8 +37,10 @@ block op calls do not see.
 it monkey-patches ``torch.nn.functional.scaled_dot_product_attention`` to wrap q, k, v as sequence-sharded
 DTensors and handles only ATen's SDPA kernels (flash, efficient, cuDNN) in its DTensor dispatch table. A
 graph compiled by attncomp calls ``attncomp::attention`` on plain local tensors, so under that context
-manager the op would compute shard-local attention: call :func:`context_parallel_attention` instead
-(its output is the same function of the sequence as the op's).
+manager the op would compute shard-local attention. Call :func:`context_parallel_attention` in the
+model instead (its output is the same function of the sequence as the op's); it runs eagerly
+(``torch.compiler.disable``), so a model calling it can still be compiled, the ring running between
+the compiled regions.
 """
 
 from __future__ import annotations
