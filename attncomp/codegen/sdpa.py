@@ -48,6 +48,8 @@ def top_left_causal_only(spec: AttentionSpec, nq: int, nk: int, preds: Optional[
 
 
 _CONSTS: dict = {}
+# the overloads themselves: calling the packet re-resolves the overload on every call
+_CPU_FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 
 
 def _const(value: float, dtype: torch.dtype, device) -> Tensor:
@@ -139,7 +141,7 @@ class SdpaBackend:
             raise RuntimeError("SDPA backend: dropout is not run here (attncomp's dropout draws differ)")
         out, lse, _ = self._forward(spec, q, k, v, attn_mask, preds)
         # SDPA's kernels follow q's memory layout; the op's contract (and its fake) is contiguous
-        return out.contiguous(), lse
+        return (out if out.is_contiguous() else out.contiguous()), lse
 
     def _forward(self, spec, q, k, v, attn_mask, preds):
         hq = q.shape[1]
@@ -153,17 +155,17 @@ class SdpaBackend:
         if q.is_cuda:
             out, lse = _cuda_forward(q, kk, vv, bias, is_causal, scale)
         else:
-            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                q, kk, vv, 0.0, is_causal, attn_mask=bias, scale=scale)
+            out, lse = _CPU_FWD(q, kk, vv, 0.0, is_causal, attn_mask=bias, scale=scale)
         raw_lse = lse
-        lse = lse.to(torch.float32)
+        if lse.dtype != torch.float32:
+            lse = lse.float()
         if row_ok is not None:
             out = torch.where(row_ok[..., None], out, _const(0.0, out.dtype, out.device))
             lse = torch.where(row_ok, lse, _const(float("-inf"), torch.float32, lse.device))
         if lse.shape != q.shape[:-1]:
             lse = lse.expand(q.shape[:-1])
         # SDPA's lse follows its own layout; the op's contract (and its fake) is contiguous
-        return out, lse.contiguous(), raw_lse
+        return out, (lse if lse.is_contiguous() else lse.contiguous()), raw_lse
 
     # -- backward -----------------------------------------------------------------------------
     def backward(self, spec, q, k, v, attn_mask, q_aux, k_aux, block_pattern, dropout_p, seed,

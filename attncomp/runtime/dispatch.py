@@ -371,14 +371,17 @@ def select_backend(spec: AttentionSpec, q: torch.Tensor, k: Optional[torch.Tenso
             # CPU: memoised per spec, dtype, sizes and what is present (the choice reads nothing else)
             p = spec.dropout_p if dropout_p is None else dropout_p
             n_keys = (k if k is not None else q).shape[-2]
-            mk = (spec, q.dtype, q.device.type, q.shape[-2], n_keys, q.shape[-1], None if v is None else v.shape[-1],
-                  preds is None, p > 0, get_backend)
-            be = _cpu_memo.get(mk)
-            if be is None:
+            # keyed by the spec's identity (specs come from a parse cache; hashing one costs more than
+            # the rest of the lookup), checked against the spec kept with the entry
+            mk = (id(spec), q.dtype, q.device.type, q.shape[-2], n_keys, q.shape[-1],
+                  None if v is None else v.shape[-1], preds is None, p > 0, id(get_backend))
+            ent = _cpu_memo.get(mk)
+            if ent is None or ent[0] is not spec or ent[1] is not get_backend:
                 if len(_cpu_memo) > 4096:
                     _cpu_memo.clear()
-                be = _cpu_memo[mk] = _auto_explained(spec, q, n_keys, v, preds, dropout_p, k, attn_mask)[0]
-            return be
+                ent = _cpu_memo[mk] = (spec, get_backend,
+                                       _auto_explained(spec, q, n_keys, v, preds, dropout_p, k, attn_mask)[0])
+            return ent[2]
         n_keys = (k if k is not None else q).shape[-2]
         return _auto_explained(spec, q, n_keys, v, preds, dropout_p, k, attn_mask)[0]
     be = get_backend(name)
