@@ -1233,6 +1233,13 @@ class _Emitter:
 # The pass
 
 
+def _preds_present(node: fx.Node, idx: Dict[str, int]):
+    """The op's predicate arguments as a ``Predicates`` (graph nodes, for the words of ``describe``)."""
+    from ..spec import Predicates
+
+    return Predicates(*(node.args[idx[nm]] for nm in _PRED_NAMES))
+
+
 def _op_args() -> Dict[str, int]:
     schema = torch.ops.attncomp.attention.default._schema
     return {a.name: i for i, a in enumerate(schema.arguments)}
@@ -1355,7 +1362,7 @@ def analyze_mask(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
             continue
         rep.details["mask"] = words
         if rep.spec is not None:
-            rep.spec = spec_of(node).describe()
+            rep.spec = spec_of(node).describe(_preds_present(node, idx))
         ctx.count("analyze_mask", "rewritten")
         modified = True
     return PassResult(gm, modified)
