@@ -143,3 +143,26 @@ def test_lsh_buckets_fused_equal_policy(D, nb, dtype):
     # negative twin: another rotation seed gives other buckets
     other = L.derive_layout(AttentionSpec(policy=Hash(n_buckets=nb, seed=12)), q, k)
     assert not torch.equal(other.q_groups, lay.q_groups)
+
+
+@pytest.mark.parametrize("off,left,right", [(0, None, 0), (13, None, 0), (0, 5, 0), (-4, 3, 6), (7, 0, None)])
+def test_window_ranges_cut_each_bucket_run(off, left, right):
+    """With default positions the window becomes part of each sorted query's key range: exactly the
+    bucket's keys with ``i + off - left <= j <= i + off + right``, for the sort and counting paths."""
+    g = torch.Generator().manual_seed(off + 100)
+    B, Hq, Hk, Nq, Nk, nb = 2, 4, 2, 37, 50, 4
+    qb = torch.randint(0, nb, (B, Hq, Nq), generator=g, dtype=torch.int32)
+    kb = torch.randint(0, nb, (B, Hk, Nk), generator=g, dtype=torch.int32)
+    i = torch.arange(Nq)[:, None] + off
+    j = torch.arange(Nk)[None, :]
+    win = torch.ones(Nq, Nk, dtype=torch.bool)
+    if left is not None:
+        win &= j >= i - left
+    if right is not None:
+        win &= j <= i + right
+    expect = (qb[..., :, None] == kb.repeat_interleave(Hq // Hk, 1)[..., None, :]) & win
+    for lay in (L.sorted_layout(qb, kb),
+                L.counting_layout(qb, kb, nb, kind=L.GK_IDS, q_shape=(B, Hq, Nq), k_shape=(B, Hk, Nk))):
+        cut = L.window_ranges(lay, off, left, right)
+        assert torch.equal(_visited(cut, B, Hq, Nq, Nk), expect)
+        assert (cut.lo <= cut.hi).all()

@@ -23,7 +23,7 @@ from ...spec import AttentionSpec
 from . import configs
 from .common import LOG2E, MASK_BOOL, MASK_FLOAT, MASK_NONE
 from .common import cdiv as _cdiv, next_pow2 as _next_pow2, pow2_block as _pow2
-from .layout import Layout, derive_layout, layout_from_aux
+from .layout import Layout, derive_layout, layout_from_aux, window_ranges
 from .schedule import tile_lists, tile_summary
 from .template import (MODE_DKDV, MODE_DQ, MODE_FWD, POLICY_DENSE, POLICY_DFSS, POLICY_SORTED, POLICY_SPION,
                        POS_ARANGE, POS_NONE, POS_VECTOR, SCHED_LIST, SCHED_SPAN, _attention_kernel, _bwd_preprocess)
@@ -154,6 +154,10 @@ class Site:
                     raise ValueError(f"policy {pol.name!r} needs {names} (both, or neither to derive them)")
                 else:
                     layout = _layout_for(spec, q_aux, k_aux)
+            if self.pos == POS_ARANGE:
+                # the window around default positions becomes part of each query's key range
+                layout = window_ranges(layout, self.pos_off, self.win_left, self.win_right)
+                self.pos, self.win_left, self.win_right = POS_NONE, None, None
             self.layout = layout
         self.sched = SCHED_LIST if (self.pos == POS_VECTOR or self.seg or self.q_val is not None
                                     or self.k_val is not None or self.policy in (POLICY_SORTED, POLICY_SPION)) \
@@ -241,7 +245,7 @@ def _clamp(w, none=0):
     range that cannot overflow int64 arithmetic on positions."""
     if w is None:
         return none
-    return max(-(1 << 40), min(int(w), 1 << 40))
+    return max(-(1 << 30), min(int(w), 1 << 30))
 
 
 def _bounds(spec: AttentionSpec) -> Tuple[Optional[int], Optional[int]]:

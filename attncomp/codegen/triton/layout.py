@@ -32,7 +32,7 @@ import triton.language as tl
 from ...policy import Drop, Hash, _rotation, _stream_seed
 from .common import _uniform_hash, cdiv, next_pow2
 
-__all__ = ["Layout", "layout_from_aux", "derive_layout", "counting_layout", "sorted_layout",
+__all__ = ["Layout", "layout_from_aux", "derive_layout", "counting_layout", "sorted_layout", "window_ranges",
            "GK_IDS", "GK_KEEP", "GK_DRAW", "GK_LSH"]
 
 GK_IDS = 0   # group ids given (int), shifted by g_off
@@ -221,6 +221,29 @@ def sorted_layout(q_groups: torch.Tensor, k_groups: torch.Tensor) -> Layout:
     lo = torch.searchsorted(kg, qg, out_int32=True)
     hi = torch.searchsorted(kg, qg, right=True, out_int32=True)
     return Layout(q_perm.to(torch.int32), k_perm.to(torch.int32), lo, hi, q_groups, k_groups)
+
+
+def window_ranges(lay: Layout, off: int, left: Optional[int], right: Optional[int]) -> Layout:
+    """The layout with each sorted query's key range cut to the position window around default
+    positions (query ``i`` at ``i + off``, key ``j`` at ``j``): keys of a group are sorted by
+    position, so ``i + off - left <= j <= i + off + right`` is a sub-range of the group's run, found
+    by ``searchsorted`` on ``group * (Nk + 1) + j``. Causal sites then skip the tiles above each
+    bucket's diagonal (SCFA's first/last tile) and need no position test per logit."""
+    Hq, Nk = lay.q_perm.shape[1], lay.k_perm.shape[2]
+    M = Nk + 1
+    qp, kp = lay.q_perm.long(), lay.k_perm.long()
+    qg = torch.gather(lay.q_groups.long(), -1, qp)
+    kc = torch.gather(lay.k_groups.long(), -1, kp) * M + kp
+    if kc.shape[1] != Hq:
+        B, Hk, _ = kc.shape
+        kc = kc[:, :, None, :].expand(B, Hk, Hq // Hk, Nk).reshape(B, Hq, Nk)
+    kc = kc.contiguous()
+    pos = qp + off
+    lo_t = qg * M + (pos - left).clamp(0, Nk) if left is not None else qg * M
+    hi_t = qg * M + (pos + right).clamp(-1, Nk - 1) if right is not None else qg * M + (Nk - 1)
+    lo = torch.searchsorted(kc, lo_t, out_int32=True)
+    hi = torch.maximum(torch.searchsorted(kc, hi_t, right=True, out_int32=True), lo)
+    return lay._replace(lo=lo, hi=hi)
 
 
 def layout_from_aux(spec, q_aux: torch.Tensor, k_aux: torch.Tensor) -> Layout:
