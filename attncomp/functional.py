@@ -87,7 +87,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = Non
     # shapes first, so that deriving buckets or keep masks never runs on inputs that do not fit
     ops.check_inputs(spec, q, k, v, attn_mask, enable_gqa=enable_gqa, policy_tensors=False, preds=preds)
     q_aux, k_aux = ops.materialize_aux(spec, q, k, q_aux, k_aux)
-    ops.check_inputs(spec, q, k, v, attn_mask, q_aux, k_aux, block_pattern, enable_gqa=enable_gqa)
+    ops.check_inputs(spec, q, k, v, attn_mask, q_aux, k_aux, block_pattern, enable_gqa=enable_gqa,
+                     only_policy_tensors=True)
     if dropout_p > 0 and seed is None:
         seed = _fresh_seed()
     out, _ = torch.ops.attncomp.attention(q, k, v, attn_mask, q_aux, k_aux, block_pattern, *preds, spec.to_json(),

@@ -64,10 +64,14 @@ def _shape(t) -> Tuple:
 
 def check_inputs(spec: AttentionSpec, q, k, v, attn_mask=None, q_aux=None, k_aux=None,
                  block_pattern=None, enable_gqa: bool = True, policy_tensors: bool = True,
-                 preds: Optional[Predicates] = None) -> None:
+                 preds: Optional[Predicates] = None, only_policy_tensors: bool = False) -> None:
     """Raise ``ValueError`` naming the expected shape/dtype for any input that does not fit
-    (``policy_tensors=False``: only q, k, v, the mask and the predicates). Reads shapes and dtypes
-    only, never tensor data (no device synchronisation); ``ATTNCOMP_DEBUG=1`` adds data checks."""
+    (``policy_tensors=False``: only q, k, v, the mask and the predicates; ``only_policy_tensors``:
+    only the policy's tensors, q, k, v having been checked). Reads shapes and dtypes only, never
+    tensor data (no device synchronisation); ``ATTNCOMP_DEBUG=1`` adds data checks."""
+    if only_policy_tensors:
+        _check_policy_tensors(spec, q, k, q_aux, k_aux, block_pattern)
+        return
     for nm, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
             raise ValueError(f"{nm} must be a torch.Tensor, got {type(t).__name__}")
@@ -102,6 +106,12 @@ def check_inputs(spec: AttentionSpec, q, k, v, attn_mask=None, q_aux=None, k_aux
         check_predicates(preds, B, Nq, Nk, q.device)
     if not policy_tensors:
         return
+    _check_policy_tensors(spec, q, k, q_aux, k_aux, block_pattern)
+
+
+def _check_policy_tensors(spec: AttentionSpec, q, k, q_aux, k_aux, block_pattern) -> None:
+    B, Hq, Nq = _shape(q)[:3]
+    Hk, Nk = _shape(k)[1:3]
     pol = spec.policy
     if isinstance(pol, Hash):
         _check_token(q_aux, "q_buckets", (B, Hq, Nq), "integer")
