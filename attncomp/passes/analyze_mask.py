@@ -938,7 +938,8 @@ class _Eval:
                     return self.opaque(n)
                 if i == slice(None) or x.layout[d] is None and i.start in (None, 0) and i.step in (None, 1):
                     out.append(x.layout[d])
-                elif i.start in (None, 0) and i.step in (None, 1) and self.full_slice_end(n, x, d, i.stop):
+                elif i.start in (None, 0) and i.step in (None, 1) and (
+                        i.stop is None or (isinstance(i.stop, int) and i.stop >= 2 ** 62)):
                     out.append(x.layout[d])
                 else:
                     return self.opaque(n)
@@ -951,11 +952,6 @@ class _Eval:
                 return self.opaque(n)
         out.extend(x.layout[d:])
         return self.relayout(x, tuple(out))
-
-    def full_slice_end(self, n, x, d, stop) -> bool:
-        if stop is None or (isinstance(stop, int) and stop >= 2 ** 62):
-            return True
-        return False
 
     def adv_index(self, n, x, idx: List[Any]):
         lays, vals = [], []
@@ -1003,9 +999,10 @@ class _Eval:
 
 @dataclass
 class MaskAnalysis:
-    """What a mask is, in predicates. ``vectors`` map a predicate name to how to build it."""
-    positions: Optional[Tuple] = None      # (k_terms, q_terms, syms, left, right)
-    segments: Optional[Tuple] = None       # (k_terms, q_terms, syms, const)
+    """What a mask is, in predicates: the terms each predicate vector is built from, the conjuncts
+    left for the dense residual and why, and ``axis`` (a dim label -> ``"b"|"h"|"i"|"j"|"x"``)."""
+    positions: Optional[Tuple] = None      # (k_terms, q_terms, q_syms, left, right): q_pos - left <= k_pos <= q_pos + right
+    segments: Optional[Tuple] = None       # (k_terms, q_terms, q_syms, q_const): q_seg == k_seg
     k_valid: List[_Src] = field(default_factory=list)
     q_valid: List[_Src] = field(default_factory=list)
     residual: List[_Src] = field(default_factory=list)
@@ -1035,7 +1032,7 @@ class MaskAnalysis:
 _AXES = ("b", "h", "i", "j")
 
 
-def _classify(ev: _Eval, v, rank_ok=True) -> MaskAnalysis:
+def _classify(ev: _Eval, v) -> MaskAnalysis:
     if isinstance(v, (_Num, _Ind)):
         raise _Fail("the mask adds values that are not 0 / large negative (a bias)")
     res = MaskAnalysis()
@@ -1306,7 +1303,7 @@ def _sym_sum(syms) -> Optional[Dict[Any, int]]:
     return {k: v for k, v in out.items() if v != 0}
 
 
-def _is_plain_arange(leaf: _Leaf, start_zero=True) -> Optional[Any]:
+def _is_plain_arange(leaf: _Leaf) -> Optional[Any]:
     """The length of ``arange(n)`` (from 0, step 1, integer), else None."""
     n = leaf.node
     if n.op != "call_function" or n.target not in _FUNCS["arange"]:
