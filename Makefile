@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.attncomp-installed
 JOBS   ?= 2
 
-.PHONY: demo test test-gpu venv clean
+.PHONY: demo test test-gpu test-gpu-dist venv clean
 
 $(STAMP): pyproject.toml requirements.lock
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,11 @@ test: $(STAMP)
 # process (the CPU kernel tests switch Triton to its interpreter when imported).
 test-gpu:
 	python3 -m pytest -q -m gpu tests/codegen/test_triton_gpu.py tests/codegen/test_scfa_gpu.py tests/codegen/test_template_gpu.py tests/e2e/test_gpu_models.py
+
+# On a machine with 2 GPUs: context-parallel attention over NCCL against one GPU (the thread-ring
+# checks need only one).
+test-gpu-dist:
+	python3 -m pytest -q -m gpu tests/distributed/test_context_parallel_gpu.py tests/distributed/test_thread_ring.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache
