@@ -374,7 +374,8 @@ def select_backend(spec: AttentionSpec, q: torch.Tensor, k: Optional[torch.Tenso
             # keyed by the spec's identity (specs come from a parse cache; hashing one costs more than
             # the rest of the lookup), checked against the spec kept with the entry
             mk = (id(spec), q.dtype, q.device.type, q.shape[-2], n_keys, q.shape[-1],
-                  None if v is None else v.shape[-1], preds is None, p > 0, id(get_backend))
+                  None if v is None else v.shape[-1], preds is None, p > 0, id(get_backend),
+                  os.environ.get("ATTNCOMP_TVM_AUTO"))
             ent = _cpu_memo.get(mk)
             if ent is None or ent[0] is not spec or ent[1] is not get_backend:
                 if len(_cpu_memo) > 4096:
@@ -409,7 +410,8 @@ def describe_choice(spec: AttentionSpec, device, dtype=None, preds=None, n_keys:
         if every:
             return ("sdpa in eval mode (no dropout); with dropout the exact reference "
                     "(SDPA's dropout draws differ from attncomp's)")
-        return f"reference: the exact reference (policy {spec.policy.name} has no faster CPU kernel)"
+        return (f"tvm where apache-tvm is installed and Nq*Nk >= 256*256 (not float64; ATTNCOMP_TVM_AUTO=0 turns "
+                f"it off), else reference: the exact reference (policy {spec.policy.name})")
     if not triton_available():
         return "sdpa (no Triton)" if every and not dropout else "reference (no Triton)"
     if every and not dropout:

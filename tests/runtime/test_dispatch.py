@@ -130,7 +130,7 @@ def test_sdpa_refuses_value_head_dim_other_than_q():
 
 def test_describe_choice():
     assert dispatch.describe_choice(AttentionSpec(), "cpu").startswith("sdpa")
-    assert dispatch.describe_choice(AttentionSpec(policy=DFSS()), "cpu").startswith("reference")
+    assert "reference" in dispatch.describe_choice(AttentionSpec(policy=DFSS()), "cpu")
     assert "dropout" in dispatch.describe_choice(AttentionSpec(dropout_p=0.1), "cpu")
     assert dispatch.describe_choice(AttentionSpec(backend="reference"), "cpu") == "reference (as asked)"
 
