@@ -48,8 +48,8 @@ def triton_blocks(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("policy", ["dense", "dfss", "drop", "hash"])
-@pytest.mark.parametrize("layout,causal", [("balanced", True), ("contiguous", False)])
+@pytest.mark.parametrize("policy,layout,causal", [(p, "balanced", True) for p in ("dense", "dfss", "drop", "hash")]
+                         + [("dense", "contiguous", False), ("hash", "contiguous", False)])
 def test_triton_block_backwards_from_the_global_lse(triton_blocks, policy, layout, causal):
     err = workers.thread_ring_case(2, policy, layout, causal, torch.float32, "cpu", B=1, Hq=2, Hk=1, n=24,
                                    D=16, Dv=16, seed=5)
