@@ -370,7 +370,8 @@ class SiteState:
     def __init__(self, name: str, index: int, heads: Optional[int]):
         self.name, self.index, self.heads = name, index, heads
         self.length: Optional[int] = None
-        self.steps = 0
+        self.steps = 0          # recorded training steps (dense phase, alpha set)
+        self.calls = 0          # training calls of the site
         self.acc: Optional[Tensor] = None
         self.acc_count = 0
         self.norms: List[float] = []
@@ -393,7 +394,7 @@ class SiteState:
         H, n, _ = self.pattern.shape
         heads = f", {H} heads" if H > 1 else ""
         return (f"block pattern {n}x{n} blocks{heads}, density {self.density:.3f}, "
-                f"switched at step {self.switch_step} ({self.source})")
+                f"switched at training step {self.switch_step} ({self.source})")
 
 
 class SpionState:
@@ -494,7 +495,7 @@ class SpionState:
                                  f"({-(-site.length // self.policy.block_size)} blocks)")
             pattern = pattern.contiguous()
         site.pattern = pattern
-        site.switch_step = site.steps if pattern is not None else None
+        site.switch_step = site.calls if pattern is not None else None
         site.source = source if pattern is not None else ""
         for gm, attr in list(site.buffers):
             g = gm()
@@ -586,6 +587,10 @@ def _spion_pattern(q: Tensor, k: Tensor, attn_mask: Optional[Tensor], q_pos: Opt
     pat = None
     if site is not None:
         site.heads = q.shape[1]
+        from . import ops
+
+        if ops._training.get() is not False and not st.calibrating:
+            site.calls += 1
         if st.recording(site):
             from .spec import Predicates
 

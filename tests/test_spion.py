@@ -400,7 +400,7 @@ def test_automatic_switch_alg2():
         site = next(iter(spion.state_of(fast).sites.values()))
         assert (site.pattern is None) == (step < 5)
     assert site.switch_step == 6 and site.pattern.shape == (1, 3, 3)
-    assert "switched at step 6" in str(attncomp.report(fast))
+    assert "switched at training step 6" in str(attncomp.report(fast))
     # negative twin: an alpha no change meets never switches
     model2 = Toy(n=1).train()
     fast2 = _compile(model2, alpha=1e-30, interval=1)

@@ -49,7 +49,7 @@ def test_bert_training_switches_under_the_default_pipeline():
     assert len(rep.sites) == 2 and all(s.rewritten and s.policy == "spion" for s in rep.sites), str(rep)
     pats = spion.patterns(fast)
     assert len(pats) == 2 and all(p is not None and p.shape == (1, 3, 3) for p in pats.values())
-    assert str(rep).count("switched at step 3") == 2
+    assert str(rep).count("switched at training step 3") == 2
     # the last step ran sparse: its output differs from dense attention's
     with torch.no_grad():
         assert rel_err(fast(**x).last_hidden_state, model(**x).last_hidden_state) > 1e-4
