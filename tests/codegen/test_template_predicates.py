@@ -132,14 +132,22 @@ def test_tile_lists_are_the_tiles_with_allowed_entries(kinds, outer_q):
     pad = torch.zeros(B, tq * bm, tk * bn, dtype=torch.bool)
     pad[:, :Nq, :Nk] = allowed
     tiles = pad.view(B, tq, bm, tk, bn).any(4).any(2)  # (B, tq, tk)
+    pad_all = torch.ones(B, tq * bm, tk * bn, dtype=torch.bool)  # out of bounds counts as allowed here
+    pad_all[:, :Nq, :Nk] = allowed
+    full = pad_all.view(B, tq, bm, tk, bn).all(4).all(2)
     if not outer_q:
-        tiles = tiles.transpose(1, 2)
+        tiles, full = tiles.transpose(1, 2), full.transpose(1, 2)
     for b in range(B):
         for t in range(tiles.shape[1]):
             n = int(cnt[b if cnt.shape[0] > 1 else 0, 0, t])
-            got = lst[b if lst.shape[0] > 1 else 0, 0, t, :n].tolist()
-            assert got == tiles[b, t].nonzero().flatten().tolist(), (b, t)
+            got = lst[b if lst.shape[0] > 1 else 0, 0, t, :n]
+            want = tiles[b, t].nonzero().flatten()
+            assert (got >> 1).tolist() == want.tolist(), (b, t)
+            assert ((got & 1) == 1).tolist() == full[b, t, want].tolist(), (b, t)
     assert tiles.float().mean() < 0.9  # the case does skip tiles
+    assert (tiles & ~full).any()
+    if not {"window", "q_valid"} & set(kinds):  # (a narrow window or random query padding leaves no full tile)
+        assert full.any()
 
 
 def test_span_schedule_skips_tiles_of_a_causal_window():
@@ -262,6 +270,6 @@ def test_spion_tile_lists_follow_the_pattern():
     site = TB.Site(AttentionSpec(policy=SPION(block_size=bs)), q, q, q, None, 0.0, 0, block_pattern=pat)
     lst, cnt = site.lists(16, 16, True)
     assert cnt.flatten().tolist() == [1, 1, 1, 2]
-    assert lst[0, 0, 3, :2].tolist() == [0, 3] and lst[0, 0, 1, :1].tolist() == [1]
+    assert (lst[0, 0, 3, :2] >> 1).tolist() == [0, 3] and (lst[0, 0, 1, :1] >> 1).tolist() == [1]
     lst, cnt = site.lists(16, 16, False)  # per key tile
-    assert cnt.flatten().tolist() == [2, 1, 1, 1] and lst[0, 0, 0, :2].tolist() == [0, 3]
+    assert cnt.flatten().tolist() == [2, 1, 1, 1] and (lst[0, 0, 0, :2] >> 1).tolist() == [0, 3]

@@ -212,7 +212,8 @@ class Site:
                           rows_h=self.Hq if per_head else 1, groups_k=self.groups if sorted_ else 1,
                           pattern=self.pattern if self.spion_bs else None, spion_bs=self.spion_bs,
                           pos_kind=self.pos, win_left=_clamp(self.win_left, None),
-                          win_right=_clamp(self.win_right, None), seg=self.seg, sorted_ranges=sorted_)
+                          win_right=_clamp(self.win_right, None), seg=self.seg, q_val=self.q_val is not None,
+                          k_val=self.k_val is not None, sorted_ranges=sorted_)
 
     # -- configuration keys ----------------------------------------------------------------------
     def signature(self) -> tuple:

@@ -15,8 +15,11 @@ Both directions use the same test on the same summaries, so the forward, dQ and 
 the same pairs. A pair is visited iff it may hold a kept entry; the kernels then apply the exact
 entry predicate (:func:`.template._entry`).
 
-Summaries are int64 ``(B or 1, H or 1, tiles, 8)``: ``[pmin, pmax, smin, smax, any, rlo, rhi, 0]``;
-lists are int32 ``(B or 1, H or 1, outer tiles, inner tiles)`` with counts ``(B or 1, H or 1, outer)``.
+Summaries are int64 ``(B or 1, H or 1, tiles, 8)``: ``[pmin, pmax, smin, smax, any, rlo, rhi, all]``
+(``any``/``all``: whether any / every token of the tile is valid); lists are int32 ``(B or 1, H or 1,
+outer tiles, inner tiles)`` with counts ``(B or 1, H or 1, outer)``. An entry is ``2 * tile + full``:
+``full`` when the §4.1 predicates (positions, segments, padding) allow every entry of the pair, so
+that the kernels skip their per-logit tests there.
 """
 
 from __future__ import annotations
@@ -32,7 +35,6 @@ from .template import _tok_vals
 
 __all__ = ["tile_summary", "tile_lists"]
 
-_BIG = 2 ** 62
 _FIELDS = 8
 
 
@@ -52,16 +54,17 @@ def _tile_summary(Sum, Perm, Pos, Seg, Val, Lo, Hi, N, Hs, s_pos, s_seg, s_val, 
     p, sg, v = _tok_vals(idx, valid, b, Pos, s_pos, Seg, s_seg, Val, s_val, off, POS, SEG, VAL)
     ok = valid & v
     if RANGE:
-        lo = tl.load(Lo + r.to(tl.int64) * N + offs, mask=valid, other=0).to(tl.int64)
-        hi = tl.load(Hi + r.to(tl.int64) * N + offs, mask=valid, other=0).to(tl.int64)
+        lo = tl.load(Lo + r.to(tl.int64) * N + offs, mask=valid, other=0)
+        hi = tl.load(Hi + r.to(tl.int64) * N + offs, mask=valid, other=0)
         ok = ok & (lo < hi)
-    big = 4611686018427387904  # 2**62
+    big = 2147483647  # int32 values (see template._tok_vals): a sentinel above all of them
     base = Sum + (r.to(tl.int64) * tl.num_programs(0) + t) * 8
     tl.store(base + 0, tl.min(tl.where(ok, p, big), 0))
     tl.store(base + 1, tl.max(tl.where(ok, p, -big), 0))
     tl.store(base + 2, tl.min(tl.where(ok, sg, big), 0))
     tl.store(base + 3, tl.max(tl.where(ok, sg, -big), 0))
-    tl.store(base + 4, tl.max(ok.to(tl.int64), 0))
+    tl.store(base + 4, tl.max(ok.to(tl.int32), 0))
+    tl.store(base + 7, tl.min(tl.where(valid, v.to(tl.int32), 1), 0))
     if RANGE:
         tl.store(base + 5, tl.min(tl.where(ok, lo, big), 0))
         tl.store(base + 6, tl.max(tl.where(ok, hi, -big), 0))
@@ -90,27 +93,42 @@ def _pattern_any(Pat, spr, spc, qt, kt, ival, TBq, TBk,
 
 
 @triton.jit
+def _field(base, f, ival):
+    return tl.load(base + f, mask=ival, other=0)
+
+
+@triton.jit
 def _tile_visit(QS, KS, qt, kt, ival, Pat, spr, spc, TBq, TBk, win_left, win_right,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, POS: tl.constexpr, HAS_LEFT: tl.constexpr,
-                HAS_RIGHT: tl.constexpr, SEG: tl.constexpr, RANGE: tl.constexpr, SPION_BS: tl.constexpr):
-    """Whether query tiles ``qt`` and key tiles ``kt`` (equal-shape vectors) may share a kept entry."""
+                HAS_RIGHT: tl.constexpr, SEG: tl.constexpr, QVAL: tl.constexpr, KVAL: tl.constexpr,
+                RANGE: tl.constexpr, SPION_BS: tl.constexpr):
+    """``(visit, full)`` for query tiles ``qt`` and key tiles ``kt`` (equal-shape vectors): whether
+    they may share a kept entry, and whether the §4.1 predicates allow all their entries."""
     qs = QS + qt.to(tl.int64) * 8
     ks = KS + kt.to(tl.int64) * 8
-    ok = ival & (tl.load(qs + 4, mask=ival, other=0) != 0) & (tl.load(ks + 4, mask=ival, other=0) != 0)
+    ok = ival & (_field(qs, 4, ival) != 0) & (_field(ks, 4, ival) != 0)
+    full = ok
     if POS != 0:
         if HAS_LEFT:
-            ok = ok & (tl.load(ks + 1, mask=ival, other=0) >= tl.load(qs + 0, mask=ival, other=0) - win_left)
+            ok = ok & (_field(ks, 1, ival) >= _field(qs, 0, ival) - win_left)
+            full = full & (_field(ks, 0, ival) >= _field(qs, 1, ival) - win_left)
         if HAS_RIGHT:
-            ok = ok & (tl.load(ks + 0, mask=ival, other=0) <= tl.load(qs + 1, mask=ival, other=0) + win_right)
+            ok = ok & (_field(ks, 0, ival) <= _field(qs, 1, ival) + win_right)
+            full = full & (_field(ks, 1, ival) <= _field(qs, 0, ival) + win_right)
     if SEG:
-        ok = ok & (tl.load(ks + 3, mask=ival, other=0) >= tl.load(qs + 2, mask=ival, other=0))
-        ok = ok & (tl.load(ks + 2, mask=ival, other=0) <= tl.load(qs + 3, mask=ival, other=0))
+        qlo = _field(qs, 2, ival)
+        klo = _field(ks, 2, ival)
+        ok = ok & (_field(ks, 3, ival) >= qlo) & (klo <= _field(qs, 3, ival))
+        full = full & (_field(qs, 3, ival) == qlo) & (_field(ks, 3, ival) == klo) & (qlo == klo)
+    if QVAL:
+        full = full & (_field(qs, 7, ival) != 0)
+    if KVAL:
+        full = full & (_field(ks, 7, ival) != 0)
     if RANGE:
-        ok = ok & (tl.load(qs + 5, mask=ival, other=0) < (kt + 1) * BLOCK_N)
-        ok = ok & (tl.load(qs + 6, mask=ival, other=0) > kt * BLOCK_N)
+        ok = ok & (_field(qs, 5, ival) < (kt + 1) * BLOCK_N) & (_field(qs, 6, ival) > kt * BLOCK_N)
     if SPION_BS > 0:
         ok = ok & _pattern_any(Pat, spr, spc, qt, kt, ival, TBq, TBk, BLOCK_M, BLOCK_N, SPION_BS)
-    return ok
+    return ok, full & ok
 
 
 @triton.jit
@@ -119,7 +137,7 @@ def _tile_lists(List, Cnt, QSum, KSum, Pat,
                 Hl, GROUPS_K, T_inner, TBq, TBk, win_left, win_right,
                 OUTER_Q: tl.constexpr, CH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 POS: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SEG: tl.constexpr,
-                RANGE: tl.constexpr, SPION_BS: tl.constexpr):
+                QVAL: tl.constexpr, KVAL: tl.constexpr, RANGE: tl.constexpr, SPION_BS: tl.constexpr):
     o = tl.program_id(0)
     r = tl.program_id(1)
     b = (r // Hl).to(tl.int64)
@@ -134,14 +152,16 @@ def _tile_lists(List, Cnt, QSum, KSum, Pat,
         ival = it < T_inner
         outer = tl.zeros([CH], dtype=tl.int32) + o
         if OUTER_Q:
-            visit = _tile_visit(qsum, ksum, outer, it, ival, pat, spr, spc, TBq, TBk, win_left, win_right,
-                                BLOCK_M, BLOCK_N, POS, HAS_LEFT, HAS_RIGHT, SEG, RANGE, SPION_BS)
+            qt = outer
+            kt = it
         else:
-            visit = _tile_visit(qsum, ksum, it, outer, ival, pat, spr, spc, TBq, TBk, win_left, win_right,
-                                BLOCK_M, BLOCK_N, POS, HAS_LEFT, HAS_RIGHT, SEG, RANGE, SPION_BS)
+            qt = it
+            kt = outer
+        visit, full = _tile_visit(qsum, ksum, qt, kt, ival, pat, spr, spc, TBq, TBk, win_left, win_right,
+                                  BLOCK_M, BLOCK_N, POS, HAS_LEFT, HAS_RIGHT, SEG, QVAL, KVAL, RANGE, SPION_BS)
         vi = visit.to(tl.int32)
         pos = cnt + tl.cumsum(vi, 0) - vi
-        tl.store(lrow + pos, it, mask=visit)
+        tl.store(lrow + pos, it * 2 + full.to(tl.int32), mask=visit)
         cnt += tl.sum(vi, 0)
     tl.store(Cnt + b * s_cb + h * s_ch + o, cnt)
 
@@ -172,9 +192,9 @@ def tile_summary(block: int, n: int, rows_b: int, rows_h: int, perm, pos, seg, v
 def tile_lists(qsum: torch.Tensor, ksum: torch.Tensor, *, outer_q: bool, block_m: int, block_n: int,
                rows_h: int, groups_k: int, pattern=None, spion_bs: int = 0, pos_kind: int = 0,
                win_left: Optional[int] = None, win_right: Optional[int] = None, seg: bool = False,
-               sorted_ranges: bool = False):
+               q_val: bool = False, k_val: bool = False, sorted_ranges: bool = False):
     """``(list, count)``: for every outer tile (query tiles if ``outer_q`` else key tiles) the inner
-    tiles it visits, in increasing order, padded; ``rows_h`` list heads (1 or Hq); the key summary's
+    tiles it visits (entries ``2 * tile + full``), in increasing order, padded; ``rows_h`` list heads (1 or Hq); the key summary's
     head of list head ``h`` is ``h // groups_k``."""
     rows_b = max(qsum.shape[0], ksum.shape[0])
     tq, tk = qsum.shape[2], ksum.shape[2]
@@ -200,7 +220,8 @@ def tile_lists(qsum: torch.Tensor, ksum: torch.Tensor, *, outer_q: bool, block_m
         rows_h, groups_k, t_in, tbq, tbk,
         0 if win_left is None else int(win_left), 0 if win_right is None else int(win_right),
         OUTER_Q=outer_q, CH=ch, BLOCK_M=block_m, BLOCK_N=block_n, POS=pos_kind,
-        HAS_LEFT=win_left is not None, HAS_RIGHT=win_right is not None, SEG=seg, RANGE=sorted_ranges,
+        HAS_LEFT=win_left is not None, HAS_RIGHT=win_right is not None, SEG=seg, QVAL=q_val, KVAL=k_val,
+        RANGE=sorted_ranges,
         SPION_BS=spion_bs, num_warps=1 if ch <= 32 else 4,
     )
     return lst, cnt

@@ -8,7 +8,8 @@ A site is specialised through ``tl.constexpr`` parameters along two axes:
   (``arange`` plus the causal alignment offset) reaches. ``SCHED_LIST``: per query tile (per key tile in
   the transposed direction) a list of tile indices built on the device by :mod:`.schedule` from O(N)
   tile summaries: position bounds (q/k position vectors), segment ranges, padding, the sorted
-  bucket/keep ranges of ``hash`` and ``drop`` and a SPION block pattern.
+  bucket/keep ranges of ``hash`` and ``drop`` and a SPION block pattern. Each entry also says whether
+  the §4.1 predicates allow the whole tile (then the kernel skips their per-logit tests).
 * **entry predicate** (:func:`_entry`): the §4.1 predicates (position window, segments, ``q_valid`` /
   ``k_valid``), the residual ``attn_mask`` and the policy's keep rule (DFSS N:M selection in registers,
   the bucket/keep range of a sorted layout, ``exclude_self``, SPION block membership), all on the
@@ -171,7 +172,7 @@ def _span(first, last, off, before, after, BLOCK: tl.constexpr, n_tiles,
 
 @triton.jit
 def _entry(
-    qk, m2, n2, qi2, kj2, qp2, qs2, qv2, lo2, hi2, kp2, ks2, kv2, b, h, pos_check, n_first,
+    qk, m2, n2, qi2, kj2, qp2, qs2, qv2, lo2, hi2, kp2, ks2, kv2, b, h, pred_check, n_first,
     Mask, smb, smh, smm, smn, Pat, sph, spr, spc, Nq, Nk, win_left, win_right, qk_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr, CHECK_K: tl.constexpr,
     POLICY: tl.constexpr, NM_N: tl.constexpr, NM_M: tl.constexpr, EXCLUDE_SELF: tl.constexpr,
@@ -184,8 +185,9 @@ def _entry(
     ``qk`` is the raw ``q·k`` tile, queries by keys, or keys by queries when ``TRANSPOSED``; the
     ``*2`` arguments are broadcastable to it: row-order indices ``m2``/``n2``, original indices
     ``qi2``/``kj2``, and the per-token values of :func:`_tok_vals` and the sorted ranges.
-    ``pos_check`` (a scalar) is false for tiles the position window contains entirely (their
-    position test is skipped); ``n_first`` is the tile's first key (row order). With ``PRESCALE`` the result is in log2 units; without it, raw ``q·k``
+    ``pred_check`` (a scalar) is false for tiles that every §4.1 predicate allows entirely (the
+    schedule knows them: their position, segment and padding tests are skipped); ``n_first`` is the
+    tile's first key (row order). With ``PRESCALE`` the result is in log2 units; without it, raw ``q·k``
     (the caller applies the scale inside its ``exp2`` multiply-add).
     """
     if PRESCALE:
@@ -201,18 +203,19 @@ def _entry(
             s = s + tl.load(mptr, mask=inb, other=0.0).to(tl.float32) * 1.4426950408889634
     if CHECK_K:
         s = tl.where(n2 < Nk, s, _NEG)
-    if POS != 0:
-        if pos_check:
-            if HAS_LEFT:
-                s = tl.where(kp2 >= qp2 - win_left, s, _NEG)
-            if HAS_RIGHT:
-                s = tl.where(kp2 <= qp2 + win_right, s, _NEG)
-    if SEG:
-        s = tl.where(qs2 == ks2, s, _NEG)
-    if QVAL:
-        s = tl.where(qv2, s, _NEG)
-    if KVAL:
-        s = tl.where(kv2, s, _NEG)
+    if POS != 0 or SEG or QVAL or KVAL:
+        if pred_check:
+            if POS != 0:
+                if HAS_LEFT:
+                    s = tl.where(kp2 >= qp2 - win_left, s, _NEG)
+                if HAS_RIGHT:
+                    s = tl.where(kp2 <= qp2 + win_right, s, _NEG)
+            if SEG:
+                s = tl.where(qs2 == ks2, s, _NEG)
+            if QVAL:
+                s = tl.where(qv2, s, _NEG)
+            if KVAL:
+                s = tl.where(kv2, s, _NEG)
     if POLICY == 2:
         s = tl.where((n2 >= lo2) & (n2 < hi2), s, _NEG)
     if EXCLUDE_SELF:
@@ -322,9 +325,14 @@ def _attention_kernel(
                 t_hi = m_hi
             for t in range(t_lo, t_hi):
                 if SCHED == 1:
-                    start_m = tl.load(lrow + t) * BLOCK_M
+                    entry = tl.load(lrow + t)
+                    start_m = (entry >> 1) * BLOCK_M
+                    pred_check = (entry & 1) == 0
                 else:
                     start_m = t * BLOCK_M
+                    pred_check = _pos_partial(start_m, start_m + BLOCK_M - 1, ktile * BLOCK_N,
+                                              ktile * BLOCK_N + BLOCK_N - 1, pos_off, win_left, win_right, POS,
+                                              HAS_LEFT, HAS_RIGHT, PERMUTED)
                 offs_m = start_m + offs_m0
                 mval = offs_m < Nq
                 qi, qp, qs, qv, lo, hi = _query_side(QPerm, Lo, Hi, row0, offs_m, mval, b, QPos, s_qpos, QSeg, s_qseg,
@@ -337,10 +345,8 @@ def _attention_kernel(
                     qk = _dot(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32))
                 else:
                     qk = _dot(k, q, tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32))
-                pos_check = _pos_partial(start_m, start_m + BLOCK_M - 1, ktile * BLOCK_N, ktile * BLOCK_N + BLOCK_N - 1,
-                                         pos_off, win_left, win_right, POS, HAS_LEFT, HAS_RIGHT, PERMUTED)
                 s = _entry(qk, _bq(offs_m, T), _bk(offs_n, T), _bq(qi, T), _bk(kj, T), _bq(qp, T), _bq(qs, T),
-                           _bq(qv, T), _bq(lo, T), _bq(hi, T), _bk(kp, T), _bk(ks, T), _bk(kv, T), b, h, pos_check,
+                           _bq(qv, T), _bq(lo, T), _bq(hi, T), _bk(kp, T), _bk(ks, T), _bk(kv, T), b, h, pred_check,
                            ktile * BLOCK_N,
                            Mask, smb, smh, smm, smn, Pat, sph, spr, spc, Nq, Nk, win_left, win_right, qk_scale,
                            BLOCK_M, BLOCK_N, MASK_KIND, CHECK_K, POLICY, NM_N, NM_M, EXCLUDE_SELF, POS, HAS_LEFT,
@@ -411,19 +417,21 @@ def _attention_kernel(
                                BLOCK_N, tl.cdiv(Nk, BLOCK_N), POS, HAS_LEFT, HAS_RIGHT)
         for t in range(t_lo, t_hi):
             if SCHED == 1:
-                start_n = tl.load(lrow + t) * BLOCK_N
+                entry = tl.load(lrow + t)
+                start_n = (entry >> 1) * BLOCK_N
+                pred_check = (entry & 1) == 0
             else:
                 start_n = t * BLOCK_N
+                pred_check = _pos_partial(tile * BLOCK_M, tile * BLOCK_M + BLOCK_M - 1, start_n, start_n + BLOCK_N - 1,
+                                          pos_off, win_left, win_right, POS, HAS_LEFT, HAS_RIGHT, PERMUTED)
             offs_n = start_n + _key_order(BLOCK_N, NM_M)
             nval = offs_n < Nk
             kj = _orig(kperm, offs_n, nval, PERMUTED)
             kT = _load_tile(k_base, kj, nval, skn, offs_d, HEAD_D, BLOCK_D, CHECK_K, True)
             kp, ks, kv = _tok_vals(kj, nval, b, KPos, s_kpos, KSeg, s_kseg, KVal, s_kval, 0, POS, SEG, KVAL)
-            pos_check = _pos_partial(tile * BLOCK_M, tile * BLOCK_M + BLOCK_M - 1, start_n, start_n + BLOCK_N - 1,
-                                     pos_off, win_left, win_right, POS, HAS_LEFT, HAS_RIGHT, PERMUTED)
             s = _entry(_dot(q, kT, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)),
                        offs_m[:, None], offs_n[None, :], qi[:, None], kj[None, :], qp[:, None], qs[:, None], qv[:, None],
-                       lo[:, None], hi[:, None], kp[None, :], ks[None, :], kv[None, :], b, h, pos_check, start_n,
+                       lo[:, None], hi[:, None], kp[None, :], ks[None, :], kv[None, :], b, h, pred_check, start_n,
                        Mask, smb, smh, smm, smn, Pat, sph, spr, spc, Nq, Nk, win_left, win_right, qk_scale,
                        BLOCK_M, BLOCK_N, MASK_KIND, CHECK_K, POLICY, NM_N, NM_M, EXCLUDE_SELF, POS, HAS_LEFT, HAS_RIGHT,
                        SEG, QVAL, KVAL, SPION_BS, False, PRESCALE)
