@@ -56,8 +56,8 @@ import torch
 import torch.fx as fx
 
 from .base import CompileContext, PassResult
-from .node_info import attention_sites, describe, dtype_of, meta_shape, scalar_value, site_report, spec_of, \
-    spec_index, static_int, UNKNOWN
+from .node_info import attention_sites, describe, dtype_of, meta_shape, scalar_value, set_spec, site_report, \
+    spec_of, spec_index, static_int, UNKNOWN
 
 log = logging.getLogger(__name__)
 
@@ -1230,13 +1230,6 @@ class _Emitter:
 # The pass
 
 
-def _preds_present(node: fx.Node, idx: Dict[str, int]):
-    """The op's predicate arguments as a ``Predicates`` (graph nodes, for the words of ``describe``)."""
-    from ..spec import Predicates
-
-    return Predicates(*(node.args[idx[nm]] for nm in _PRED_NAMES))
-
-
 def _op_args() -> Dict[str, int]:
     schema = torch.ops.attncomp.attention.default._schema
     return {a.name: i for i, a in enumerate(schema.arguments)}
@@ -1358,8 +1351,7 @@ def analyze_mask(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
             ctx.count("analyze_mask", "materialised")
             continue
         rep.details["mask"] = words
-        if rep.spec is not None:
-            rep.spec = spec_of(node).describe(_preds_present(node, idx))
+        set_spec(node, spec_of(node), rep)
         ctx.count("analyze_mask", "rewritten")
         modified = True
     return PassResult(gm, modified)

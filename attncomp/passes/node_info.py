@@ -42,7 +42,7 @@ __all__ = [
     "view_kind", "view_input", "permutation", "exclusive_chain", "LinearInfo", "match_linear", "weight_users",
     "new_constant",
     # attention sites
-    "attention_sites", "spec_index", "spec_of", "set_spec", "site_report", "only_getitem0", "head_dim",
+    "attention_sites", "spec_index", "spec_of", "set_spec", "predicates_of", "site_report", "only_getitem0", "head_dim",
 ]
 
 aten = torch.ops.aten
@@ -455,10 +455,22 @@ def spec_of(node: fx.Node) -> AttentionSpec:
     return AttentionSpec.from_json(node.args[spec_index(node)])
 
 
+def predicates_of(node: fx.Node):
+    """The structured-mask arguments of an attention node (DESIGN §4.1) as a ``Predicates`` of graph
+    values (None where absent), or None if the op has no such arguments."""
+    from ..spec import Predicates
+
+    names = [a.name for a in torch.ops.attncomp.attention.default._schema.arguments]
+    if not all(f in names for f in Predicates._fields):
+        return None
+    return Predicates(*(node.args[names.index(f)] if names.index(f) < len(node.args) else None
+                        for f in Predicates._fields))
+
+
 def set_spec(node: fx.Node, spec: AttentionSpec, report: Optional[SiteReport] = None) -> None:
     node.update_arg(spec_index(node), spec.to_json())
     if report is not None:
-        report.spec = spec.describe()
+        report.spec = spec.describe(predicates_of(node))
 
 
 def site_report(node: fx.Node, ctx: CompileContext) -> SiteReport:
