@@ -146,13 +146,55 @@ def _pos_partial(m0, m1, n0, n1, off, left, right, POS: tl.constexpr, HAS_LEFT: 
     """Whether the window around default positions may exclude an entry of the tile of queries
     ``m0..m1`` and keys ``n0..n1`` (always with position vectors or a sorted layout, whose row
     order is not the position order)."""
-    part = (POS == 2) or PERMUTED
-    if POS == 1 and not PERMUTED:
+    if POS == 2 or PERMUTED:
+        return True
+    elif POS == 1:
+        part = n0 != n0
         if HAS_LEFT:
             part = part | (n0 < m1 + off - left)
         if HAS_RIGHT:
             part = part | (n1 > m0 + off + right)
-    return part
+        return part
+    else:
+        return False
+
+
+@triton.jit
+def _inner_tiles(List, Cnt, b, h, outer, slb, slh, slt, scb, sch, span_lo, span_hi, SCHED: tl.constexpr):
+    """``(list row, t_lo, t_hi)``: the inner tiles of an outer tile are list entries ``[0, count)``,
+    or the span ``[span_lo, span_hi)`` itself."""
+    if SCHED == 1:
+        lrow = List + b.to(tl.int64) * slb + h.to(tl.int64) * slh + outer.to(tl.int64) * slt
+        return lrow, 0, tl.load(Cnt + b.to(tl.int64) * scb + h.to(tl.int64) * sch + outer)
+    else:
+        return List, span_lo, span_hi
+
+
+@triton.jit
+def _inner_tile(lrow, t, outer_first, off, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                INNER_KEYS: tl.constexpr, SCHED: tl.constexpr, POS: tl.constexpr, HAS_LEFT: tl.constexpr,
+                HAS_RIGHT: tl.constexpr, PERMUTED: tl.constexpr):
+    """The ``t``-th inner tile of an outer tile starting at ``outer_first``: its first token and
+    whether its entries need the §4.1 tests (from the list entry, or the window's span)."""
+    if SCHED == 1:
+        entry = tl.load(lrow + t)
+        if INNER_KEYS:
+            start = (entry >> 1) * BLOCK_N
+        else:
+            start = (entry >> 1) * BLOCK_M
+        check = (entry & 1) == 0
+    else:
+        if INNER_KEYS:
+            start = t * BLOCK_N
+        else:
+            start = t * BLOCK_M
+        if INNER_KEYS:
+            check = _pos_partial(outer_first, outer_first + BLOCK_M - 1, start, start + BLOCK_N - 1, off, left, right,
+                                 POS, HAS_LEFT, HAS_RIGHT, PERMUTED)
+        else:
+            check = _pos_partial(start, start + BLOCK_M - 1, outer_first, outer_first + BLOCK_N - 1, off, left, right,
+                                 POS, HAS_LEFT, HAS_RIGHT, PERMUTED)
+    return start, check
 
 
 @triton.jit
@@ -316,23 +358,10 @@ def _attention_kernel(
             row0 = bh.to(tl.int64) * Nq
             q_base = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
             do_base = DO + b.to(tl.int64) * sdob + h.to(tl.int64) * sdoh
-            if SCHED == 1:
-                lrow = List + b.to(tl.int64) * slb + h.to(tl.int64) * slh + ktile.to(tl.int64) * slt
-                t_lo = 0
-                t_hi = tl.load(Cnt + b.to(tl.int64) * scb + h.to(tl.int64) * sch + ktile)
-            else:
-                t_lo = m_lo
-                t_hi = m_hi
+            lrow, t_lo, t_hi = _inner_tiles(List, Cnt, b, h, ktile, slb, slh, slt, scb, sch, m_lo, m_hi, SCHED)
             for t in range(t_lo, t_hi):
-                if SCHED == 1:
-                    entry = tl.load(lrow + t)
-                    start_m = (entry >> 1) * BLOCK_M
-                    pred_check = (entry & 1) == 0
-                else:
-                    start_m = t * BLOCK_M
-                    pred_check = _pos_partial(start_m, start_m + BLOCK_M - 1, ktile * BLOCK_N,
-                                              ktile * BLOCK_N + BLOCK_N - 1, pos_off, win_left, win_right, POS,
-                                              HAS_LEFT, HAS_RIGHT, PERMUTED)
+                start_m, pred_check = _inner_tile(lrow, t, ktile * BLOCK_N, pos_off, win_left, win_right, BLOCK_M,
+                                                  BLOCK_N, False, SCHED, POS, HAS_LEFT, HAS_RIGHT, PERMUTED)
                 offs_m = start_m + offs_m0
                 mval = offs_m < Nq
                 qi, qp, qs, qv, lo, hi = _query_side(QPerm, Lo, Hi, row0, offs_m, mval, b, QPos, s_qpos, QSeg, s_qseg,
@@ -408,22 +437,12 @@ def _attention_kernel(
         else:
             acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
-        if SCHED == 1:
-            lrow = List + b.to(tl.int64) * slb + h.to(tl.int64) * slh + tile.to(tl.int64) * slt
-            t_lo = 0
-            t_hi = tl.load(Cnt + b.to(tl.int64) * scb + h.to(tl.int64) * sch + tile)
-        else:
-            t_lo, t_hi = _span(tile * BLOCK_M, tl.minimum(tile * BLOCK_M + BLOCK_M, Nq) - 1, pos_off, win_left, win_right,
-                               BLOCK_N, tl.cdiv(Nk, BLOCK_N), POS, HAS_LEFT, HAS_RIGHT)
+        n_lo, n_hi = _span(tile * BLOCK_M, tl.minimum(tile * BLOCK_M + BLOCK_M, Nq) - 1, pos_off, win_left, win_right,
+                           BLOCK_N, tl.cdiv(Nk, BLOCK_N), POS, HAS_LEFT, HAS_RIGHT)
+        lrow, t_lo, t_hi = _inner_tiles(List, Cnt, b, h, tile, slb, slh, slt, scb, sch, n_lo, n_hi, SCHED)
         for t in range(t_lo, t_hi):
-            if SCHED == 1:
-                entry = tl.load(lrow + t)
-                start_n = (entry >> 1) * BLOCK_N
-                pred_check = (entry & 1) == 0
-            else:
-                start_n = t * BLOCK_N
-                pred_check = _pos_partial(tile * BLOCK_M, tile * BLOCK_M + BLOCK_M - 1, start_n, start_n + BLOCK_N - 1,
-                                          pos_off, win_left, win_right, POS, HAS_LEFT, HAS_RIGHT, PERMUTED)
+            start_n, pred_check = _inner_tile(lrow, t, tile * BLOCK_M, pos_off, win_left, win_right, BLOCK_M, BLOCK_N,
+                                              True, SCHED, POS, HAS_LEFT, HAS_RIGHT, PERMUTED)
             offs_n = start_n + _key_order(BLOCK_N, NM_M)
             nval = offs_n < Nk
             kj = _orig(kperm, offs_n, nval, PERMUTED)
