@@ -1346,9 +1346,12 @@ def analyze_mask(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
             continue
         try:
             words = _rewrite(gm, node, idx, res, ev)
-        except _Fail as e:
-            rep.details["mask"] = f"materialised mask: {e}"
+        except Exception as e:   # the op is only changed at the end of _rewrite: it is intact here
+            why = str(e) if isinstance(e, _Fail) else f"rewrite failed ({type(e).__name__}: {e})"
+            log.debug("analyze_mask: %s", why, exc_info=not isinstance(e, _Fail))
+            rep.details["mask"] = f"materialised mask: {why}"
             ctx.count("analyze_mask", "materialised")
+            modified = True   # nodes emitted before the failure are dead: let the pipeline remove them
             continue
         rep.details["mask"] = words
         set_spec(node, spec_of(node), rep)
