@@ -748,6 +748,15 @@ class _Eval:
             return _Pred(lay, c.atoms + x.atoms, c.false or x.false)
         if isinstance(x, _FMask) and cy is not None and _is_big_negative(cy):
             return _FMask(lay, _Pred(lay, c.atoms + x.pred.atoms, c.false or x.pred.false), x.biases)
+        # where(c, bias, -big): the bias where c holds, excluded elsewhere (T5's position_bias masking)
+        for cond, val, fill in ((c, x, cy), (None, y, cx)):
+            if isinstance(val, _Num) and fill is not None and _is_big_negative(fill) and len(val.terms) == 1 \
+                    and val.terms[0][0] == 1 and val.const == 0 and not val.syms:
+                if cond is None:
+                    cond = self.negate(n, c)
+                    if not isinstance(cond, _Pred) or cond.inv is not None:
+                        break
+                return _FMask(lay, replace(cond, layout=lay), (val.terms[0][1],))
         return self.opaque(n)
 
     def cast(self, n, a):
@@ -1436,7 +1445,8 @@ def _rewrite(gm: fx.GraphModule, node: fx.Node, idx: Dict[str, int], res: MaskAn
     args[spec_index(node)] = spec.to_json()
     node.args = tuple(args)
     words = res.words(default_words)
-    if res.residual or res.biases:
-        why = "; ".join(res.reasons) if res.reasons else "an additive bias"
-        words.append(f"materialised mask: {why}")
+    if res.residual:
+        words.append(f"materialised mask: {'; '.join(res.reasons)}")
+    if res.biases:   # e.g. a relative-position bias: a float input of the op, not a mask
+        words.append("additive bias (" + ", ".join(b.node.name for b in res.biases) + ")")
     return ", ".join(words) if words else "no predicate (the mask allows every entry)"

@@ -139,7 +139,9 @@ NEGATIVE = {
     "per_head_padding": (lambda q, k, am, pid, cp, r: _causal(q, k) & (k.sum(-1) > 0)[:, :, None, :], "sdpa",
                          ["causal", "materialised mask", "heads"], False),
     "float_bias": (lambda q, k, am, pid, cp, r: torch.where(_causal(q, k), torch.tensor(0.0, dtype=q.dtype), NEG) + r, "eager",
-                   ["causal", "materialised mask"], False),
+                   ["causal", "additive bias"], False),
+    "bias_where_allowed": (lambda q, k, am, pid, cp, r: torch.where(_padding(am) & _causal(q, k), r, NEG), "eager",
+                           ["causal", "padding", "additive bias"], False),
     "abs_at_least": (lambda q, k, am, pid, cp, r: (lambda i, j: (torch.abs(i - j) >= 2)[None, None] | _causal(q, k))(*_ij(q, k)),
                      "sdpa", ["materialised mask"], False),
     "float_not_a_mask": (lambda q, k, am, pid, cp, r: torch.where(_causal(q, k), torch.tensor(0.0, dtype=q.dtype), -1.0), "eager",
@@ -317,11 +319,13 @@ def _hf(family, impl=None, **over):
         "qwen2": lambda: T.Qwen2Config(num_key_value_heads=2, **kw),
         "bert": lambda: T.BertConfig(**kw),
         "gpt2": lambda: T.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=97, bos_token_id=0, eos_token_id=0),
+        "t5": lambda: T.T5Config(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, vocab_size=97),
         "modernbert": lambda: T.ModernBertConfig(local_attention=4, global_attn_every_n_layers=2, pad_token_id=0,
                                                  bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2, **kw),
     }
     models = {"llama": T.LlamaModel, "mistral": T.MistralModel, "gemma2": T.Gemma2Model, "qwen2": T.Qwen2Model,
-              "bert": T.BertModel, "gpt2": T.GPT2Model, "modernbert": T.ModernBertModel}
+              "bert": T.BertModel, "gpt2": T.GPT2Model, "modernbert": T.ModernBertModel,
+              "t5": T.T5EncoderModel}
     cfg = cfgs[family]()
     for k_, v_ in over.items():
         setattr(cfg, k_, v_)
@@ -342,6 +346,7 @@ HF = [
     ("bert", "eager", "left", ["padding"]),
     ("gpt2", None, "right", ["causal", "padding"]),
     ("modernbert", None, "right", ["padding"]),
+    ("t5", None, "left", ["padding", "additive bias"]),   # relative-position bias stays a float input
 ]
 
 
