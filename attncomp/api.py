@@ -124,6 +124,8 @@ class _GraphCompiler:
         self.capture_name = capture_name
         self.contexts: List[CompileContext] = []
         self.graphs: List[fx.GraphModule] = []
+        #: graph breaks seen while this module compiled: reason -> count
+        self.breaks: Dict[str, int] = {}
         #: set by CompiledModule: the code object whose recompiles are reported
         self.code = None
         self.module_training: Optional[bool] = None
@@ -135,6 +137,7 @@ class _GraphCompiler:
                              options=dict(self.options), capture=f"{self.capture_name}; {where}")
         _propagate_fake(gm, example_inputs)
         frozen = _freeze_parameters(gm, example_inputs) if inference else 0
+        _constant_mask_buffers(gm, example_inputs)
         if frozen:
             ctx.notes.append(f"graph {len(self.graphs)}: {frozen} frozen parameter(s) treated as constants "
                              "(inference: eval mode, no parameter requires grad)")
@@ -201,6 +204,9 @@ class _GraphCompiler:
         ctx.counters["capture"]["recompiles"] = max(0, n - 1)
         rep = _make_report(ctx)
         rep.graphs = n
+        for reason, count in self.breaks.items():
+            rep.notes.append(f"graph break ({count}x): {reason.splitlines()[0][:300]} -- code there runs "
+                             "without attncomp")
         if n > STORM:
             fails = self.guard_failures()
             rep.notes.append(f"recompile storm: {n} graphs for one module (more than {STORM}); "
@@ -238,6 +244,41 @@ def _lift_seeds(gm: fx.GraphModule, example_inputs: List[Any]):
         inputs.append(sym)
     gm.recompile()
     return bases, inputs
+
+
+def _constant_mask_buffers(gm: fx.GraphModule, example_inputs) -> int:
+    """Module buffers that the graph only reads (causal ``bias`` masks such as nanoGPT's) become
+    ``get_attr`` nodes, as in fx and export graphs, so that the mask analysis can read them; they still
+    refer to the module's tensor, so nothing is copied or frozen."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(example_inputs):
+        return 0
+    count = 0
+    for i, (node, val) in enumerate(zip(placeholders, example_inputs)):
+        grapharg = node.meta.get("grapharg")
+        src = getattr(grapharg, "source", None)
+        name = getattr(src, "name", "") if src is not None else ""
+        name = (name() if callable(name) else str(name)) + " " + node.name
+        if not isinstance(val, torch.Tensor) or isinstance(val, nn.Parameter) or "_buffers" not in name \
+                or not node.users or any(_mutates(u, node) for u in node.users):
+            continue
+        attr = f"_attncomp_buffer_{i}"
+        gm.register_buffer(attr, val, persistent=False)
+        with gm.graph.inserting_after(placeholders[-1]):
+            ga = gm.graph.get_attr(attr)
+        ga.meta.update(node.meta)
+        node.replace_all_uses_with(ga)
+        count += 1
+    if count:
+        gm.recompile()
+    return count
+
+
+def _mutates(user: fx.Node, node: fx.Node) -> bool:
+    """Whether ``user`` may write into ``node`` (an in-place op, or an op with out= / copy semantics)."""
+    t = user.target
+    name = t if isinstance(t, str) else getattr(t, "__name__", str(t))
+    return name.endswith("_") and not name.endswith("__") or "out" in user.kwargs or name in ("setitem",)
 
 
 def _freeze_parameters(gm: fx.GraphModule, example_inputs) -> int:
@@ -319,31 +360,16 @@ class CompiledModule(nn.Module):
                         "save the original module's state_dict")
 
 
-_CLASSES: Dict[type, type] = {}
-
-
-def _compiled_class(cls: type) -> type:
-    """``CompiledModule`` mixed into the model's class, named like it (code that prints or checks the
-    class name sees the model's)."""
-    sub = _CLASSES.get(cls)
-    if sub is None:
-        sub = type(cls.__name__, (CompiledModule, cls), {"__module__": cls.__module__,
-                                                        "__qualname__": cls.__qualname__})
-        _CLASSES[cls] = sub
-    return sub
-
-
 def _wrap(model: nn.Module, state: "_State") -> CompiledModule:
-    cls = _compiled_class(type(model))
-    fast = cls.__new__(cls)
-    d = dict(model.__dict__)
-    # own containers, shared contents: adding a submodule or a hook to one never changes the other
-    for k, v in model.__dict__.items():
-        if isinstance(v, dict) and (k.startswith("_") and ("hook" in k or k in ("_modules", "_parameters",
-                                                                                   "_buffers"))):
-            d[k] = type(v)(v) if not isinstance(v, collections.OrderedDict) else collections.OrderedDict(v)
-    fast.__dict__.update(d)
-    object.__setattr__(fast, "_attncomp", state)
+    """An alias of ``model`` (the same ``__dict__``: parameters, buffers, submodules, hooks, flags such as
+    ``training``) whose class is the model's class with :class:`CompiledModule` mixed in, named like it
+    (code that prints or checks the class name sees the model's). Each compile gets its own class, which
+    holds its state."""
+    cls = type(model)
+    sub = type(cls.__name__, (CompiledModule, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                                                     "_attncomp": state})
+    fast = object.__new__(sub)
+    object.__setattr__(fast, "__dict__", model.__dict__)
     return fast
 
 
@@ -379,9 +405,9 @@ class _State:
     # -- dynamo route -------------------------------------------------------------------------
     def run_dynamo(self, fast, args, kwargs):
         if self.compiled is None:
-            fn = self.forward_fn(fast)
-            self.compiler.code = getattr(type(self.model).forward, "__code__", None)
-            self.compiled = torch.compile(fn, backend=self.compiler, dynamic=self.dynamic)
+            fwd = _own_code(type(self.model).forward)
+            self.compiler.code = getattr(fwd, "__code__", None)
+            self.compiled = torch.compile(types.MethodType(fwd, fast), backend=self.compiler, dynamic=self.dynamic)
         if self.dynamic is None:
             for t in tree_flatten((args, kwargs))[0]:
                 if isinstance(t, torch.Tensor) and t.dim():
@@ -389,7 +415,9 @@ class _State:
                         torch._dynamo.maybe_mark_dynamic(t, d)
         self.compiler.module_training = fast.training
         n0 = len(self.compiler.graphs)
-        with ops.training_mode(fast.training):
+        self.breaks = dict(torch._dynamo.utils.counters["graph_break"])
+        # float attributes (dropout rates, scales) stay constants the passes can read, as in eager code
+        with ops.training_mode(fast.training), torch._dynamo.config.patch(specialize_float=True):
             try:
                 out = self.compiled(*args, **kwargs)
             except (CaptureError, TypeError):
@@ -401,6 +429,11 @@ class _State:
                                    f"{type(e).__name__}: {_first_line(e)}") from e
         if len(self.compiler.graphs) > n0:
             self.last = self.compiler.graphs[-1]
+        breaks = torch._dynamo.utils.counters["graph_break"]
+        for reason, n in breaks.items():
+            if n > self.breaks.get(reason, 0):
+                self.compiler.breaks[reason] = self.compiler.breaks.get(reason, 0) + n - self.breaks.get(reason, 0)
+        self.breaks = dict(breaks)
         return out
 
     # -- export / fx routes: one graph per call structure ---------------------------------------
@@ -475,6 +508,22 @@ class _State:
         if not rep.sites:
             rep.notes.append("no attention site found: the model runs unchanged")
         return rep
+
+
+def _own_code(fn):
+    """``fn`` with a code object of its own. Dynamo keeps compiled graphs, guards and its recompile
+    limit per code object: without this, every compiled module of one class would share them (a
+    ninth compile of the same class would silently run eagerly, and a new module could hit the cached
+    graphs of an old one)."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return fn
+    new = types.FunctionType(code.replace(co_name=code.co_name), fn.__globals__, fn.__name__, fn.__defaults__,
+                             fn.__closure__)
+    new.__kwdefaults__ = fn.__kwdefaults__
+    new.__dict__.update(fn.__dict__)
+    new.__qualname__, new.__doc__, new.__module__ = fn.__qualname__, fn.__doc__, fn.__module__
+    return new
 
 
 def _first_line(e: BaseException) -> str:

@@ -161,11 +161,11 @@ def _export_capture(model: nn.Module, args, kwargs) -> Tuple[fx.GraphModule, str
 
 
 def capture(model: nn.Module, example_inputs, ctx: Optional[CompileContext] = None,
-            route: str = "auto") -> fx.GraphModule:
+            route: str = "fx") -> fx.GraphModule:
     """Return a GraphModule equivalent to ``model``; raise :class:`CaptureError` naming what failed.
 
-    ``route``: ``"fx"`` (symbolic_trace only), ``"export"`` (torch.export only) or ``"auto"`` (fx, then
-    export). Dynamo's graphs do not come through here: its backend hands them to the passes directly.
+    ``route``: ``"export"`` (torch.export only), or ``"fx"`` (symbolic_trace, then torch.export for
+    models fx cannot trace). Dynamo's graphs do not come through here: its backend hands them to the passes directly.
     """
     if not isinstance(model, nn.Module):
         raise CaptureError(f"attncomp.compile expects an nn.Module, got {type(model).__name__}")
@@ -180,8 +180,6 @@ def capture(model: nn.Module, example_inputs, ctx: Optional[CompileContext] = No
     except Exception as e:
         fx_err = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         log.info("fx symbolic_trace failed: %s", fx_err)
-        if route == "fx":
-            raise CaptureError(f"torch.fx could not trace {type(model).__name__} ({fx_err})") from e
     if not args and not kwargs:
         raise CaptureError(f"torch.fx could not trace {type(model).__name__} ({fx_err}); pass example_inputs "
                            "so that torch.export can capture it")

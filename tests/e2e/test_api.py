@@ -151,7 +151,7 @@ def test_not_a_module(obj):
 def test_capture_error_names_fx_and_export():
     model = DataDependent()
     with pytest.raises(attncomp.CaptureError) as ei:
-        attncomp.compile(model, example_inputs=(torch.randn(2, 8),))
+        attncomp.compile(model, capture="fx", example_inputs=(torch.randn(2, 8),))
     msg = str(ei.value)
     assert "DataDependent" in msg
     assert "fx" in msg and "control flow" in msg, msg          # why fx failed
@@ -161,7 +161,7 @@ def test_capture_error_names_fx_and_export():
 
 def test_capture_error_without_example_inputs_says_what_to_do():
     model = DataDependent()
-    fast = attncomp.compile(model)   # lazy: nothing captured yet
+    fast = attncomp.compile(model, capture="fx")   # lazy: nothing captured yet
     with pytest.raises(attncomp.CaptureError) as ei:
         fast(torch.randn(2, 8))
     assert "fx" in str(ei.value) and "export" in str(ei.value)
@@ -171,7 +171,7 @@ def test_fallback_eager_returns_original_with_warning():
     model = DataDependent()
     x = torch.randn(2, 8)
     with pytest.warns(RuntimeWarning, match="original module") as rec:
-        got = attncomp.compile(model, example_inputs=(x,), fallback="eager")
+        got = attncomp.compile(model, capture="fx", example_inputs=(x,), fallback="eager")
     assert got is model
     assert any("fx" in str(w.message) and "export" in str(w.message) for w in rec)
     assert torch.equal(got(x), model(x))
@@ -180,7 +180,7 @@ def test_fallback_eager_returns_original_with_warning():
 def test_fallback_eager_lazy_compile():
     """Without example inputs capture happens on the first call; fallback="eager" must still apply."""
     model = DataDependent()
-    fast = attncomp.compile(model, fallback="eager")
+    fast = attncomp.compile(model, capture="fx", fallback="eager")
     x = torch.randn(2, 8)
     with pytest.warns(RuntimeWarning):
         y = fast(x)
@@ -402,7 +402,7 @@ def test_lazy_compile_captures_on_first_call(monkeypatch):
     real = attncomp.api.capture
     monkeypatch.setattr(attncomp.api, "capture", lambda *a, **k: calls.append(1) or real(*a, **k))
     model = Stack().eval()
-    fast = attncomp.compile(model, policy="dense")
+    fast = attncomp.compile(model, policy="dense", capture="fx")
     assert isinstance(fast, nn.Module) and not calls
     rep = attncomp.report(fast)
     assert not rep.sites and "first call" in str(rep)
