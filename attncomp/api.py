@@ -151,6 +151,7 @@ class _GraphCompiler:
 
         patches = dict(torch._inductor.list_mode_options(self.mode)) if self.mode else {}
         seeds, inputs = _lift_seeds(gm, list(example_inputs))
+        _name_new_constants(gm)
         compiled = compile_fx(gm, inputs, config_patches=patches or None)
         if not seeds:
             return compiled
@@ -212,6 +213,19 @@ class _GraphCompiler:
             rep.notes.append(f"recompile storm: {n} graphs for one module (more than {STORM}); "
                              f"last failed guard: {fails[-1] if fails else 'unknown'}")
         return rep
+
+
+def _name_new_constants(gm: fx.GraphModule) -> None:
+    """Tensors the passes attached to a dynamo graph (frozen weights, folded weights, read-only buffers)
+    get a source of their own, as AOTAutograd expects of every attribute of a dynamo graph."""
+    table = getattr(gm, "_param_name_to_source", None)
+    if table is None:
+        return
+    from torch._dynamo.source import ConstantSource
+
+    for name, _ in list(gm.named_parameters()) + list(gm.named_buffers()):
+        if name not in table:
+            table[name] = ConstantSource(f"attncomp_{name}")
 
 
 def _lift_seeds(gm: fx.GraphModule, example_inputs: List[Any]):
