@@ -1044,6 +1044,8 @@ _AXES = ("b", "h", "i", "j")
 def _classify(ev: _Eval, v) -> MaskAnalysis:
     if isinstance(v, (_Num, _Ind)):
         raise _Fail("the mask adds values that are not 0 / large negative (a bias)")
+    if not isinstance(v, (_Pred, _FMask)):
+        raise _Fail("the mask is neither boolean nor an additive 0 / large negative float")
     res = MaskAnalysis()
     if isinstance(v, _FMask):
         pred, res.biases, res.float_mask = v.pred, list(v.biases), True
@@ -1320,6 +1322,17 @@ def _is_plain_arange(leaf: _Leaf) -> Optional[Any]:
     return None
 
 
+def _spec_words(spec) -> str:
+    """The report's words for a site whose mask is only in its spec (``is_causal``, a causal buffer)."""
+    out = []
+    if spec.causal:
+        out.append("causal" if spec.causal_align == "top_left" else "causal (bottom-right)")
+    if spec.window_left is not None or spec.window_right is not None:
+        f = (lambda w: "inf" if w is None else str(w))
+        out.append(f"window({f(spec.window_left)}, {f(spec.window_right)})")
+    return ", ".join(out) or "none"
+
+
 def analyze(gm: fx.GraphModule, mask: fx.Node, ev: Optional[_Eval] = None) -> MaskAnalysis:
     """The predicates of the mask computed at ``mask`` (raises ``_Fail`` with the reason)."""
     ev = ev or _Eval(gm)
@@ -1336,9 +1349,10 @@ def analyze_mask(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
     has_preds = all(nm in idx for nm in _PRED_NAMES)
     for node in attention_sites(gm):
         mask = node.args[idx["attn_mask"]] if "attn_mask" in idx and len(node.args) > idx["attn_mask"] else None
-        if not isinstance(mask, fx.Node):
-            continue
         rep = site_report(node, ctx)
+        if not isinstance(mask, fx.Node):
+            rep.details.setdefault("mask", _spec_words(spec_of(node)))
+            continue
         try:
             res = _classify(ev, ev(mask))
         except _Fail as e:

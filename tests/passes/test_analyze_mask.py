@@ -481,3 +481,16 @@ def test_hf_export_graph():
     exp = model(input_ids=ids, attention_mask=am)
     got = got["last_hidden_state"] if isinstance(got, dict) else got.last_hidden_state if hasattr(got, "last_hidden_state") else got[0]
     torch.testing.assert_close(got[am.bool()], exp.last_hidden_state[am.bool()], rtol=1e-4, atol=1e-5)
+
+
+def test_sites_without_a_computed_mask_are_reported():
+    """is_causal (no mask tensor): the report still names what the site allows."""
+    ctx = CompileContext()
+    model = Toy(lambda q, k, v, am, pid, cp, r: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    gm = run_passes(capture(model, inputs(7, 7, 0), ctx, route="fx"), ctx, PASSES)
+    assert ctx.sites[0].details["mask"] == "causal"
+    model = Toy(lambda q, k, v, am, pid, cp, r: F.scaled_dot_product_attention(q, k, v))
+    ctx = CompileContext()
+    gm = run_passes(capture(model, inputs(7, 7, 0), ctx, route="fx"), ctx, PASSES)
+    assert ctx.sites[0].details["mask"] == "none"
+    del gm
