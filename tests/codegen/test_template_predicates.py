@@ -241,7 +241,7 @@ def test_host_path_is_sync_free(policy, monkeypatch):
 @pytest.mark.parametrize("bs,tiles", [(16, (32, 64)), (32, (16, 16)), (64, (32, 16)), (128, (16, 32))])
 def test_spion_block_sizes_and_tiles(bs, tiles):
     g = torch.Generator().manual_seed(bs)
-    B, Hq, Hk, N, D = 1, 2, 1, 150, 32
+    B, Hq, Hk, N, D = 1, 2, 1, (136 if bs == 128 else 90), 32
     q, k, v = (torch.randn(B, h, N, D, generator=g) for h in (Hq, Hk, Hk))
     nb = -(-N // bs)
     pat = torch.rand(1, nb, nb, generator=g) > 0.5
