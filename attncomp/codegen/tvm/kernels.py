@@ -193,8 +193,11 @@ def _kpos(v: Variant, kj: str) -> str:
     return f"KPOS[b * kpos_sb + {kj}]" if v.k_pos else f"({kj})"
 
 
-def _allowed(v: Variant, qi: str, kj: str) -> List[str]:
-    """Conjuncts of "entry (qi, kj) is allowed and kept by an elementwise rule" (b, h, hk in scope)."""
+def _allowed(v: Variant, qi: str, kj: str, tile: bool = False) -> List[str]:
+    """Conjuncts of "entry (qi, kj) is allowed and kept by an elementwise rule" (b, h, hk in scope).
+    ``tile``: the policy's per-token tensors are read from the tile-local copies QAt[i]/KAt[j]."""
+    qa = "QAt[i]" if tile else f"QA[b, h, {qi}]"
+    ka = "KAt[j]" if tile else f"KA[b, hk, {kj}]"
     c = [f"{qi} < Nq", f"{kj} < Nk"]
     if v.positional:
         qp, kp = _qpos(v, qi), _kpos(v, kj)
@@ -213,12 +216,12 @@ def _allowed(v: Variant, qi: str, kj: str) -> List[str]:
     elif v.mask == "float":
         c.append(f"MASK[b * m_sb + h * m_sh + {qi} * m_si + {kj} * m_sj] != {_neg_inf(v)}")
     if v.policy == "hash":
-        c.append(f"QA[b, h, {qi}] == KA[b, hk, {kj}]")
+        c.append(f"{qa} == {ka}")
         if v.exclude_self:
             c.append(f"{qi} != {kj}")
     elif v.policy == "drop":
-        c.append(f"QA[b, h, {qi}] != 0")
-        c.append(f"KA[b, hk, {kj}] != 0")
+        c.append(f"{qa} != 0")
+        c.append(f"{ka} != 0")
     elif v.policy == "spion":
         bs = v.block_size
         c.append(f"(BP[h * bp_sh, ({qi}) // {bs}, ({kj}) // {bs}] != 0 "
@@ -385,8 +388,12 @@ def _scores(v: Variant, ind: str) -> List[str]:
     ]
     qi, kj = "q0 + i", "k0 + j"
     qc, kc = _clamp_q(qi), _clamp_k(kj)
+    if v.policy in ("hash", "drop"):
+        # the per-token tensors of the tile, copied once: the predicate loop then reads registers
+        L += [f"{ind}for i in range({BQ}):", f"{ind}    QAt[i] = QA[b, h, {qc}]",
+              f"{ind}for j in range({BK}):", f"{ind}    KAt[j] = KA[b, hk, {kc}]"]
     # every read in the predicate uses clamped indices; the true bounds are its first conjuncts
-    conds = _allowed(v, qc, kc)
+    conds = _allowed(v, qc, kc, tile=True)
     conds[0], conds[1] = f"{qi} < Nq", f"{kj} < Nk"
     # the scale multiplies the finished dot product (as the reference does), so equal dot products
     # stay equal logits and N:M ties break by key index alike
@@ -443,6 +450,9 @@ def _scratch(v: Variant, ind: str) -> List[str]:
          f'{ind}S = T.alloc_buffer(({BQ}, {BK}), "{dt}", scope="local")']
     if v.policy == "dfss":
         L.append(f'{ind}R = T.alloc_buffer(({BQ}, {BK}), "{dt}", scope="local")')
+    if v.policy in ("hash", "drop"):
+        L += [f'{ind}QAt = T.alloc_buffer(({BQ},), "int32", scope="local")',
+              f'{ind}KAt = T.alloc_buffer(({BK},), "int32", scope="local")']
     return L
 
 
