@@ -150,7 +150,7 @@ class _GraphCompiler:
         from torch._inductor.compile_fx import compile_fx
 
         patches = dict(torch._inductor.list_mode_options(self.mode)) if self.mode else {}
-        seeds, inputs = _lift_seeds(gm, list(example_inputs))
+        gm, seeds, inputs = _lift_seeds(gm, list(example_inputs))
         _name_new_constants(gm)
         compiled = compile_fx(gm, inputs, config_patches=patches or None)
         if not seeds:
@@ -231,10 +231,12 @@ def _name_new_constants(gm: fx.GraphModule) -> None:
 def _lift_seeds(gm: fx.GraphModule, example_inputs: List[Any]):
     """Per-call seeds (:func:`attncomp.ops.next_seed`, fresh per training call) become graph inputs of
     symbolic int type, so that Inductor's tracing does not turn the first call's seed into a constant.
-    Returns the base seeds (one per lifted input, in order) and the extended example inputs."""
+    Returns the graph (a copy when seeds were lifted), the base seeds (one per lifted input, in order)
+    and the extended example inputs."""
+    if not any(n.op == "call_function" and n.target is ops.next_seed for n in gm.graph.nodes):
+        return gm, [], example_inputs
+    gm = _copy_graph_module(gm)  # dynamo reads its own graph's placeholders after the backend returns
     nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is ops.next_seed]
-    if not nodes:
-        return [], example_inputs
     from torch._dynamo.source import ConstantSource
     from torch._guards import detect_fake_mode
     from torch.fx.experimental.symbolic_shapes import DimDynamic
@@ -251,13 +253,30 @@ def _lift_seeds(gm: fx.GraphModule, example_inputs: List[Any]):
         with gm.graph.inserting_after(placeholders[-1] if placeholders else next(iter(gm.graph.nodes))):
             ph = gm.graph.placeholder(f"attncomp_seed_{i}")
         placeholders.append(ph)
+        ph._dynamo_source = ConstantSource(f"attncomp_seed_{i}")
         ph.meta["val"] = ph.meta["example_value"] = sym
         node.replace_all_uses_with(ph)
         gm.graph.erase_node(node)
         bases.append(base)
         inputs.append(sym)
     gm.recompile()
-    return bases, inputs
+    return gm, bases, inputs
+
+
+def _copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A graph module with a copy of ``gm``'s graph (nodes and their metadata), sharing its attributes."""
+    graph = fx.Graph()
+    env: Dict[fx.Node, fx.Node] = {}
+    out = graph.graph_copy(gm.graph, env)
+    graph.output(out)
+    for old, new_node in env.items():
+        if hasattr(old, "_dynamo_source"):
+            new_node._dynamo_source = old._dynamo_source
+    new = fx.GraphModule(gm, graph, gm.__class__.__name__)
+    new.meta.update(gm.meta)
+    if hasattr(gm, "_param_name_to_source"):
+        new._param_name_to_source = dict(gm._param_name_to_source)
+    return new
 
 
 def _constant_mask_buffers(gm: fx.GraphModule, example_inputs) -> int:

@@ -404,5 +404,25 @@ def is_attention_node(node) -> bool:
 @torch.fx.wrap
 def policy_aux(spec_json: str, q: Tensor, k: Tensor, draw_seed: Optional[int] = None):
     """The policy's per-token tensors for a compiled site (LSH buckets, or keep masks drawn from
-    ``draw_seed``), as a pair ``(q_aux, k_aux)``."""
-    return materialize_aux(AttentionSpec.from_json(spec_json), q, k, None, None, draw_seed)
+    ``draw_seed``), as a pair ``(q_aux, k_aux)``: one ``attncomp::policy_aux`` op, opaque to tracers
+    (Inductor runs it as it is rather than tracing the derivation's cached rotation or seeds)."""
+    return torch.ops.attncomp.policy_aux(q, k, spec_json, -1 if draw_seed is None else draw_seed)
+
+
+@torch.library.custom_op("attncomp::policy_aux", mutates_args=())
+def _policy_aux_op(q: Tensor, k: Tensor, spec: str, seed: int) -> Tuple[Tensor, Tensor]:
+    with torch.no_grad():
+        a, b = materialize_aux(AttentionSpec.from_json(spec), q.detach(), k.detach(), None, None,
+                               None if seed < 0 else seed)
+    if a is None:  # a policy without per-token tensors
+        a, b = q.new_empty((0,), dtype=torch.int32), k.new_empty((0,), dtype=torch.int32)
+    return a.contiguous(), b.contiguous()
+
+
+@_policy_aux_op.register_fake
+def _(q, k, spec, seed):
+    pol = AttentionSpec.from_json(spec).policy
+    dt = torch.bool if isinstance(pol, Drop) else torch.int32
+    if not isinstance(pol, (Hash, Drop)):
+        return q.new_empty((0,), dtype=torch.int32), k.new_empty((0,), dtype=torch.int32)
+    return q.new_empty(q.shape[:3], dtype=dt), k.new_empty(k.shape[:3], dtype=dt)

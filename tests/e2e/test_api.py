@@ -327,7 +327,9 @@ def test_report_table():
 def test_report_sites_left_alone(mode, needle):
     model = MHA(mode=mode).eval()
     x = torch.randn(2, 7, 32)
-    fast = attncomp.compile(model, example_inputs=(x,))
+    # without Inductor: torch 2.13's CPU Inductor miscompiles softmax over dim=-2 after a matmul (plain
+    # torch.compile gives the same wrong result); this test is about attncomp leaving such sites alone
+    fast = attncomp.compile(model, example_inputs=(x,), inductor=False)
     rep = attncomp.report(fast)
     assert rep.rewritten == 0, f"{mode}: rewritten although it must not be\n{rep}"
     text = str(rep)
