@@ -97,7 +97,7 @@ def _check_options(policy, backend: str, fallback: str) -> Policy:
 
 
 _CAPTURES = ("dynamo", "export", "fx")
-#: more graphs than this for one compiled module is a recompile storm (dynamo's own limit per frame)
+#: this many graphs for one compiled module is a recompile storm (dynamo's own limit per frame)
 STORM = 8
 
 
@@ -208,10 +208,11 @@ class _GraphCompiler:
         for reason, count in self.breaks.items():
             rep.notes.append(f"graph break ({count}x): {reason.splitlines()[0][:300]} -- code there runs "
                              "without attncomp")
-        if n > STORM:
+        if n >= STORM:
             fails = self.guard_failures()
-            rep.notes.append(f"recompile storm: {n} graphs for one module (more than {STORM}); "
-                             f"last failed guard: {fails[-1] if fails else 'unknown'}")
+            rep.notes.append(f"recompile storm: {n} graphs for one module (dynamo recompiles a frame at most "
+                             f"{STORM} times, then runs it without attncomp); last failed guard: "
+                             f"{fails[-1] if fails else 'unknown'}")
         return rep
 
 

@@ -3,6 +3,10 @@ import os
 import pytest
 import torch
 
+# Tests that check rewrites compile without Inductor (its compile time would dominate the suite);
+# tests/e2e/test_inductor.py compiles a representative set with it (inductor=True).
+os.environ.setdefault("ATTNCOMP_INDUCTOR", "0")
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

@@ -147,6 +147,8 @@ def test_training_gradients_equal_eager(name):
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
     want, got = grads
     assert want.keys() == got.keys(), f"{name}: different parameters got gradients"
+    scale = max(g.norm() for g in want.values())  # a key bias's gradient is zero up to rounding
     for n in want:
-        assert rel_err(got[n], want[n]) < 1e-4, f"{name}: gradient of {n} differs: {rel_err(got[n], want[n]):.3g}"
+        err = float((got[n] - want[n]).norm() / scale)
+        assert err < 1e-4, f"{name}: gradient of {n} differs: {err:.3g} of the largest gradient's norm"
     assert attncomp.report(fast).rewritten == fam.sites

@@ -1,0 +1,141 @@
+"""Inductor around the op: ``attncomp.compile`` hands every rewritten graph to Inductor (the default
+outside this test suite), so everything around ``attncomp::attention`` is compiled as ``torch.compile``
+would compile it, with no graph break caused by attncomp.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+import attncomp
+from tests.utils import rel_err
+
+transformers = pytest.importorskip("transformers")
+
+from tests.e2e.hf_zoo import ZOO, text  # noqa: E402
+from tests.e2e.test_hf_families import assert_outputs_match  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+class Attn(nn.Module):
+    def __init__(self, d=32, h=4, p=0.0):
+        super().__init__()
+        self.h, self.dh, self.p = h, d // h, p
+        self.qkv, self.o = nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, x):
+        B, N, C = x.shape
+        q, k, v = self.qkv(x).view(B, N, 3, self.h, self.dh).permute(2, 0, 3, 1, 4)
+        s = (q @ k.transpose(-2, -1)) / math.sqrt(self.dh)
+        p = torch.nn.functional.dropout(s.softmax(-1), self.p, self.training)
+        return self.o((p @ v).transpose(1, 2).reshape(B, N, C)).relu()
+
+
+def test_llama_inference_and_generate_with_inductor():
+    fam = ZOO["llama"]
+    torch.manual_seed(0)
+    model = fam.build()
+    fast = attncomp.compile(model, inductor=True)
+    x = fam.inputs(2, 12)
+    with torch.no_grad():
+        assert_outputs_match(fast(**x), model(**x), "llama/inductor")
+        g = text(2, 7, side="left")
+        assert torch.equal(fast.generate(**g, max_new_tokens=4, do_sample=False),
+                           model.generate(**g, max_new_tokens=4, do_sample=False))
+    rep = attncomp.report(fast)
+    assert "Inductor around the op" in rep.capture, rep.capture
+    assert rep.rewritten == 2 and not [n for n in rep.notes if "graph break" in n], str(rep)
+
+
+def test_training_step_with_inductor_matches_eager():
+    fam = ZOO["bert"]
+    torch.manual_seed(1)
+    model = fam.build()
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+        if isinstance(getattr(m, "dropout_prob", None), float):
+            m.dropout_prob = 0.0
+    model.train()
+    fast = attncomp.compile(model, inductor=True)
+    x = fam.inputs(2, 10)
+    w = torch.randn(2, 10, 64)
+    grads = []
+    for run in (model, fast):
+        model.zero_grad(set_to_none=True)
+        (run(**x).last_hidden_state * w).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    # relative to the largest gradient: a key bias's gradient is zero up to rounding (softmax ignores it)
+    scale = max(g.norm() for g in grads[0].values())
+    for n in grads[0]:
+        err = float((grads[1][n] - grads[0][n]).norm() / scale)
+        assert err < 1e-4, f"{n}: {err:.3g}"
+    assert attncomp.report(fast).rewritten == 2
+
+
+def test_dropout_draws_fresh_per_call_under_inductor():
+    """Per-call seeds are graph inputs, not constants baked by Inductor's tracing."""
+    torch.manual_seed(2)
+    model = Attn(p=0.5).train()
+    fast = attncomp.compile(model, inductor=True)
+    x = torch.randn(2, 9, 32)
+    a, b = fast(x), fast(x)
+    assert not torch.equal(a, b), "training-mode dropout repeated the same draw"
+    model.eval()
+    with torch.no_grad():
+        assert rel_err(fast(x), model(x)) < 1e-5
+    rep = attncomp.report(fast)
+    assert rep.rewritten == 1 and "dropout" in rep.sites[0].pattern, str(rep)
+
+
+@pytest.mark.parametrize("policy", ["hash", "drop", "dfss"])
+def test_sparse_policies_under_inductor_match_the_uncompiled_graph(policy):
+    torch.manual_seed(3)
+    model = Attn().eval()
+    x = torch.randn(2, 16, 32)
+    plain = attncomp.compile(model, policy=policy, inductor=False)
+    fast = attncomp.compile(model, policy=policy, inductor=True)
+    with torch.no_grad():
+        assert rel_err(fast(x), plain(x)) < 1e-5
+    assert attncomp.report(fast).rewritten == 1
+
+
+def test_no_graph_break_from_attncomp_fullgraph():
+    """``torch.compile(fullgraph=True)`` with the attncomp backend: the op never breaks the graph."""
+    model = Attn().eval()
+    be = attncomp.backend(policy="hash", inductor=True)
+    compiled = torch.compile(model, backend=be, fullgraph=True)
+    x = torch.randn(2, 11, 32)
+    breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
+    with torch.no_grad():
+        compiled(x)
+    assert sum(torch._dynamo.utils.counters["graph_break"].values()) == breaks
+    assert attncomp.report(be).rewritten == 1
+
+
+def test_recompile_storm_is_reported():
+    class Modal(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = Attn()
+
+        def forward(self, x, tag: str):
+            return self.attn(x) * len(tag)
+
+    fast = attncomp.compile(Modal().eval(), inductor=False)
+    with torch.no_grad():
+        for i in range(12):
+            fast(torch.randn(2, 5, 32), "t" * (i + 1) + str(i))
+    rep = attncomp.report(fast)
+    assert any("recompile storm" in n for n in rep.notes), str(rep)
+    assert len(rep.sites) == 1
