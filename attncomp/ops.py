@@ -228,7 +228,8 @@ def materialize_aux(spec: AttentionSpec, q, k, q_aux=None, k_aux=None, seed: Opt
         B, Hq, Nq = q.shape[:3]
         Hk, Nk = k.shape[1:3]
         if q_aux is None:
-            q_aux = keep_mask((B, Hq, Nq), pol.q_rate, s, 0, q.device)
+            # queries shorter than keys are the last Nq positions (decoding with a KV cache)
+            q_aux = keep_mask((B, Hq, Nq), pol.q_rate, s, 0, q.device, offset=Nk - Nq if Nq < Nk else 0)
         if k_aux is None:
             k_aux = keep_mask((B, Hk, Nk), pol.k_rate, s, 1, q.device)
     return q_aux, k_aux

@@ -275,13 +275,23 @@ def uniform_hash(seed: int, index: torch.Tensor) -> torch.Tensor:
     return (x >> 8).to(torch.float32) * (1.0 / (1 << 24))
 
 
-def keep_mask(shape: Tuple[int, int, int], rate: float, seed: int, stream: int, device=None) -> torch.Tensor:
-    """Bool ``(B, H, N)`` keep mask: each token kept with probability ``1 - rate``.
+#: the hash index of token ``pos`` of row ``b * H + h`` is ``row * KEEP_ROW_STRIDE + pos``: a draw depends
+#: on the token's absolute position, not on the length of the call (decoding with a KV cache keeps or
+#: drops a key the same way at every step); distinct for rows below 65536 and positions below 65537
+KEEP_ROW_STRIDE = 65537
+
+
+def keep_mask(shape: Tuple[int, int, int], rate: float, seed: int, stream: int, device=None,
+              offset: int = 0) -> torch.Tensor:
+    """Bool ``(B, H, N)`` keep mask: each token kept with probability ``1 - rate``, decided by a hash
+    of ``(seed, stream, b * H + h, offset + n)`` (``offset``: the absolute position of token 0).
 
     ``stream`` separates the query draw (0) from the key draw (1) under one seed.
     """
     B, H, N = shape
-    idx = torch.arange(B * H * N, device=device, dtype=torch.int64).view(B, H, N)
+    pos = torch.arange(N, device=device, dtype=torch.int64) + offset
+    rows = torch.arange(B * H, device=device, dtype=torch.int64).view(B, H, 1)
+    idx = rows * KEEP_ROW_STRIDE + pos
     # keep draws use their own stream of seeds (odd multipliers), disjoint from dropout's plain seeds
     u = uniform_hash(_stream_seed(seed, stream), idx)
     return u >= rate

@@ -57,7 +57,7 @@ class Layout(NamedTuple):
 
 
 @triton.jit
-def _group_ids(Src, Rot, row, h_rot, offs, valid, N, sb, sh, sn, H, g_off, rate, seed_word,
+def _group_ids(Src, Rot, row, h_rot, offs, valid, N, sb, sh, sn, H, g_off, rate, seed_word, pos_off,
                GK: tl.constexpr, DROP_ID: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
                NB2: tl.constexpr, NB2P: tl.constexpr):
     """Group ids (int32, from 0) of tokens ``offs`` of row ``row = b * H + h`` of one side."""
@@ -67,7 +67,7 @@ def _group_ids(Src, Rot, row, h_rot, offs, valid, N, sb, sh, sn, H, g_off, rate,
         keep = tl.load(Src + row * N + offs, mask=valid, other=0) != 0
         g = tl.where(keep, 0, DROP_ID)
     elif GK == 2:
-        u = _uniform_hash(seed_word, (row * N + offs).to(tl.uint32))
+        u = _uniform_hash(seed_word, (row.to(tl.int64) * 65537 + offs + pos_off).to(tl.uint32))
         g = tl.where(u >= rate, 0, DROP_ID)
     else:
         b = row // H
@@ -94,7 +94,7 @@ def _group_ids(Src, Rot, row, h_rot, offs, valid, N, sb, sh, sn, H, g_off, rate,
 
 
 @triton.jit
-def _layout_hist(Src, Rot, Grp, Hist, N, n_chunks, H, G_ROT, sb, sh, sn, g_off, rate, seed_word,
+def _layout_hist(Src, Rot, Grp, Hist, N, n_chunks, H, G_ROT, sb, sh, sn, g_off, rate, seed_word, pos_off,
                  GK: tl.constexpr, DROP_ID: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
                  NB2: tl.constexpr, NB2P: tl.constexpr, CHUNK: tl.constexpr, R_P2: tl.constexpr):
     """Group ids of a chunk of CHUNK tokens (written to ``Grp``) and their histogram."""
@@ -102,7 +102,7 @@ def _layout_hist(Src, Rot, Grp, Hist, N, n_chunks, H, G_ROT, sb, sh, sn, g_off, 
     row = tl.program_id(1).to(tl.int64)
     offs = c * CHUNK + tl.arange(0, CHUNK)
     valid = offs < N
-    g = _group_ids(Src, Rot, row, (row % H) // G_ROT, offs, valid, N, sb, sh, sn, H, g_off, rate, seed_word,
+    g = _group_ids(Src, Rot, row, (row % H) // G_ROT, offs, valid, N, sb, sh, sn, H, g_off, rate, seed_word, pos_off,
                    GK, DROP_ID, HEAD_D, BLOCK_D, NB2, NB2P)
     tl.store(Grp + row * N + offs, g, mask=valid)
     hist = tl.histogram(g, R_P2, mask=valid)
@@ -182,14 +182,14 @@ def counting_layout(q_src: torch.Tensor, k_src: torch.Tensor, n_groups: int, *, 
     lsh = dict(HEAD_D=D, BLOCK_D=max(16, next_pow2(D)), NB2=nb2, NB2P=max(16, next_pow2(nb2)))
     rot_t = rot if rot is not None else torch.empty(1, device=dev)
 
-    def side(src, rows_h, n, groups_rot, rate, seed_word, drop_id):
+    def side(src, rows_h, n, groups_rot, rate, seed_word, drop_id, pos_off=0):
         x, (sb, sh, sn) = _side_source(kind, src)
         rows = B * rows_h
         nch = cdiv(n, _CHUNK)
         grp = torch.empty((B, rows_h, n), dtype=i32, device=dev)
         hist = torch.empty((rows, nch, R_P2), dtype=i32, device=dev)
         _layout_hist[(nch, rows)](x, rot_t, grp, hist, n, nch, rows_h, groups_rot, sb, sh, sn, g_off, float(rate),
-                                  seed_word, GK=kind, DROP_ID=drop_id, CHUNK=_CHUNK, R_P2=R_P2,
+                                  seed_word, pos_off, GK=kind, DROP_ID=drop_id, CHUNK=_CHUNK, R_P2=R_P2,
                                   num_warps=1 if kind != GK_LSH else 4, **lsh)
         startpos = torch.empty_like(hist)
         start = torch.empty((rows, R_P2), dtype=i32, device=dev)
@@ -198,7 +198,8 @@ def counting_layout(q_src: torch.Tensor, k_src: torch.Tensor, n_groups: int, *, 
         return grp, nch, startpos, start, count
 
     kg, k_nch, k_sp, k_st, k_ct = side(k_src, Hk, Nk, 1, k_rate, k_seed_word, 2)
-    qg, q_nch, q_sp, _, _ = side(q_src, Hq, Nq, Hq // Hk, q_rate, q_seed_word, 1)
+    # queries shorter than keys are the last Nq positions (as attncomp.ops.materialize_aux draws them)
+    qg, q_nch, q_sp, _, _ = side(q_src, Hq, Nq, Hq // Hk, q_rate, q_seed_word, 1, Nk - Nq if Nq < Nk else 0)
     q_perm = torch.empty((B, Hq, Nq), dtype=i32, device=dev)
     lo, hi = torch.empty_like(q_perm), torch.empty_like(q_perm)
     k_perm = torch.empty((B, Hk, Nk), dtype=i32, device=dev)
