@@ -83,3 +83,32 @@ def spawn(target: str, world: int = 2, timeout: float = 240.0, pg_timeout: float
                 raise RuntimeError(f"{target}: rank {r} failed:\n{value}")
             results.append(value)
         return results
+
+
+def spawn_once(tmp_path_factory, key: str, target: str, **kwargs):
+    """:func:`spawn` once per test session, even when pytest-xdist runs the tests that need it in
+    several workers (each would otherwise spawn its own processes): the first worker runs it under a
+    file lock in the session's shared temporary directory, the others read its results."""
+    import fcntl
+
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return spawn(target, **kwargs)
+    root = tmp_path_factory.getbasetemp().parent
+    path, lock = root / f"{key}.pkl", root / f"{key}.lock"
+    with open(lock, "w") as lf:
+        fcntl.flock(lf, fcntl.LOCK_EX)
+        try:
+            if not path.exists():
+                try:
+                    payload = ("ok", spawn(target, **kwargs))
+                except Exception as e:  # every worker reports the same failure
+                    payload = ("error", f"{type(e).__name__}: {e}")
+                with open(path, "wb") as f:
+                    pickle.dump(payload, f)
+            with open(path, "rb") as f:
+                status, value = pickle.load(f)
+        finally:
+            fcntl.flock(lf, fcntl.LOCK_UN)
+    if status != "ok":
+        raise RuntimeError(value)
+    return value

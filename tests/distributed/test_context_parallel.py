@@ -10,9 +10,10 @@ TOL = {"float64": 2e-6, "float32": 2e-4}  # the op's lse is float32: merges carr
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda w: f"world{w}")
-def cp_results(request):
+def cp_results(request, tmp_path_factory):
     # 2 ranks (the next and previous rank coincide) and 3 (the ring's direction matters)
-    return harness.spawn("tests.distributed.workers:context_parallel", world=request.param, timeout=300)
+    return harness.spawn_once(tmp_path_factory, f"cp-world{request.param}", "tests.distributed.workers:context_parallel",
+                              world=request.param, timeout=300)
 
 
 @pytest.mark.parametrize("case", CASES)

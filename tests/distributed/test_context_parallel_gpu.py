@@ -12,9 +12,9 @@ TOL = {"bfloat16": 3e-2, "float32": 5e-3}  # relative to the largest magnitude; 
 
 
 @pytest.fixture(scope="module")
-def gpu_results():
-    return harness.spawn("tests.distributed.workers:context_parallel_gpu", world=2, timeout=600, pg_timeout=300,
-                         backend="nccl")
+def gpu_results(tmp_path_factory):
+    return harness.spawn_once(tmp_path_factory, "cp-gpu", "tests.distributed.workers:context_parallel_gpu", world=2,
+                              timeout=600, pg_timeout=300, backend="nccl")
 
 
 @pytest.mark.parametrize("case", [workers.gpu_case_name(c) for c in workers.GPU_CP_CASES])

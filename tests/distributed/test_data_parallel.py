@@ -21,8 +21,9 @@ CASES = [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=PENDING_COM
 
 
 @pytest.fixture(scope="module")
-def dp_results():
-    return harness.spawn("tests.distributed.workers:data_parallel", world=2, timeout=420, pg_timeout=120)
+def dp_results(tmp_path_factory):
+    return harness.spawn_once(tmp_path_factory, "dp", "tests.distributed.workers:data_parallel", world=2, timeout=420,
+                              pg_timeout=120)
 
 
 @pytest.mark.parametrize("case", CASES)
