@@ -1,0 +1,223 @@
+"""End-to-end models: a compiled model against what the user had (eager, and ``torch.compile``).
+
+Random-weight Hugging Face models built from configs (no download), default attention implementation,
+timed in one process: ``eager_ms`` (the model as it is), ``compile_ms`` (``torch.compile(model)``,
+default mode), ``attncomp_ms`` (``attncomp.compile(model, policy)``, dynamo capture + Inductor around
+the op), each the median of ``--iters`` timed calls after 2 warm-up calls (CPU: at least 7 calls, as
+BENCHMARKS.md asks). ``host_us`` is the host time of one op call at the site's spec on a tiny shape
+(1 x 1 x 16 x D): what the op adds per call besides its arithmetic.
+
+Rows: ``{"model", "device", "mode": "infer"|"train", "B", "N", "policy", "eager_ms", "compile_ms",
+"attncomp_ms", "host_us"}``; a table is printed last, JSON is written to
+``benchmarks/results/models_<device>.json`` (``cpu``, ``h100``, ``h200``, from the device name).
+
+Usage::
+
+    python benchmarks/models.py                 # CPU configs on a CPU, GPU configs on a GPU
+    python benchmarks/models.py --smoke         # tiny shapes, seconds (CI)
+    python benchmarks/models.py --policies dense,dfss --only llama
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Any, Dict, List
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import attncomp  # noqa: E402
+
+T = None  # transformers, imported in main
+
+
+def device_name() -> str:
+    if not torch.cuda.is_available():
+        return "cpu"
+    name = torch.cuda.get_device_name().lower()
+    for tag in ("h200", "h100", "a100"):
+        if tag in name:
+            return tag
+    return name.replace(" ", "_")
+
+
+def configs(device: str, smoke: bool) -> List[Dict[str, Any]]:
+    """(model, mode, B, N, policies) rows to run."""
+    if smoke:
+        return [dict(model="gpt2", mode="infer", B=1, N=32, hidden=64, layers=1, heads=2),
+                dict(model="llama", mode="infer", B=1, N=32, hidden=64, layers=1, heads=4, kv=2),
+                dict(model="llama", mode="train", B=1, N=32, hidden=64, layers=1, heads=4, kv=2),
+                dict(model="bert", mode="infer", B=2, N=32, hidden=64, layers=1, heads=2, pad=True)]
+    if device == "cpu":
+        return [dict(model="gpt2", mode="infer", B=2, N=512, hidden=256, layers=4, heads=4),
+                dict(model="llama", mode="infer", B=2, N=512, hidden=256, layers=4, heads=8, kv=2),
+                dict(model="bert", mode="infer", B=4, N=256, hidden=256, layers=4, heads=4, pad=True)]
+    llama = dict(model="llama", hidden=2048, layers=4, heads=32, kv=8)
+    return [dict(llama, mode="infer", B=2, N=4096), dict(llama, mode="train", B=2, N=4096),
+            dict(llama, mode="infer", B=1, N=16384), dict(llama, mode="train", B=1, N=16384),
+            dict(model="gpt2", mode="infer", B=4, N=2048, hidden=1024, layers=4, heads=16),
+            dict(model="bert", mode="infer", B=8, N=512, hidden=1024, layers=4, heads=16, pad=True)]
+
+
+def build(c: Dict[str, Any]):
+    h, L, nh = c["hidden"], c["layers"], c["heads"]
+    if c["model"] == "gpt2":
+        cfg = T.GPT2Config(n_embd=h, n_layer=L, n_head=nh, vocab_size=1000, n_positions=max(c["N"], 64),
+                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        return T.GPT2Model(cfg)
+    if c["model"] == "llama":
+        cfg = T.LlamaConfig(hidden_size=h, num_hidden_layers=L, num_attention_heads=nh, num_key_value_heads=c["kv"],
+                            intermediate_size=2 * h, vocab_size=1000, max_position_embeddings=max(c["N"], 64))
+        return T.LlamaModel(cfg)
+    cfg = T.BertConfig(hidden_size=h, num_hidden_layers=L, num_attention_heads=nh, intermediate_size=2 * h,
+                       vocab_size=1000, max_position_embeddings=max(c["N"], 64), hidden_dropout_prob=0.0,
+                       attention_probs_dropout_prob=0.0)
+    return T.BertModel(cfg, add_pooling_layer=False)
+
+
+def inputs(c: Dict[str, Any], device) -> Dict[str, torch.Tensor]:
+    B, N = c["B"], c["N"]
+    ids = torch.randint(3, 1000, (B, N), device=device)
+    am = torch.ones(B, N, dtype=torch.long, device=device)
+    if c.get("pad"):  # right padding: every other row ends at 3/4
+        am[1::2, (3 * N) // 4:] = 0
+    return dict(input_ids=ids, attention_mask=am)
+
+
+def timed_ms(fn, iters: int, device) -> float:
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def host_us(fast, device, iters: int = 50) -> float:
+    """Host time of one op call at the first site's spec, on a tiny shape."""
+    gms = [g for g in fast.graphs]
+    node = next((n for g in gms for n in g.graph.nodes if attncomp.ops.is_attention_node(n)), None)
+    if node is None:
+        return float("nan")
+    A = attncomp.ops.ARG_INDEX
+    spec = attncomp.AttentionSpec.from_json(node.args[A["spec"]])
+    D = spec.head_dim or 64
+    dt = spec.torch_dtype() or torch.float32
+    q = torch.randn(1, spec.gqa_groups, 16, D, device=device, dtype=dt)
+    k = torch.randn(1, 1, 16, D, device=device, dtype=dt)
+    v = torch.randn_like(k)
+    q_aux, k_aux = attncomp.ops.materialize_aux(spec, q, k)
+    args = [None] * len(A)
+    for name, val in (("q", q), ("k", k), ("v", v), ("q_aux", q_aux), ("k_aux", k_aux), ("spec", spec.to_json()),
+                      ("dropout_p", 0.0), ("seed", 0)):
+        args[A[name]] = val
+    if spec.mask_kind != "none":
+        args[A["attn_mask"]] = torch.ones(1, 1, 16, 16, dtype=torch.bool, device=device) \
+            if spec.mask_kind == "bool" else torch.zeros(1, 1, 16, 16, dtype=dt, device=device)
+    if spec.policy.name == "spion":
+        return float("nan")
+
+    def call():
+        torch.ops.attncomp.attention(*args)
+
+    return timed_ms(lambda: [call() for _ in range(iters)], 5, device) * 1e3 / iters
+
+
+def run_row(c, policy, device, dtype, iters) -> Dict[str, Any]:
+    torch.manual_seed(0)
+    model = build(c).to(device=device, dtype=dtype)
+    x = inputs(c, device)
+    train = c["mode"] == "train"
+    model.train(train)
+
+    def step(m):
+        if train:
+            out = m(**x).last_hidden_state
+            out.float().square().mean().backward()
+            model.zero_grad(set_to_none=True)
+        else:
+            with torch.no_grad():
+                m(**x)
+
+    row = dict(model=c["model"], device=device_name(), mode=c["mode"], B=c["B"], N=c["N"], policy=policy)
+    row["eager_ms"] = timed_ms(lambda: step(model), iters, device)
+    torch._dynamo.reset()
+    compiled = torch.compile(model)
+    row["compile_ms"] = timed_ms(lambda: step(compiled), iters, device)
+    torch._dynamo.reset()
+    fast = attncomp.compile(model, policy=policy, inductor=True)
+    row["attncomp_ms"] = timed_ms(lambda: step(fast), iters, device)
+    rep = attncomp.report(fast)
+    row["sites"], row["rewritten"] = len(rep.sites), rep.rewritten
+    row["host_us"] = host_us(fast, device)
+    torch._dynamo.reset()
+    return row
+
+
+def main(argv=None) -> int:
+    global T
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes; seconds")
+    ap.add_argument("--policies", default=None, help="comma-separated (default: dense on CPU; dense,dfss,hash,drop "
+                                                     "on a GPU, hash and drop at N >= 4096)")
+    ap.add_argument("--only", default=None, help="comma-separated model names")
+    ap.add_argument("--iters", type=int, default=None, help="timed calls per measurement (default 7 CPU, 20 GPU)")
+    ap.add_argument("--json", default=None, help="output path (default benchmarks/results/models_<device>.json; "
+                                                  "--smoke writes nothing unless given)")
+    args = ap.parse_args(argv)
+    import transformers
+
+    T = transformers
+    transformers.logging.set_verbosity_error()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    iters = args.iters or (2 if args.smoke else 7 if device.type == "cpu" else 20)
+    rows = []
+    for c in configs(device_name(), args.smoke):
+        if args.only and c["model"] not in args.only.split(","):
+            continue
+        pols = args.policies.split(",") if args.policies else (
+            ["dense"] if device.type == "cpu" else ["dense", "dfss"] + (["hash", "drop"] if c["N"] >= 4096 else []))
+        for pol in pols:
+            row = run_row(c, pol, device, dtype, iters)
+            rows.append(row)
+            print(f"  {row['model']:5s} {row['mode']:5s} {row['B']}x{row['N']} {pol:6s} eager {row['eager_ms']:.2f} ms"
+                  f"  torch.compile {row['compile_ms']:.2f} ms  attncomp {row['attncomp_ms']:.2f} ms", flush=True)
+    hdr = ("model", "mode", "BxN", "policy", "eager ms", "compile ms", "attncomp ms", "vs eager", "vs compile",
+           "host us")
+    lines = [hdr]
+    for r in rows:
+        lines.append((r["model"], r["mode"], f"{r['B']}x{r['N']}", r["policy"], f"{r['eager_ms']:.2f}",
+                      f"{r['compile_ms']:.2f}", f"{r['attncomp_ms']:.2f}", f"{r['eager_ms'] / r['attncomp_ms']:.2f}x",
+                      f"{r['compile_ms'] / r['attncomp_ms']:.2f}x", f"{r['host_us']:.0f}"))
+    w = [max(len(x[i]) for x in lines) for i in range(len(hdr))]
+    print()
+    for x in lines:
+        print("  ".join(c.rjust(w[i]) for i, c in enumerate(x)))
+    path = args.json or (None if args.smoke else os.path.join(os.path.dirname(__file__), "results",
+                                                              f"models_{device_name()}.json"))
+    if path:
+        meta = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+                    cpus=os.cpu_count(), torch=torch.__version__, transformers=transformers.__version__,
+                    dtype=str(dtype), iters=iters)
+        with open(path, "w") as f:
+            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
