@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.attncomp-installed
 JOBS   ?= 2
 
-.PHONY: demo test test-gpu test-gpu-dist venv clean
+.PHONY: demo test test-gpu test-gpu-dist test-newest venv clean
 
 $(STAMP): pyproject.toml requirements.lock
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,4 +35,20 @@ test-gpu-dist:
 	python3 -m pytest -q -m gpu tests/distributed/test_context_parallel_gpu.py tests/distributed/test_thread_ring.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(NEWEST) .pytest_cache
+
+# The newest releases that pyproject.toml admits (torch <2.14 is the pinned 2.13.0; triton and
+# transformers unpinned): the kernel interpreter tests and a set of Hugging Face families, in a second venv.
+NEWEST := .venv-newest
+$(NEWEST)/.stamp: pyproject.toml
+	@test -x $(NEWEST)/bin/python || $(PYTHON) -m venv $(NEWEST)
+	$(NEWEST)/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(NEWEST)/bin/python -m pip install -q --disable-pip-version-check -U "triton>=3.5" "transformers>=5.0" \
+		numpy networkx safetensors pytest pytest-xdist
+	$(NEWEST)/bin/python -m pip install -q --disable-pip-version-check --no-deps -e .
+	@touch $@
+
+test-newest: $(NEWEST)/.stamp
+	$(NEWEST)/bin/python -c "import torch, triton, transformers; print('newest admitted:', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+	$(NEWEST)/bin/python -m pytest -q -n $(JOBS) tests/codegen/test_template_layout.py tests/codegen/test_template_sorted.py \
+		tests/codegen/test_template_bench_smoke.py tests/e2e/test_hf_families.py -k "not generate or llama or gpt2"

@@ -52,6 +52,10 @@ _CONSTS: dict = {}
 _CPU_FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 
 
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_contiguous() else t.contiguous()
+
+
 def _const(value: float, dtype: torch.dtype, device) -> Tensor:
     """A 0-dim tensor of ``value``, cached per dtype and device (a Python scalar in ``torch.where``
     costs a host-to-device copy per call on CUDA); built fresh while a CUDA graph is captured."""
@@ -155,7 +159,8 @@ class SdpaBackend:
         if q.is_cuda:
             out, lse = _cuda_forward(q, kk, vv, bias, is_causal, scale)
         else:
-            out, lse = _CPU_FWD(q, kk, vv, 0.0, is_causal, attn_mask=bias, scale=scale)
+            # the CPU kernel reads its inputs as if contiguous: a transposed view gives wrong results
+            out, lse = _CPU_FWD(_dense(q), _dense(kk), _dense(vv), 0.0, is_causal, attn_mask=bias, scale=scale)
         raw_lse = lse
         if lse.dtype != torch.float32:
             lse = lse.float()
@@ -185,7 +190,8 @@ class SdpaBackend:
             # an empty row's lse is -inf; SDPA's kernel wants a finite one there (its p is 0 anyway)
             raw = torch.where(torch.isneginf(lse), _const(0.0, lse.dtype, lse.device), lse)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out.to(q.dtype), q, kk, vv, out, raw, 0.0, is_causal, attn_mask=bias, scale=_scale(spec, q.shape[-1]))
+            _dense(grad_out.to(q.dtype)), _dense(q), _dense(kk), _dense(vv), _dense(out), raw, 0.0, is_causal,
+            attn_mask=bias, scale=_scale(spec, q.shape[-1]))
         return dq, _sum_groups(dk, hk), _sum_groups(dv, hk), None
 
 

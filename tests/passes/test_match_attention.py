@@ -156,13 +156,13 @@ def test_negative_twin_is_left_alone(name):
 
 
 def _spec(gm):
-    return AttentionSpec.from_json(op_nodes(gm)[0].args[7])
+    return AttentionSpec.from_json(op_nodes(gm)[0].args[ops.ARG_INDEX["spec"]])
 
 
 def test_causal_buffer_becomes_causal_spec():
     gm, _ = compile_site(CASES["causal_buffer"], inputs("causal_buffer"))
     spec = _spec(gm)
-    assert spec.causal and op_nodes(gm)[0].args[3] is None
+    assert spec.causal and op_nodes(gm)[0].args[ops.ARG_INDEX["attn_mask"]] is None
 
 
 def test_scales_fold_into_spec():

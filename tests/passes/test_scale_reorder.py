@@ -126,7 +126,7 @@ def test_inference_folds_scale_into_q_weights_float64():
 
     assert res.modified
     s = site(gm)
-    assert AttentionSpec.from_json(s.args[7]).scale == 1.0
+    assert AttentionSpec.from_json(s.args[ops.ARG_INDEX["spec"]]).scale == 1.0
     walked, prod = q_producer(gm)
     # no multiply between the Linear and the op: only view + transpose, then the new linear
     assert [view_kind(n) for n in walked] == ["transpose", "reshape"]
@@ -233,7 +233,7 @@ def test_disabled_by_policy():
     x = torch.randn(1, 4, 32, dtype=torch.float64)
     ctx = CompileContext(policy=ET(reorder_scale=False), inference=True)
     gm, res = run(traced(model, x), ctx)
-    assert not res.modified and AttentionSpec.from_json(site(gm).args[7]).scale == 0.3
+    assert not res.modified and AttentionSpec.from_json(site(gm).args[ops.ARG_INDEX["spec"]]).scale == 0.3
     assert "disabled" in ctx.sites[0].details["scale_reorder"]
 
 
@@ -242,7 +242,7 @@ def test_unknown_head_dim_keeps_scale_in_op():
     x = torch.randn(1, 4, 32, dtype=torch.float64)
     ctx = CompileContext(policy=ET(), inference=True)
     gm, res = run(traced(model, x, meta=False), ctx)
-    assert not res.modified and AttentionSpec.from_json(site(gm).args[7]).scale is None
+    assert not res.modified and AttentionSpec.from_json(site(gm).args[ops.ARG_INDEX["spec"]]).scale is None
     assert "head dim unknown" in ctx.sites[0].details["scale_reorder"]
 
 
