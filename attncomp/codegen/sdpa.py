@@ -53,7 +53,8 @@ _CPU_FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:
-    return t if t.is_contiguous() else t.contiguous()
+    """The CPU kernel takes any strides but a unit one on the head dim (a transposed k read wrongly)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def _const(value: float, dtype: torch.dtype, device) -> Tensor:

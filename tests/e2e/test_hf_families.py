@@ -93,6 +93,10 @@ def test_family_compiles_and_matches_eager(name):
     assert not bad, f"{name}: sites not rewritten: {bad}\n{rep}"
     assert len(rep.sites) == fam.sites, f"{name}: {len(rep.sites)} sites, expected {fam.sites}\n{rep}"
     assert "dynamo" in rep.capture
+    # causal, window, packed and padding masks become predicates; only a real bias stays an input
+    materialised = [(s.name, s.details.get("mask")) for s in rep.sites
+                    if str(s.details.get("mask", "")).startswith("materialised")]
+    assert not materialised, f"{name}: masks left materialised: {materialised}"
     assert counts[1] == counts[0], f"{name}: a new batch size and length compiled new graphs ({counts})\n{rep}"
 
 
@@ -156,3 +160,26 @@ def test_training_gradients_equal_eager(name):
         err = float((got[n] - want[n]).norm() / scale)
         assert err < 1e-4, f"{name}: gradient of {n} differs: {err:.3g} of the largest gradient's norm"
     assert attncomp.report(fast).rewritten == fam.sites
+
+
+def test_export_causal_lm_and_load():
+    """``attncomp.export`` of a causal LM: ``use_cache=False`` in the example inputs (torch.export cannot
+    output a DynamicCache; without it the error says so); the package runs new shapes."""
+    import os
+    import tempfile
+
+    fam = ZOO["llama"]
+    torch.manual_seed(5)
+    model = fam.build()
+    fast = attncomp.compile(model, policy="dense")
+    x = dict(fam.inputs(2, 10), use_cache=False)
+    with tempfile.TemporaryDirectory() as tmp:
+        with pytest.raises(attncomp.CaptureError, match="use_cache=False"):
+            attncomp.export(fast, os.path.join(tmp, "bad.acpkg"), example_inputs=fam.inputs(2, 10))
+        path = attncomp.export(fast, os.path.join(tmp, "llama.acpkg"), example_inputs=x)
+        again = attncomp.load(path)
+    with torch.no_grad():
+        for b, n in ((2, 10), (3, 13)):
+            y = dict(fam.inputs(b, n), use_cache=False)
+            got, want = again(**y), model(**y)
+            assert rel_err(tensors(got)[0], want.logits) < TOL
