@@ -98,7 +98,9 @@ def _plan(spec: AttentionSpec, q: Tensor, k: Tensor, attn_mask: Optional[Tensor]
         allowed = None
     if bias is None:
         bias = torch.where(allowed, _const(0.0, q.dtype, q.device), _const(float("-inf"), q.dtype, q.device))
-        row_ok = allowed.any(-1)
+        row_ok = _rows_from_vectors(spec, nq, nk, q.device, preds) if attn_mask is None else None
+        if row_ok is None:
+            row_ok = allowed.any(-1)
     else:
         row_ok = (bias != float("-inf")).any(-1)
     if is_causal:
@@ -108,6 +110,32 @@ def _plan(spec: AttentionSpec, q: Tensor, k: Tensor, attn_mask: Optional[Tensor]
     while bias.dim() < 4:
         bias = bias.unsqueeze(0)
     return is_causal, bias, row_ok
+
+
+def _rows_from_vectors(spec: AttentionSpec, nq: int, nk: int, device, preds: Optional[Predicates]):
+    """The rows with an allowed key, ``(B|1, 1, Nq)``, from the O(N) predicate vectors (prefix counts of
+    valid keys inside each row's position window), instead of reducing the N×N mask. Applies to position
+    bounds and padding with default key positions; ``None`` where it does not (segments, given k_pos)."""
+    preds = preds or Predicates.none()
+    if preds.q_seg is not None or preds.k_seg is not None or preds.k_pos is not None:
+        return None
+    qpos = preds.q_pos if preds.q_pos is not None else default_positions(spec, nq, nk, device)[0]
+    qpos = qpos.to(torch.int64)
+    left, right = spec.bounds()
+    lo = (qpos - left).clamp(min=0) if left is not None else torch.zeros_like(qpos)
+    hi = (qpos + right).clamp(max=nk - 1) if right is not None else torch.full_like(qpos, nk - 1)
+    if preds.k_valid is None:
+        ok = hi >= lo
+    else:
+        kv = preds.k_valid.to(torch.int32)
+        cs = torch.nn.functional.pad(torch.cumsum(kv, -1, dtype=torch.int32), (1, 0))   # (B|1, Nk + 1)
+        b = max(cs.shape[0], lo.shape[0])
+        cs = cs.expand(b, -1)
+        hi_c, lo_c = hi.clamp(min=-1).expand(b, -1), lo.clamp(max=nk).expand(b, -1)
+        ok = (hi_c >= lo_c) & (cs.gather(1, hi_c + 1) > cs.gather(1, lo_c))
+    if preds.q_valid is not None:
+        ok = ok & preds.q_valid
+    return ok[:, None, :]
 
 
 def _scale(spec: AttentionSpec, d: int) -> float:
