@@ -96,14 +96,15 @@ def _plan(spec: AttentionSpec, q: Tensor, k: Tensor, attn_mask: Optional[Tensor]
         if pm is not None:
             bias = torch.where(pm, bias, _const(float("-inf"), q.dtype, q.device))
         allowed = None
+    fast_rows = _rows_from_vectors(spec, nq, nk, q.device, preds) if attn_mask is None else None
     if bias is None:
         bias = torch.where(allowed, _const(0.0, q.dtype, q.device), _const(float("-inf"), q.dtype, q.device))
-        row_ok = _rows_from_vectors(spec, nq, nk, q.device, preds) if attn_mask is None else None
-        if row_ok is None:
-            row_ok = allowed.any(-1)
+        row_ok = fast_rows if fast_rows is not None else allowed.any(-1)
     else:
         row_ok = (bias != float("-inf")).any(-1)
-    if is_causal:
+    if fast_rows is not None:
+        row_ok = fast_rows  # already counts the causal bound
+    elif is_causal:
         # a top-left causal row i keeps key 0 only if the mask allows it: recompute the rows with the bound
         i, j = default_positions(spec, nq, nk, q.device)    # is_causal: top-left, or Nq == Nk
         row_ok = ((bias != float("-inf")) & (j[:, None, :] <= i[:, :, None])).any(-1)
@@ -194,7 +195,8 @@ class SdpaBackend:
         if lse.dtype != torch.float32:
             lse = lse.float()
         if row_ok is not None:
-            out = torch.where(row_ok[..., None], out, _const(0.0, out.dtype, out.device))
+            if q.is_cuda:  # SDPA's CPU kernel already writes zeros for a row with no allowed key
+                out = torch.where(row_ok[..., None], out, _const(0.0, out.dtype, out.device))
             lse = torch.where(row_ok, lse, _const(float("-inf"), torch.float32, lse.device))
         if lse.shape != q.shape[:-1]:
             lse = lse.expand(q.shape[:-1])
