@@ -188,7 +188,7 @@ def capture(model: nn.Module, example_inputs, ctx: Optional[CompileContext] = No
     except Exception as e:
         ex_err = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         raise CaptureError(f"could not capture {type(model).__name__}: torch.fx symbolic_trace failed "
-                           f"({fx_err}); torch.export failed ({ex_err})") from e
+                           f"({fx_err}); torch.export failed ({ex_err}){_cache_hint(ex_err)}") from e
     if ctx is not None:
         ctx.capture = f"torch.export (non-strict, {note}); fx failed: {fx_err[:160]}"
     return gm
@@ -201,11 +201,15 @@ def _export_only(model, args, kwargs, ctx) -> fx.GraphModule:
         gm, note = _export_capture(model, args, kwargs)
     except Exception as e:
         ex_err = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        hint = ""
-        if "Cache" in str(e) or "Cache" in ex_err:
-            hint = ("; the model returns a KV-cache object that torch.export cannot output: pass use_cache=False "
-                    "in the example inputs")
-        raise CaptureError(f"could not capture {type(model).__name__}: torch.export failed ({ex_err}){hint}") from e
+        raise CaptureError(f"could not capture {type(model).__name__}: torch.export failed ({ex_err})"
+                           f"{_cache_hint(ex_err)}") from e
     if ctx is not None:
         ctx.capture = f"torch.export (non-strict, {note})"
     return gm
+
+
+def _cache_hint(err: str) -> str:
+    if "Cache" not in err:
+        return ""
+    return ("; the model returns a KV-cache object that torch.export cannot output: pass use_cache=False in the "
+            "example inputs")
