@@ -296,16 +296,20 @@ def _constant_mask_buffers(gm: fx.GraphModule, example_inputs) -> int:
         if not isinstance(val, torch.Tensor) or isinstance(val, nn.Parameter) or "_buffers" not in name \
                 or not node.users or any(_mutates(u, node) for u in node.users):
             continue
-        attr = f"_attncomp_buffer_{i}"
-        gm.register_buffer(attr, val, persistent=False)
-        with gm.graph.inserting_after(placeholders[-1]):
-            ga = gm.graph.get_attr(attr)
-        ga.meta.update(node.meta)
-        node.replace_all_uses_with(ga)
+        gm.register_buffer(f"_attncomp_buffer_{i}", val, persistent=False)
+        _to_attr(gm, node, f"_attncomp_buffer_{i}", placeholders[-1])
         count += 1
     if count:
         gm.recompile()
     return count
+
+
+def _to_attr(gm: fx.GraphModule, node: fx.Node, attr: str, after: fx.Node) -> None:
+    """Every use of placeholder ``node`` reads the graph module's attribute ``attr`` instead."""
+    with gm.graph.inserting_after(after):
+        ga = gm.graph.get_attr(attr)
+    ga.meta.update(node.meta)
+    node.replace_all_uses_with(ga)
 
 
 def _mutates(user: fx.Node, node: fx.Node) -> bool:
@@ -325,12 +329,8 @@ def _freeze_parameters(gm: fx.GraphModule, example_inputs) -> int:
     for i, (node, val) in enumerate(zip(placeholders, example_inputs)):
         if not isinstance(val, nn.Parameter) or val.requires_grad or not node.users:
             continue
-        name = f"_attncomp_frozen_{i}"
-        gm.register_parameter(name, val)
-        with gm.graph.inserting_after(placeholders[-1]):
-            ga = gm.graph.get_attr(name)
-        ga.meta.update(node.meta)
-        node.replace_all_uses_with(ga)
+        gm.register_parameter(f"_attncomp_frozen_{i}", val)
+        _to_attr(gm, node, f"_attncomp_frozen_{i}", placeholders[-1])
         count += 1
     if count:
         gm.recompile()

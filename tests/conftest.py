@@ -22,3 +22,11 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
     """Each test uses a private kernel/autotune cache unless it sets its own."""
     if "ATTNCOMP_CACHE_DIR" not in os.environ or os.environ.get("ATTNCOMP_TEST_SHARED_CACHE") != "1":
         monkeypatch.setenv("ATTNCOMP_CACHE_DIR", str(tmp_path_factory.mktemp("attncomp-cache")))
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo's caches and counters cleared before and after the test."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()

@@ -183,28 +183,22 @@ def capture(model: nn.Module, example_inputs, ctx: Optional[CompileContext] = No
     if not args and not kwargs:
         raise CaptureError(f"torch.fx could not trace {type(model).__name__} ({fx_err}); pass example_inputs "
                            "so that torch.export can capture it")
-    try:
-        gm, note = _export_capture(model, args, kwargs)
-    except Exception as e:
-        ex_err = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        raise CaptureError(f"could not capture {type(model).__name__}: torch.fx symbolic_trace failed "
-                           f"({fx_err}); torch.export failed ({ex_err}){_cache_hint(ex_err)}") from e
-    if ctx is not None:
-        ctx.capture = f"torch.export (non-strict, {note}); fx failed: {fx_err[:160]}"
-    return gm
+    return _export_only(model, args, kwargs, ctx, fx_err)
 
 
-def _export_only(model, args, kwargs, ctx) -> fx.GraphModule:
+def _export_only(model, args, kwargs, ctx, fx_err: Optional[str] = None) -> fx.GraphModule:
+    """torch.export; ``fx_err`` (why fx failed first, if it was tried) goes into the error and the report."""
     if not args and not kwargs:
         raise CaptureError(f"torch.export needs example inputs to capture {type(model).__name__}")
+    fx_part = f"torch.fx symbolic_trace failed ({fx_err}); " if fx_err else ""
     try:
         gm, note = _export_capture(model, args, kwargs)
     except Exception as e:
         ex_err = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        raise CaptureError(f"could not capture {type(model).__name__}: torch.export failed ({ex_err})"
+        raise CaptureError(f"could not capture {type(model).__name__}: {fx_part}torch.export failed ({ex_err})"
                            f"{_cache_hint(ex_err)}") from e
     if ctx is not None:
-        ctx.capture = f"torch.export (non-strict, {note})"
+        ctx.capture = f"torch.export (non-strict, {note})" + (f"; fx failed: {fx_err[:160]}" if fx_err else "")
     return gm
 
 

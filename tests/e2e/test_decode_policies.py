@@ -19,11 +19,7 @@ transformers = pytest.importorskip("transformers")
 from tests.e2e.hf_zoo import ZOO  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 @pytest.mark.parametrize("policy", ["dfss", "hash", attncomp.Drop(q_rate=0.3, k_rate=0.3, seed=5)],

@@ -19,11 +19,7 @@ from tests.utils import rel_err
 TOL = 1e-4
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 class MHA(nn.Module):

@@ -22,11 +22,7 @@ from tests.e2e.hf_zoo import ZOO, text  # noqa: E402
 TOL = 1e-4
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def tensors(out):

@@ -20,11 +20,7 @@ from tests.e2e.hf_zoo import ZOO, text  # noqa: E402
 from tests.e2e.test_hf_families import assert_outputs_match  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 class Attn(nn.Module):
