@@ -212,7 +212,7 @@ class _GraphCompiler:
             fails = self.guard_failures()
             rep.notes.append(f"recompile storm: {n} graphs for one module (dynamo recompiles a frame at most "
                              f"{STORM} times, then runs it without attncomp); last failed guard: "
-                             f"{fails[-1] if fails else 'unknown'}")
+                             f"{' '.join(fails[-1].split())[:300] if fails else 'unknown'}")
         return rep
 
 
