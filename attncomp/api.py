@@ -185,7 +185,6 @@ class _GraphCompiler:
                 first = by_name.get(site.name)
                 if first is None:
                     by_name[site.name] = site
-                    site.details.setdefault("graphs", [])
                     site.details["graphs"] = [i]
                     ctx.sites.append(site)
                     continue
@@ -249,12 +248,12 @@ def _lift_seeds(gm: fx.GraphModule, example_inputs: List[Any]):
     bases, inputs = [], list(example_inputs)
     for i, node in enumerate(nodes):
         base = int(node.args[0]) if node.args else 0
-        sym = fake.shape_env.create_unspecified_symint_and_symbol(
-            0x2545F491 + i, ConstantSource(f"attncomp_seed_{len(placeholders) + i}"), DimDynamic.DYNAMIC)
+        source = ConstantSource(f"attncomp_seed_{i}")
+        sym = fake.shape_env.create_unspecified_symint_and_symbol(0x2545F491 + i, source, DimDynamic.DYNAMIC)
         with gm.graph.inserting_after(placeholders[-1] if placeholders else next(iter(gm.graph.nodes))):
             ph = gm.graph.placeholder(f"attncomp_seed_{i}")
         placeholders.append(ph)
-        ph._dynamo_source = ConstantSource(f"attncomp_seed_{i}")
+        ph._dynamo_source = source
         ph.meta["val"] = ph.meta["example_value"] = sym
         node.replace_all_uses_with(ph)
         gm.graph.erase_node(node)
@@ -365,8 +364,7 @@ class CompiledModule(nn.Module):
     @property
     def graph_module(self) -> Optional[fx.GraphModule]:
         """The graph of the most recent capture (``None`` before the first)."""
-        g = self._attncomp.last
-        return g
+        return self._attncomp.last
 
     def forward(self, *args, **kwargs):
         st = self._attncomp

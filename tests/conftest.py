@@ -30,3 +30,13 @@ def fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture(scope="session")
+def tvm_cache_dir(tmp_path_factory):
+    """One kernel cache folder for every test and (under xdist) every worker: TVM kernels build once."""
+    root = tmp_path_factory.getbasetemp()
+    root = root.parent if root.name.startswith("popen-") else root
+    d = root / "attncomp-tvm-kernels"
+    d.mkdir(exist_ok=True)
+    return d

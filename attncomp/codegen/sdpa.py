@@ -96,15 +96,14 @@ def _plan(spec: AttentionSpec, q: Tensor, k: Tensor, attn_mask: Optional[Tensor]
         if pm is not None:
             bias = torch.where(pm, bias, _const(float("-inf"), q.dtype, q.device))
         allowed = None
-    fast_rows = _rows_from_vectors(spec, nq, nk, q.device, preds) if attn_mask is None else None
     if bias is None:
         bias = torch.where(allowed, _const(0.0, q.dtype, q.device), _const(float("-inf"), q.dtype, q.device))
-        row_ok = fast_rows if fast_rows is not None else allowed.any(-1)
-    else:
-        row_ok = (bias != float("-inf")).any(-1)
-    if fast_rows is not None:
-        row_ok = fast_rows  # already counts the causal bound
-    elif is_causal:
+    # rows with an allowed key: from the O(N) vectors where they decide it (the causal bound included),
+    # else by reducing the mask
+    row_ok = _rows_from_vectors(spec, nq, nk, q.device, preds) if attn_mask is None else None
+    if row_ok is None and not is_causal:
+        row_ok = allowed.any(-1) if allowed is not None else (bias != float("-inf")).any(-1)
+    elif row_ok is None:
         # a top-left causal row i keeps key 0 only if the mask allows it: recompute the rows with the bound
         i, j = default_positions(spec, nq, nk, q.device)    # is_causal: top-left, or Nq == Nk
         row_ok = ((bias != float("-inf")) & (j[:, None, :] <= i[:, :, None])).any(-1)

@@ -45,15 +45,6 @@ if _compiled_kernels():
                 allow_module_level=True)
 
 
-@pytest.fixture(scope="session")
-def tvm_cache_dir(tmp_path_factory):
-    root = tmp_path_factory.getbasetemp()
-    root = root.parent if root.name.startswith("popen-") else root
-    d = root / "attncomp-tvm-kernels"
-    d.mkdir(exist_ok=True)
-    return d
-
-
 @pytest.fixture(autouse=True)
 def _shared_kernels(tvm_cache_dir, monkeypatch):
     monkeypatch.setenv("ATTNCOMP_CACHE_DIR", str(tvm_cache_dir))

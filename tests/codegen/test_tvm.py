@@ -28,16 +28,6 @@ from tests.utils import TOL, assert_close  # noqa: E402
 BACKEND = TB.TVMBackend()
 
 
-@pytest.fixture(scope="session")
-def tvm_cache_dir(tmp_path_factory):
-    # one folder for every test and (under xdist) every worker of the session: kernels build once
-    root = tmp_path_factory.getbasetemp()
-    root = root.parent if root.name.startswith("popen-") else root
-    d = root / "attncomp-tvm-kernels"
-    d.mkdir(exist_ok=True)
-    return d
-
-
 @pytest.fixture(autouse=True)
 def _shared_kernels_and_poison(tvm_cache_dir, monkeypatch):
     monkeypatch.setenv("ATTNCOMP_CACHE_DIR", str(tvm_cache_dir))

@@ -184,6 +184,11 @@ def _call(kind: str, variant: Variant, tensors: dict, extra: dict) -> None:
     fn(*args)
 
 
+def _no_keys(q, v, lse):
+    """The result of an empty problem: zero rows, lse -inf."""
+    return _empty(q.shape[:-1] + (v.shape[-1],), q.dtype, q.device).zero_(), lse.fill_(float("-inf"))
+
+
 def attention_forward(spec: AttentionSpec, q, k, v, attn_mask=None, q_aux=None, k_aux=None, block_pattern=None,
                       dropout_p: float = 0.0, seed: int = 0, preds=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of DESIGN.md §4 through the compiled TVM forward kernel."""
@@ -192,8 +197,7 @@ def attention_forward(spec: AttentionSpec, q, k, v, attn_mask=None, q_aux=None, 
     Nk, Dv = k.shape[2], v.shape[-1]
     lse = _empty((B, Hq, Nq), torch.float32, q.device)
     if Nq == 0 or B * Hq == 0 or Nk == 0:
-        out = _empty((B, Hq, Nq, Dv), q.dtype, q.device)
-        return out.zero_(), lse.fill_(float("-inf"))
+        return _no_keys(q, v, lse)
     variant = make_variant(spec, q, v, attn_mask, preds, dropout_p)
     qc, kc, vc = _prep(q, ct), _prep(k, ct), _prep(v, ct)
     out = _empty((B, Hq, Nq, Dv), ct, q.device)
@@ -257,7 +261,7 @@ def cuda_forward(spec: AttentionSpec, q, k, v, attn_mask=None, q_aux=None, k_aux
     Nk, Dv = k.shape[2], v.shape[-1]
     lse = _empty((B, Hq, Nq), torch.float32, q.device)
     if Nq == 0 or B * Hq == 0 or Nk == 0:
-        return _empty((B, Hq, Nq, Dv), q.dtype, q.device).zero_(), lse.fill_(float("-inf"))
+        return _no_keys(q, v, lse)
     variant = _cuda.cuda_variant(make_variant(spec, q, v, attn_mask, preds, dropout_p))
     major, minor = torch.cuda.get_device_capability(q.device)
     arch = f"sm_{major}{minor}"

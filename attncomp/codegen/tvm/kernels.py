@@ -291,41 +291,32 @@ def _clamp_k(e: str) -> str:
     return f"T.min({e}, Nk - 1)"
 
 
+def _bounded_range(ind: str, lo: str, hi: str, n_tiles: str, block: int, lo_pos, hi_pos) -> List[str]:
+    """``lo``/``hi`` tile bounds from the first and last allowed positions (``None``: unbounded)."""
+    return [f"{ind}{lo} = " + (f"T.max(0, T.floordiv({lo_pos}, {block}))" if lo_pos is not None else "0"),
+            f"{ind}{hi} = " + (f"T.min({n_tiles}, T.max(0, T.floordiv({hi_pos}, {block}) + 1))"
+                               if hi_pos is not None else n_tiles)]
+
+
 def _tile_range(v: Variant, ind: str) -> List[str]:
     """``kt_lo``/``kt_hi`` for the query tile starting at ``q0`` (default positions only)."""
-    BK = v.block_k
-    L = [f"{ind}kt_lo = 0", f"{ind}kt_hi = NKT"]
-    if v.positional and not (v.q_pos or v.k_pos):
-        L = []
-        qmin, qmax = "(q0 + qoff)", f"(T.min(q0 + {v.block_q}, Nq) - 1 + qoff)"
-        if v.window_left is not None:
-            L.append(f"{ind}kt_lo = T.max(0, T.floordiv({qmin} - ({v.window_left}), {BK}))")
-        else:
-            L.append(f"{ind}kt_lo = 0")
-        if v.right is not None:
-            L.append(f"{ind}kt_hi = T.min(NKT, T.max(0, T.floordiv({qmax} + ({v.right}), {BK}) + 1))")
-        else:
-            L.append(f"{ind}kt_hi = NKT")
-    return L
+    if not (v.positional and not (v.q_pos or v.k_pos)):
+        return [f"{ind}kt_lo = 0", f"{ind}kt_hi = NKT"]
+    qmin, qmax = "(q0 + qoff)", f"(T.min(q0 + {v.block_q}, Nq) - 1 + qoff)"
+    return _bounded_range(ind, "kt_lo", "kt_hi", "NKT", v.block_k,
+                          None if v.window_left is None else f"{qmin} - ({v.window_left})",
+                          None if v.right is None else f"{qmax} + ({v.right})")
 
 
 def _query_tile_range(v: Variant, ind: str) -> List[str]:
     """``qt_lo``/``qt_hi``: query tiles that can reach key tile ``k0`` (default positions only)."""
-    BQ = v.block_q
-    L = [f"{ind}qt_lo = 0", f"{ind}qt_hi = NQT"]
-    if v.positional and not (v.q_pos or v.k_pos):
-        L = []
-        kmin, kmax = "k0", f"(T.min(k0 + {v.block_k}, Nk) - 1)"
-        # allowed needs  kp - right <= qp <= kp + left,  qp = i + qoff
-        if v.right is not None:
-            L.append(f"{ind}qt_lo = T.max(0, T.floordiv({kmin} - ({v.right}) - qoff, {BQ}))")
-        else:
-            L.append(f"{ind}qt_lo = 0")
-        if v.window_left is not None:
-            L.append(f"{ind}qt_hi = T.min(NQT, T.max(0, T.floordiv({kmax} + ({v.window_left}) - qoff, {BQ}) + 1))")
-        else:
-            L.append(f"{ind}qt_hi = NQT")
-    return L
+    if not (v.positional and not (v.q_pos or v.k_pos)):
+        return [f"{ind}qt_lo = 0", f"{ind}qt_hi = NQT"]
+    kmin, kmax = "k0", f"(T.min(k0 + {v.block_k}, Nk) - 1)"
+    # allowed needs  kp - right <= qp <= kp + left,  qp = i + qoff
+    return _bounded_range(ind, "qt_lo", "qt_hi", "NQT", v.block_q,
+                          None if v.right is None else f"{kmin} - ({v.right}) - qoff",
+                          None if v.window_left is None else f"{kmax} + ({v.window_left}) - qoff")
 
 
 def _query_summary(v: Variant, ind: str) -> List[str]:
