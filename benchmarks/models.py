@@ -135,7 +135,9 @@ def host_us(fast, device, iters: int = 50) -> float:
     return timed_ms(lambda: [call() for _ in range(iters)], 5, device) * 1e3 / iters
 
 
-def run_row(c, policy, device, dtype, iters) -> Dict[str, Any]:
+def run_config(c, policies, device, dtype, iters):
+    """Rows of one model configuration: eager and ``torch.compile`` timed once, then ``attncomp.compile``
+    per policy (a policy that fails records its error and the others go on)."""
     torch.manual_seed(0)
     model = build(c).to(device=device, dtype=dtype)
     x = inputs(c, device)
@@ -151,19 +153,27 @@ def run_row(c, policy, device, dtype, iters) -> Dict[str, Any]:
             with torch.no_grad():
                 m(**x)
 
-    row = dict(model=c["model"], device=device_name(), mode=c["mode"], B=c["B"], N=c["N"], policy=policy)
-    row["eager_ms"] = timed_ms(lambda: step(model), iters, device)
+    base = dict(model=c["model"], device=device_name(), mode=c["mode"], B=c["B"], N=c["N"])
+    base["eager_ms"] = timed_ms(lambda: step(model), iters, device)
     torch._dynamo.reset()
     compiled = torch.compile(model)
-    row["compile_ms"] = timed_ms(lambda: step(compiled), iters, device)
+    base["compile_ms"] = timed_ms(lambda: step(compiled), iters, device)
+    del compiled
     torch._dynamo.reset()
-    fast = attncomp.compile(model, policy=policy, inductor=True)
-    row["attncomp_ms"] = timed_ms(lambda: step(fast), iters, device)
-    rep = attncomp.report(fast)
-    row["sites"], row["rewritten"] = len(rep.sites), rep.rewritten
-    row["host_us"] = host_us(fast, device)
-    torch._dynamo.reset()
-    return row
+    for policy in policies:
+        row = dict(base, policy=policy)
+        try:
+            fast = attncomp.compile(model, policy=policy, inductor=True)
+            row["attncomp_ms"] = timed_ms(lambda: step(fast), iters, device)
+            rep = attncomp.report(fast)
+            row["sites"], row["rewritten"] = len(rep.sites), rep.rewritten
+            row["host_us"] = host_us(fast, device)
+        except Exception as e:  # recorded in the row; the table shows it as failed
+            row.update(attncomp_ms=float("nan"), host_us=float("nan"), error=f"{type(e).__name__}: {e}"[:500])
+        torch._dynamo.reset()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        yield row
 
 
 def main(argv=None) -> int:
@@ -173,6 +183,7 @@ def main(argv=None) -> int:
     ap.add_argument("--policies", default=None, help="comma-separated (default: dense on CPU; dense,dfss,hash,drop "
                                                      "on a GPU, hash and drop at N >= 4096)")
     ap.add_argument("--only", default=None, help="comma-separated model names")
+    ap.add_argument("--modes", default=None, help="comma-separated: infer, train")
     ap.add_argument("--iters", type=int, default=None, help="timed calls per measurement (default 7 CPU, 20 GPU)")
     ap.add_argument("--json", default=None, help="output path (default benchmarks/results/models_<device>.json; "
                                                   "--smoke writes nothing unless given)")
@@ -185,16 +196,26 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     iters = args.iters or (2 if args.smoke else 7 if device.type == "cpu" else 20)
     rows = []
+    path = args.json or (None if args.smoke else os.path.join(os.path.dirname(__file__), "results",
+                                                              f"models_{device_name()}.json"))
+    meta = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+                cpus=os.cpu_count(), torch=torch.__version__, transformers=transformers.__version__,
+                dtype=str(dtype), iters=iters)
     for c in configs(device_name(), args.smoke):
         if args.only and c["model"] not in args.only.split(","):
             continue
+        if args.modes and c["mode"] not in args.modes.split(","):
+            continue
         pols = args.policies.split(",") if args.policies else (
             ["dense"] if device.type == "cpu" else ["dense", "dfss"] + (["hash", "drop"] if c["N"] >= 4096 else []))
-        for pol in pols:
-            row = run_row(c, pol, device, dtype, iters)
+        for row in run_config(c, pols, device, dtype, iters):
             rows.append(row)
-            print(f"  {row['model']:5s} {row['mode']:5s} {row['B']}x{row['N']} {pol:6s} eager {row['eager_ms']:.2f} ms"
-                  f"  torch.compile {row['compile_ms']:.2f} ms  attncomp {row['attncomp_ms']:.2f} ms", flush=True)
+            print(f"  {row['model']:5s} {row['mode']:5s} {row['B']}x{row['N']} {row['policy']:6s} eager "
+                  f"{row['eager_ms']:.2f} ms  torch.compile {row['compile_ms']:.2f} ms  attncomp "
+                  f"{row['attncomp_ms']:.2f} ms" + (f"  FAILED {row['error']}" if "error" in row else ""), flush=True)
+            if path:  # after every row: a run cut short keeps what it measured
+                with open(path, "w") as f:
+                    json.dump(dict(meta=meta, rows=rows), f, indent=1)
     hdr = ("model", "mode", "BxN", "policy", "eager ms", "compile ms", "attncomp ms", "vs eager", "vs compile",
            "host us")
     lines = [hdr]
@@ -206,14 +227,7 @@ def main(argv=None) -> int:
     print()
     for x in lines:
         print("  ".join(c.rjust(w[i]) for i, c in enumerate(x)))
-    path = args.json or (None if args.smoke else os.path.join(os.path.dirname(__file__), "results",
-                                                              f"models_{device_name()}.json"))
     if path:
-        meta = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
-                    cpus=os.cpu_count(), torch=torch.__version__, transformers=transformers.__version__,
-                    dtype=str(dtype), iters=iters)
-        with open(path, "w") as f:
-            json.dump(dict(meta=meta, rows=rows), f, indent=1)
         print(f"wrote {path}")
     return 0
 

@@ -17,6 +17,7 @@ from attncomp.codegen import reference as R
 from attncomp.codegen.tvm import backend as TB
 from attncomp.policy import DFSS, Dense, Drop, Hash, SPION, ceil_div
 from attncomp.runtime.cubin import import_folder
+from attncomp.runtime.package import read_manifest
 from attncomp.spec import AttentionSpec, dtype_name
 from tests.utils import assert_close
 
@@ -67,3 +68,59 @@ def test_cubin_forward_matches_reference(case, dtype):
     ref, rlse = R.attention(q.double(), k.double(), v.double(), None, spec=spec, q_aux=qa, k_aux=ka, block_pattern=bp)
     assert_close(out, ref, dtype, "out")
     assert torch.equal(torch.isneginf(lse), torch.isneginf(rlse))
+
+
+_LOAD_AND_RUN = r"""
+import sys
+sys.modules["tvm"] = None  # TVM cannot be imported: the package's kernels must be enough
+import torch, attncomp
+data = torch.load(sys.argv[2])
+m = attncomp.load(sys.argv[1])
+out = m(data["x"])
+torch.cuda.synchronize()
+err = ((out.double() - data["want"].double()).norm() / data["want"].double().norm()).item()
+print("ERR", err)
+"""
+
+
+def test_exported_package_with_tvm_kernels_runs_without_tvm(tmp_path, artefact_cache):
+    """A model compiled on the TVM backend exports with its cubins; a fresh process with an empty kernel
+    cache and no TVM loads the package and runs it."""
+    import math
+    import subprocess
+    import sys
+
+    import attncomp
+
+    class Attn(torch.nn.Module):
+        def __init__(self, d=256, h=4):
+            super().__init__()
+            self.h, self.dh = h, d // h
+            self.qkv, self.o = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
+
+        def forward(self, x):
+            B, N, C = x.shape
+            q, k, v = self.qkv(x).view(B, N, 3, self.h, self.dh).permute(2, 0, 3, 1, 4)
+            p = ((q @ k.transpose(-2, -1)) / math.sqrt(self.dh)).softmax(-1)
+            return self.o((p @ v).transpose(1, 2).reshape(B, N, C))
+
+    torch.manual_seed(torch.randint(0, 2**31 - 1, (1,)).item())
+    model = Attn().cuda().half().eval()
+    x = torch.randn(2, 150, 256, device="cuda", dtype=torch.float16)
+    for policy in ("dense", "dfss"):
+        fast = attncomp.compile(model, policy=policy, backend="tvm", example_inputs=(x,), capture="export")
+        assert attncomp.report(fast).rewritten == 1
+        path = attncomp.export(fast, str(tmp_path / f"{policy}.acpkg"))
+        names = read_manifest(path)["entries"]
+        assert any(n.startswith("kernels/") for n in names), "the package carries no kernel"
+        x2 = torch.randn(3, 97, 256, device="cuda", dtype=torch.float16)
+        with torch.no_grad():
+            want = fast(x2)
+        torch.save({"x": x2.cpu(), "want": want.cpu()}, tmp_path / "data.pt")
+        env = dict(os.environ, ATTNCOMP_CACHE_DIR=str(tmp_path / f"empty-cache-{policy}"))
+        script = _LOAD_AND_RUN.replace('data["x"]', 'data["x"].cuda()')
+        r = subprocess.run([sys.executable, "-c", script, path, str(tmp_path / "data.pt")], env=env,
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        err = float(r.stdout.split("ERR")[-1])
+        assert err < 1e-3, f"{policy}: the loaded package differs from the compiled model ({err})"

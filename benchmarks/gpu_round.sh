@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# One GPU round: the GPU tests and the benchmarks of benchmarks/README.md, in parts that each run under
+# their own time limit, so that a device call (10 minutes at most) runs several of them and a part that
+# hangs costs only its own limit. Logs and JSON go to $OUT (at most 8 files come back from a device call:
+# one log, and the results files).
+#
+#   bash benchmarks/gpu_round.sh PART[:SECONDS] ...
+#
+# Parts: env, tests, tvm (needs cubins built on a CPU machine: python -m attncomp build-kernels --arch sm_90
+# --head-dim 64 --out build/tvm-cubins), checks (SDPA backend check, host overhead, SPION patterns),
+# models, kernels (dense/dfss/hash/drop table), structured (predicate and SPION rows), tvmbench.
+set -u
+OUT=${OUT:-/tmp/gpu_round}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export ATTNCOMP_TVM_CUBINS=${ATTNCOMP_TVM_CUBINS:-build/tvm-cubins}
+PY=${PY:-python3}
+LOG="$OUT/round.log"
+GPU=$($PY -c "import torch; n=torch.cuda.get_device_name().lower(); print(next((g for g in ('h200','h100') if g in n), 'gpu'))" 2>/dev/null || echo gpu)
+TESTS="tests/codegen/test_triton_gpu.py tests/codegen/test_scfa_gpu.py tests/codegen/test_template_gpu.py
+       tests/e2e/test_gpu_models.py tests/test_ops.py"
+
+run_part() {
+    local name=$1
+    case $name in
+        env) nvidia-smi -L; $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" ;;
+        tests) $PY -m pytest -q -m gpu -n 8 --timeout 600 -p no:cacheprovider -rfE $TESTS ;;
+        tvm) $PY -m pytest -q -m gpu --timeout 600 -p no:cacheprovider -rfE tests/codegen/test_tvm_gpu.py ;;
+        checks) $PY benchmarks/sdpa_gpu_check.py && $PY benchmarks/host_overhead.py --device cuda --iters 200 &&
+                $PY benchmarks/spion_patterns.py --json "$OUT/spion_patterns_$GPU.json" ;;
+        models) $PY benchmarks/models.py --json "$OUT/models_$GPU.json" ${MODELS_ARGS:-} ;;
+        kernels) $PY benchmarks/attention.py --tune --out "$OUT/attention_$GPU.json" ${KERNELS_ARGS:-} ;;
+        structured) $PY benchmarks/attention.py --table structured ${STRUCTURED_ARGS:-} ;;
+        tvmbench) $PY benchmarks/attention_tvm.py --device cuda --cubins "$ATTNCOMP_TVM_CUBINS" --ns 1024,4096 \
+                      --out "$OUT/attention_tvm_$GPU.json" ;;
+        *) echo "unknown part $name"; return 2 ;;
+    esac
+}
+
+export -f run_part
+export OUT PY GPU TESTS
+status=0
+for arg in "$@"; do
+    name=${arg%%:*}
+    limit=${arg#*:}
+    [ "$limit" = "$arg" ] && limit=300
+    echo "== $name (limit ${limit}s)" | tee -a "$LOG"
+    t0=$(date +%s)
+    timeout -k 10 "$limit" bash -c 'run_part "$1"' _ "$name" > "$OUT/part.log" 2>&1
+    rc=$?
+    cat "$OUT/part.log" >> "$LOG"
+    echo "== $name rc=$rc in $(( $(date +%s) - t0 ))s" | tee -a "$LOG"
+    tail -n 25 "$OUT/part.log"
+    [ $rc -ne 0 ] && status=1
+done
+rm -f "$OUT/part.log"
+exit $status
