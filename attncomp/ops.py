@@ -8,9 +8,12 @@ Schema::
                         str spec, float dropout_p, int seed) -> (Tensor out, Tensor lse)
 
 ``spec`` is the canonical JSON of an :class:`~attncomp.spec.AttentionSpec`. ``q_aux``/``k_aux``
-are the policy's per-token tensors (hash buckets or keep masks), always explicit at the op: the
-Python entry point :func:`attention` derives them (LSH, seeded draws) before calling the op, so the
-forward and backward of one call see the same ones. ``lse`` is the float32 log-sum-exp of the kept
+are the policy's per-token tensors (hash buckets or keep masks). Keep masks are always explicit at
+the op: the Python entry point :func:`attention` and compiled graphs (``attncomp::policy_aux``) draw
+them before calling it, so the forward and backward of one call see the same draw. Hash buckets may
+be left out (compiled graphs do): they depend only on q, k and the policy's fixed seed, so the op
+derives them, forward and backward alike; a backend with ``derives_aux = True`` (Triton: fused with
+its sort) does it itself, for every other one the op calls :func:`materialize_aux` first. ``lse`` is the float32 log-sum-exp of the kept
 logits per query row (``-inf`` for a row with no kept key); backends use it for the backward.
 ``q_pos``..``k_valid`` are the structured-mask predicates of DESIGN.md §4.1 (see
 :class:`~attncomp.spec.Predicates`); backends receive them as one ``preds`` keyword argument.
@@ -248,6 +251,13 @@ def _resolved(spec_json: str, dtype: torch.dtype) -> AttentionSpec:
     return s
 
 
+def _derive_buckets(s: AttentionSpec, be, q: Tensor, k: Tensor, q_aux, k_aux):
+    """The hash buckets for a backend that does not derive them itself (see the module docstring)."""
+    if (q_aux is None or k_aux is None) and isinstance(s.policy, Hash) and not getattr(be, "derives_aux", False):
+        return materialize_aux(s, q, k, q_aux, k_aux)
+    return q_aux, k_aux
+
+
 def _resolve(s: AttentionSpec, q: Tensor) -> AttentionSpec:
     """Fill in what the compiler could not know: the dtype and the dtype-dependent policy defaults."""
     if s.dtype is None or s.policy.resolved(q.dtype) != s.policy:
@@ -286,6 +296,8 @@ def _attention_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], 
     s = _resolved(spec, q.dtype)
     preds = _preds(q_pos, k_pos, q_seg, k_seg, q_valid, k_valid)
     be = _backend_for(s, q, k, v, preds, dropout_p, attn_mask)
+    if q_aux is None or k_aux is None:
+        q_aux, k_aux = _derive_buckets(s, be, q, k, q_aux, k_aux)
     out, lse = be.forward(s, q, k, v, attn_mask, q_aux, k_aux, block_pattern, dropout_p, seed, **_pkw(preds))
     return out, lse
 
@@ -309,11 +321,15 @@ def _attention_backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, at
     s = _resolved(spec, q.dtype)
     preds = _preds(q_pos, k_pos, q_seg, k_seg, q_valid, k_valid)
     be = _backend_for(s, q, k, v, preds, dropout_p, attn_mask)
+    if q_aux is None or k_aux is None:
+        q_aux, k_aux = _derive_buckets(s, be, q, k, q_aux, k_aux)
     dq, dk, dv, dm = be.backward(s, q, k, v, attn_mask, q_aux, k_aux, block_pattern, dropout_p, seed,
                                  out, lse, grad_out, need_mask_grad=need_mask_grad, **_pkw(preds))
     if need_mask_grad and dm is None:
         from .codegen import get_backend
 
+        if q_aux is None or k_aux is None:
+            q_aux, k_aux = _derive_buckets(s, None, q, k, q_aux, k_aux)
         dm = get_backend("reference").backward(s, q, k, v, attn_mask, q_aux, k_aux, block_pattern, dropout_p,
                                                seed, out, lse, grad_out, need_mask_grad=True, preds=preds)[3]
     if dm is None:

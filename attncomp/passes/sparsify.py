@@ -5,9 +5,12 @@ Matches: every ``attncomp::attention`` node (its spec's policy is ``dense`` afte
 Requires: :mod:`.match_attention` ran.
 
 Guarantees: each site's spec carries the compile policy, resolved for the site's dtype where known
-(DFSS 2:4 for fp16/bf16, 1:2 for fp32); for ``hash``/``drop`` without caller-given tensors, a node
-computing the buckets (LSH) or keep masks (a fresh seeded draw per training call) feeds the op, so
-the op always receives explicit per-token tensors. ``dense`` and ``et`` keep every allowed entry:
+(DFSS 2:4 for fp16/bf16, 1:2 for fp32). ``hash`` sites without caller-given buckets keep
+``q_aux``/``k_aux`` empty: the buckets depend only on q, k and the policy's fixed seed, so the op
+derives them itself, forward and backward alike (fused with the sort in the Triton kernels, through
+:func:`attncomp.ops.materialize_aux` on every other backend). ``drop`` sites without caller-given
+masks get an ``attncomp::policy_aux`` node drawing the keep masks from a fresh seed per training
+call (:func:`attncomp.ops.next_seed`), so that forward and backward see the same draw. ``dense`` and ``et`` keep every allowed entry:
 those sites compute exactly what the model computed. ``spion`` sites without a caller-given pattern get
 an ``attncomp::spion_pattern`` node (:mod:`attncomp.spion`) that feeds the op every block while the
 site is in its dense phase (recording the averaged attention statistic) and its calibrated pattern
@@ -50,10 +53,10 @@ def sparsify(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
         if isinstance(pol, SPION) and n.args[A["block_pattern"]] is None:
             args[A["block_pattern"]] = _spion_pattern_node(gm, ctx, n, args, pol, rep, n_spion)
             n_spion += 1
-        if isinstance(pol, (Hash, Drop)) and n.args[A["q_aux"]] is None:
+        derived = isinstance(pol, Hash) and n.args[A["q_aux"]] is None
+        if isinstance(pol, Drop) and n.args[A["q_aux"]] is None:
             with gm.graph.inserting_before(n):
-                draw = gm.graph.call_function(ops.next_seed, (getattr(pol, "seed", 0),)) \
-                    if isinstance(pol, Drop) else None
+                draw = gm.graph.call_function(ops.next_seed, (pol.seed,))
                 aux = gm.graph.call_function(ops.policy_aux, (args[A["spec"]], args[0], args[1], draw))
                 args[A["q_aux"]] = gm.graph.call_function(operator.getitem, (aux, 0))
                 args[A["k_aux"]] = gm.graph.call_function(operator.getitem, (aux, 1))
@@ -63,6 +66,10 @@ def sparsify(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
             rep.spec = spec.replace(policy=new_pol).describe()
             if pol.name not in ("dense",):
                 rep.rewrites.append(f"policy {new_pol.describe()}")
+            if derived:
+                rep.details["buckets"] = ("derived inside the op from q and k (LSH, fixed seed), forward and "
+                                          "backward: fused with the sort in the Triton kernels, "
+                                          "attncomp.ops.materialize_aux on other backends")
         ctx.count("sparsify", pol.name)
         modified = True
     return PassResult(gm, modified)

@@ -136,3 +136,57 @@ def test_recompile_storm_is_reported():
     storm = [n for n in rep.notes if "recompile storm" in n]
     assert storm and "tag" in storm[0], str(rep)   # names the guard that failed
     assert len(rep.sites) == 1
+
+
+class GQAAttn(nn.Module):
+    """Grouped-query attention of x over ``[mem, x]`` (more keys than queries when mem is given)."""
+
+    def __init__(self, d=32, hq=4, hk=2):
+        super().__init__()
+        self.hq, self.hk, self.dh = hq, hk, d // hq
+        self.q, self.kv = nn.Linear(d, d), nn.Linear(d, 2 * hk * self.dh)
+
+    def qkv(self, x, mem):
+        B, N, _ = x.shape
+        src = torch.cat([mem, x], 1)
+        q = self.q(x).view(B, N, self.hq, self.dh).transpose(1, 2)
+        k, v = self.kv(src).view(B, src.shape[1], 2, self.hk, self.dh).permute(2, 0, 3, 1, 4)
+        return q, k, v
+
+    def forward(self, x, mem):
+        q, k, v = self.qkv(x, mem)
+        # unit scale: the op gets q as computed here (no scale moved onto q by the compiler)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True, scale=1.0)
+
+
+@pytest.mark.parametrize("inductor", [False, True], ids=["fx", "inductor"])
+def test_hash_buckets_derived_inside_the_op(inductor):
+    """Compiled hash sites hand the op no buckets: the graph holds no bucket derivation, the report
+    says where they come from, and forward and backward equal the functional API given the
+    buckets of ``attncomp.policy.lsh_buckets`` (GQA, more keys than queries)."""
+    from attncomp.functional import attention
+    from attncomp.policy import Hash, lsh_buckets
+
+    seed = int(torch.randint(0, 2 ** 31 - 1, (1,)).item())
+    torch.manual_seed(seed)
+    model = GQAAttn()
+    pol = Hash(n_buckets=4, seed=seed % 997)
+    x, mem = torch.randn(2, 6, 32, requires_grad=True), torch.randn(2, 5, 32)
+    fast = attncomp.compile(model, policy=pol, inductor=inductor, example_inputs=(x, mem))
+    out = fast(x, mem)
+    gx, = torch.autograd.grad((out * out).sum(), x)
+
+    q, k, v = model.qkv(x, mem)
+    qb, kb = lsh_buckets(q.detach(), k.detach(), pol.n_buckets, pol.seed)
+    want = attention(q, k, v, policy=pol, q_buckets=qb, k_buckets=kb, enable_gqa=True, scale=1.0)
+    wx, = torch.autograd.grad((want * want).sum(), x)
+    if inductor:  # Inductor compiles the projections around the op: rounding may differ
+        assert rel_err(out, want) < 1e-5 and rel_err(gx, wx) < 1e-4
+    else:
+        assert torch.equal(out, want) and torch.equal(gx, wx)
+    assert not torch.allclose(want, model(x, mem))  # the buckets matter
+    rep = attncomp.report(fast)
+    assert rep.rewritten == 1 and rep.sites[0].policy == "hash", str(rep)
+    assert "derived inside the op" in rep.sites[0].details.get("buckets", ""), str(rep)
+    targets = {str(n.target) for gm in fast.graphs for n in gm.graph.nodes}
+    assert "attncomp.attention.default" in targets and not [t for t in targets if "policy_aux" in t], targets

@@ -406,6 +406,9 @@ class TritonBackend:
     """Fused Triton kernels (forward and backward) of the one template for every policy and predicate."""
 
     name = "triton"
+    #: handed no hash buckets (compiled graphs pass none), the kernels derive them fused with the sort
+    #: (:func:`.layout.derive_layout`), forward and backward alike; the op derives them for other backends
+    derives_aux = True
 
     def supports(self, spec: AttentionSpec, q: torch.Tensor, preds=None) -> Optional[str]:
         pol = spec.policy.name

@@ -1,0 +1,85 @@
+"""Hash buckets left out of ``attncomp::attention`` (compiled graphs leave them out): every backend
+derives the policy's LSH buckets itself, in the forward and again in the backward, and computes
+bit for bit what it computes when handed ``attncomp.policy.lsh_buckets``'s buckets.
+
+Backends: the reference, TVM (when installed) and Triton under the interpreter (which derives the
+buckets inside its counting sort). Shapes cover GQA (Hq != Hk), decoding (Nq < Nk, bottom-right
+causal) and more queries than keys; inputs are fresh per test.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from attncomp.policy import Hash, lsh_buckets  # noqa: E402
+from attncomp.spec import AttentionSpec  # noqa: E402
+
+SHAPES = [  # B, Hq, Hk, Nq, Nk, D
+    (2, 4, 2, 11, 11, 16),
+    (2, 4, 2, 3, 13, 16),    # decoding: the last 3 positions against 13 cached keys
+    (1, 2, 1, 19, 7, 8),
+]
+
+
+def _backend_ok(name):
+    if name == "tvm":
+        pytest.importorskip("tvm")
+    if name == "triton":
+        pytest.importorskip("triton")
+        pytest.importorskip("numpy")
+
+
+@pytest.fixture
+def _tvm_cache(request, tvm_cache_dir, monkeypatch):
+    monkeypatch.setenv("ATTNCOMP_CACHE_DIR", str(tvm_cache_dir))
+
+
+def _run(spec, q, k, v, q_aux, k_aux, g):
+    q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    out, lse = torch.ops.attncomp.attention(q, k, v, None, q_aux, k_aux, None, None, None, None, None, None, None,
+                                            spec.to_json(), 0.0, 0)
+    out.backward(g)
+    return out.detach(), lse, q.grad, k.grad, v.grad
+
+
+@pytest.mark.usefixtures("_tvm_cache")
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("backend", ["reference", "tvm", "triton"])
+def test_op_derives_buckets_like_given_ones(backend, shape, monkeypatch):
+    _backend_ok(backend)
+    fused = []
+    if backend == "triton":  # Triton derives them in its counting sort, forward and backward
+        from attncomp.codegen.triton import backend as TB
+
+        real = TB.derive_layout
+        monkeypatch.setattr(TB, "derive_layout", lambda *a, **kw: fused.append(1) or real(*a, **kw))
+    B, Hq, Hk, Nq, Nk, D = shape
+    seed = int(torch.randint(0, 2 ** 31 - 1, (1,)).item())
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, h, n, D, generator=gen) for h, n in ((Hq, Nq), (Hk, Nk), (Hk, Nk)))
+    g = torch.randn(B, Hq, Nq, D, generator=gen)
+    pol = Hash(n_buckets=4, seed=seed % 1000)
+    spec = AttentionSpec(policy=pol, causal=True, causal_align="bottom_right", backend=backend)
+    qb, kb = lsh_buckets(q, k, pol.n_buckets, pol.seed)
+    derived = _run(spec, q, k, v, None, None, g)
+    assert len(fused) == (2 if backend == "triton" else 0)
+    given = _run(spec, q, k, v, qb, kb, g)
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), derived, given):
+        assert torch.equal(a, b), f"{backend}: {name} with derived buckets differs from given ones"
+    # the buckets matter: other buckets give another result (so equality above is not vacuous)
+    other = _run(spec, q, k, v, (qb + 1) % pol.n_buckets, kb, g)
+    assert not torch.equal(other[0], given[0])
+
+
+def test_op_asks_for_both_bucket_tensors():
+    q, k, v = (torch.randn(1, 2, 5, 8) for _ in range(3))
+    spec = AttentionSpec(policy=Hash(n_buckets=4), backend="reference")
+    qb = torch.zeros(1, 2, 5, dtype=torch.int32)
+    with pytest.raises(ValueError, match="both"):
+        torch.ops.attncomp.attention(q, k, v, None, qb, None, None, None, None, None, None, None, None,
+                                     spec.to_json(), 0.0, 0)
