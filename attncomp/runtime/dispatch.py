@@ -7,7 +7,9 @@
   on a CPU its CPU flash kernel always (the reference materialises N×N); on CUDA the faster of
   SDPA and attncomp's Triton kernel for the site's predicates, measured once per shape bucket
   (pow2 of Nq, Nk, D; dtype; predicate kind) and GPU and kept in the autotune store under
-  :data:`DENSE_CHOICE` (:func:`dense_choice_key`);
+  :data:`DENSE_CHOICE` (:func:`dense_choice_key`). Never measured while a CUDA graph is being
+  captured or while ``torch.cuda.get_sync_debug_mode()`` is set (timing synchronises): such a call
+  takes the stored choice, else SDPA, and measures nothing;
 * other sites on CUDA tensors with Triton importable and supporting the spec: the sequence-length
   rule below picks the fused (flash-style, on-the-fly) Triton kernel or the split form;
 * elsewhere the reference backend (exact).
@@ -287,12 +289,29 @@ def _dense_on_cuda(spec, q, k, v, attn_mask, preds, arch: str, kind: str):
     best = dense_choice(key)
     why = "measured faster for this shape bucket"
     if best not in cands:
+        hold = _no_measuring()
+        if hold is not None:  # nothing stored and no timing allowed now: the static default, not remembered
+            best = "sdpa" if "sdpa" in cands else cands[0]
+            return best, f"not measured {hold}: the default"
         times = _time_candidates(cands, spec, q, k, v, attn_mask, preds)
         if not times:
             return cands[0], "timing failed; first candidate"
         best = record_dense_choice(key, times)
         why = f"measured now: {', '.join(f'{n} {t:.3g} ms' for n, t in sorted(times.items()))}"
     return best, why
+
+
+def _no_measuring() -> Optional[str]:
+    """Why timing kernels is not allowed now (it synchronises the device), or None: a CUDA graph is
+    being captured, or a sync debug mode is set."""
+    try:
+        if torch.cuda.is_current_stream_capturing():
+            return "during CUDA graph capture"
+        if torch.cuda.get_sync_debug_mode() != 0:
+            return "with torch.cuda.get_sync_debug_mode() set"
+    except (RuntimeError, AssertionError, AttributeError):  # no CUDA in this build: nothing to time either
+        return None
+    return None
 
 
 # -- the choice --------------------------------------------------------------------------------

@@ -232,3 +232,29 @@ def test_record_and_read_dense_choice():
     assert dispatch.dense_choice(key) == "triton"
     with pytest.raises(ValueError):
         dispatch.record_dense_choice(key, {})
+
+
+@pytest.mark.parametrize("state", ["capturing", "sync_debug"])
+def test_cuda_choice_never_measures_during_capture_or_sync_debug(fake_gpu, monkeypatch, state):
+    """Timing synchronises: under CUDA graph capture or a sync debug mode the call takes the stored
+    winner, else SDPA (the static default), measures nothing and remembers nothing."""
+    backends, timings, calls = fake_gpu
+    capturing = {"on": state == "capturing"}
+    debug = {"on": state == "sync_debug"}
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing["on"])
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 2 if debug["on"] else 0)
+    timings.update(sdpa=5.0, triton=1.0)                      # triton would win a measurement
+    q, k = _qk(700)
+    assert dispatch.select_backend(AttentionSpec(), q, k, k).name == "sdpa"
+    assert calls == []
+    backends["sdpa"].ok = False                               # SDPA cannot run it: the one that can
+    assert dispatch.select_backend(AttentionSpec(), q, k, k).name == "triton"
+    assert calls == []
+    backends["sdpa"].ok = True
+    capturing["on"] = debug["on"] = False                     # allowed again: measures once, remembers
+    assert dispatch.select_backend(AttentionSpec(), q, k, k).name == "triton"
+    assert len(calls) == 1
+    capturing["on"], debug["on"] = state == "capturing", state == "sync_debug"
+    timings.update(sdpa=0.1)
+    assert dispatch.select_backend(AttentionSpec(), q, k, k).name == "triton"  # the stored winner
+    assert len(calls) == 1
