@@ -251,6 +251,11 @@ def _resolved(spec_json: str, dtype: torch.dtype) -> AttentionSpec:
     return s
 
 
+@functools.lru_cache(maxsize=1024)
+def _parsed(spec_json: str) -> AttentionSpec:
+    return AttentionSpec.from_json(spec_json)
+
+
 def _derive_buckets(s: AttentionSpec, be, q: Tensor, k: Tensor, q_aux, k_aux):
     """The hash buckets for a backend that does not derive them itself (see the module docstring)."""
     if (q_aux is None or k_aux is None) and isinstance(s.policy, Hash) and not getattr(be, "derives_aux", False):
@@ -426,11 +431,23 @@ def policy_aux(spec_json: str, q: Tensor, k: Tensor, draw_seed: Optional[int] = 
     return torch.ops.attncomp.policy_aux(q, k, spec_json, -1 if draw_seed is None else draw_seed)
 
 
+def _triton_draws() -> bool:
+    from .runtime.dispatch import triton_available
+
+    return triton_available()
+
+
 @torch.library.custom_op("attncomp::policy_aux", mutates_args=())
 def _policy_aux_op(q: Tensor, k: Tensor, spec: str, seed: int) -> Tuple[Tensor, Tensor]:
+    s = _parsed(spec)
     with torch.no_grad():
-        a, b = materialize_aux(AttentionSpec.from_json(spec), q.detach(), k.detach(), None, None,
-                               None if seed < 0 else seed)
+        if q.is_cuda and isinstance(s.policy, Drop) and _triton_draws():
+            # drawn by the Triton counting sort, which keeps the layout for the attention call
+            from .codegen.triton.backend import drawn_keep_masks
+
+            a, b = drawn_keep_masks(s, q.detach(), k.detach(), None if seed < 0 else seed)
+        else:
+            a, b = materialize_aux(s, q.detach(), k.detach(), None, None, None if seed < 0 else seed)
     if a is None:  # a policy without per-token tensors
         a, b = q.new_empty((0,), dtype=torch.int32), k.new_empty((0,), dtype=torch.int32)
     return a.contiguous(), b.contiguous()
@@ -438,7 +455,7 @@ def _policy_aux_op(q: Tensor, k: Tensor, spec: str, seed: int) -> Tuple[Tensor, 
 
 @_policy_aux_op.register_fake
 def _(q, k, spec, seed):
-    pol = AttentionSpec.from_json(spec).policy
+    pol = _parsed(spec).policy
     dt = torch.bool if isinstance(pol, Drop) else torch.int32
     if not isinstance(pol, (Hash, Drop)):
         return q.new_empty((0,), dtype=torch.int32), k.new_empty((0,), dtype=torch.int32)

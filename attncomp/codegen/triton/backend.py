@@ -28,7 +28,7 @@ from .schedule import tile_lists, tile_summary
 from .template import (MODE_DKDV, MODE_DQ, MODE_FWD, POLICY_DENSE, POLICY_DFSS, POLICY_SORTED, POLICY_SPION,
                        POS_ARANGE, POS_NONE, POS_VECTOR, SCHED_LIST, SCHED_SPAN, _attention_kernel, _bwd_preprocess)
 
-__all__ = ["TritonBackend", "attention_forward", "attention_backward", "Site"]
+__all__ = ["TritonBackend", "attention_forward", "attention_backward", "Site", "drawn_keep_masks"]
 
 _POLICIES = {"dense": POLICY_DENSE, "et": POLICY_DENSE, "dfss": POLICY_DFSS, "hash": POLICY_SORTED,
              "drop": POLICY_SORTED, "spion": POLICY_SPION}
@@ -396,10 +396,30 @@ def _layout_for(spec: AttentionSpec, q_aux, k_aux) -> Layout:
     if hit is not None:
         return hit[2]
     lay = layout_from_aux(spec, q_aux, k_aux)
+    _remember(key, (q_aux, k_aux, lay))
+    return lay
+
+
+def _remember(key, entry) -> None:
     if len(_LAYOUT_CACHE) >= _LAYOUT_CACHE_SIZE:
         _LAYOUT_CACHE.pop(next(iter(_LAYOUT_CACHE)))
-    _LAYOUT_CACHE[key] = (q_aux, k_aux, lay)
-    return lay
+    _LAYOUT_CACHE[key] = entry
+
+
+def drawn_keep_masks(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, seed: Optional[int] = None):
+    """The ``drop`` policy's keep masks ``(q_keep, k_keep)`` drawn on the device by the counting-sort
+    kernels (:func:`.layout.derive_layout`): bit for bit :func:`attncomp.ops.materialize_aux`'s draw
+    from ``seed`` (default the policy's), queries shorter than keys at the last ``Nq`` positions.
+    The sorted layout built on the way is remembered for these masks, so the attention call they
+    feed (forward and backward) does not sort again."""
+    lay = derive_layout(spec, q, k, seed)
+    q_keep, k_keep = lay.q_groups == 0, lay.k_groups == 0
+    try:
+        key = (spec.policy.name, _tensor_key(q_keep), _tensor_key(k_keep))
+    except RuntimeError:  # inference tensors: no cache
+        return q_keep, k_keep
+    _remember(key, (q_keep, k_keep, lay))
+    return q_keep, k_keep
 
 
 class TritonBackend:
