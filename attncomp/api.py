@@ -422,6 +422,8 @@ class _State:
         self.compiler = _GraphCompiler(policy, backend, inference, inductor, mode, options,
                                        "dynamo (the torch.compile mechanism)")
         self.compiled = None
+        #: what compile() did besides capturing (listed in the report)
+        self.notes: List[str] = []
 
     # -- the original forward, as the model's class defines it ---------------------------------
     def forward_fn(self, fast):
@@ -535,6 +537,7 @@ class _State:
                               notes=["not captured yet: the model is compiled on its first call"])
             rep = _make_report(self.last_ctx)
             rep.graphs = len(self.graphs)
+        rep.notes.extend(n for n in self.notes if n not in rep.notes)
         if self.eager:
             rep.notes.append("the original module runs (fallback='eager' after a capture failure)")
         if not rep.sites:
@@ -627,6 +630,9 @@ def compile(model: nn.Module, policy: Union[str, Policy] = "dense", *, example_i
         return fast
     args, kwargs = split_inputs(example_inputs)
     state.example = (args, kwargs)
+    from .distributed import _param_ids, _restore_fsdp
+
+    before = _param_ids(model)
     try:
         if capture == "dynamo":
             with torch.no_grad() if not model.training else contextlib.nullcontext():
@@ -638,6 +644,13 @@ def compile(model: nn.Module, policy: Union[str, Policy] = "dense", *, example_i
             warnings.warn(f"attncomp: returning the original module: {e}", RuntimeWarning, stacklevel=2)
             return model
         raise
+    finally:
+        # no backward follows this call: FSDP2 modules must not stay in the middle of an iteration
+        reset = _restore_fsdp(model, before)
+        if reset:
+            state.notes.append(f"example inputs: the compile-time call left FSDP2 parameters unsharded; "
+                               f"{', '.join(reset)} reset to its sharded parameters, so "
+                               "parameters(), state_dict() and optimizers see them as before the call")
     return fast
 
 

@@ -518,3 +518,55 @@ def _check_aux(t, name, shape, integer: bool) -> None:
     if not ok or tuple(t.shape) != tuple(shape):
         got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
         raise ValueError(f"{name} must be this rank's {kind} shard of shape {tuple(shape)}, got {got}")
+
+
+# ---------------------------------------------------------------------------------------------
+# FSDP2 after a forward that no backward follows (the call ``attncomp.compile`` makes on
+# ``example_inputs``).
+
+def _param_ids(module: torch.nn.Module) -> dict:
+    """Which tensor object each parameter of ``module`` is, by qualified name."""
+    return {n: id(p) for n, p in module.named_parameters(remove_duplicate=False)}
+
+
+def _restore_fsdp(module: torch.nn.Module, before: dict) -> List[str]:
+    """Put the FSDP2 (``fully_shard``) modules of ``module`` back in their state between iterations
+    after a forward that no backward follows; return the qualified names of those reset.
+
+    In training FSDP2 reshards a root module's parameters only in its post-backward callback, so a
+    forward without backward leaves the root's unsharded parameters registered on the modules:
+    ``parameters()`` and ``state_dict()`` would then return plain unsharded tensors instead of the
+    sharded DTensors, and an optimizer built from them would update copies that the next all-gather
+    overwrites (the root's weights would never change). Each outermost FSDP2 module whose parameters
+    are no longer the objects of ``before`` (:func:`_param_ids` taken before the call) gets
+    ``reset_iter_state()`` (reshards every group and clears the iteration's bookkeeping), or, where
+    that is not available or it is not the root of its FSDP2 tree, ``reshard()`` on each FSDP2 module
+    under it. Modules without FSDP2 are left alone."""
+    if not dist.is_available():
+        return []
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return []
+    changed = [n for n, i in _param_ids(module).items() if before.get(n) != i]
+    if not changed:
+        return []
+    done: List[str] = []
+    outer: List[str] = []
+    for name, m in module.named_modules():
+        if not isinstance(m, FSDPModule) or any(name.startswith(o + ".") or o == "" for o in outer):
+            continue
+        outer.append(name)
+        if not any(name == "" or n.startswith(name + ".") for n in changed):
+            continue
+        reset = getattr(m, "reset_iter_state", None)
+        try:
+            if reset is None:
+                raise RuntimeError("no reset_iter_state in this torch")
+            reset()
+        except RuntimeError:  # a non-root FSDP2 module, or an older FSDP2: reshard group by group
+            for sub in m.modules():
+                if isinstance(sub, FSDPModule):
+                    sub.reshard()
+        done.append(name or type(m).__name__)
+    return done

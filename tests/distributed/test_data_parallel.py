@@ -6,18 +6,7 @@ import pytest
 
 from tests.distributed import harness, workers
 
-#: cases that fail on what attncomp.compile does now (not on the wrapper's side): compiling a model
-#: that fully_shard already wraps with example_inputs captures it at compile time, and the graph
-#: then reads the parameters of that moment (the lazy capture of the same model, and eager FSDP2
-#: after the same forward without backward, follow the optimizer's updates)
-PENDING_COMPILE = {
-    "fsdp2-wrap_then_compile-example-dense": "attncomp.compile(fully_shard-ed model, example_inputs=...): "
-                                             "after the first optimizer step the compiled graph still reads "
-                                             "the parameters of the compile-time capture (step-2 gradients "
-                                             "differ by ~0.5)",
-}
-CASES = [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=PENDING_COMPILE[n])) if n in PENDING_COMPILE
-         else n for n in (workers.dp_case_name(c) for c in workers.DP_CASES)]
+CASES = [workers.dp_case_name(c) for c in workers.DP_CASES]
 
 
 @pytest.fixture(scope="module")
@@ -33,10 +22,15 @@ def test_compiled_model_trains_like_single_process(dp_results, case):
         assert "raised" not in r, f"rank {rank}: {r.get('raised')}"
         assert r["params_before_call"] == r["n_params"], \
             f"rank {rank}: the compiled module exposes {r['params_before_call']} of {r['n_params']} parameters"
+        assert r["params_replaced_by_compile"] == 0, \
+            f"rank {rank}: after attncomp.compile, {r['params_replaced_by_compile']} parameter(s) of the module " \
+            "are other tensors than before (an optimizer built then would update the wrong tensors)"
         for step, e in enumerate(r["errors"]):
             assert e < 1e-9, f"rank {rank}, step {step}: gradients differ from single-process training by {e:.3g}"
         assert "report_raised" not in r, f"rank {rank}: attncomp.report of the compiled module: {r['report_raised']}"
         assert r["rewritten"] >= 1, f"rank {rank}: no attention site was rewritten"
+        if case.startswith("fsdp2-wrap_then_compile-example"):  # the compile-time call's reshard is reported
+            assert any("FSDP2" in n for n in r["notes"]), f"rank {rank}: report notes {r['notes']}"
 
 
 def test_drop_draws_reproducible_per_step_and_rank_independent(dp_results):

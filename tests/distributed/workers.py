@@ -312,13 +312,19 @@ def data_parallel(rank: int, world: int, steps: int = 2):
             n_params = len(list(model.parameters()))
             kw = {"example_inputs": (x,)} if example else {}
             if order == "compile_then_wrap":
+                ids = [id(p) for p in model.parameters()]
                 compiled = attncomp.compile(model, policy=policy, **kw)
                 seen = len(list(compiled.parameters()))
+                replaced = sum(id(p) != i for p, i in zip(model.parameters(), ids))
                 run = _wrap(wrapper, compiled, model, mesh)
             else:
                 w = _wrap(wrapper, model, model, mesh)
+                ids = [id(p) for p in model.parameters()]
                 run = compiled = attncomp.compile(w, policy=policy, **kw)
                 seen = len(list(run.parameters()))
+                # the optimizer below is built after compile: it must get the parameters the wrapper
+                # updates (FSDP2: the sharded DTensors), not tensors the compile-time call left behind
+                replaced = sum(id(p) != i for p, i in zip(model.parameters(), ids))
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
             errs = []
             for s in range(steps):
@@ -331,9 +337,12 @@ def data_parallel(rank: int, world: int, steps: int = 2):
                     raise AssertionError(f"step {s}: no gradient for {missing}")
                 errs.append(max((grads[n] - refs[policy][s][n]).abs().max().item() for n in grads))
                 opt.step()
-            res[name] = {"errors": errs, "params_before_call": seen, "n_params": n_params}
+            res[name] = {"errors": errs, "params_before_call": seen, "n_params": n_params,
+                         "params_replaced_by_compile": replaced}
             try:
-                res[name]["rewritten"] = attncomp.report(compiled).rewritten
+                rep = attncomp.report(compiled)
+                res[name]["rewritten"] = rep.rewritten
+                res[name]["notes"] = list(rep.notes)
             except Exception as e:
                 res[name]["report_raised"] = f"{type(e).__name__}: {e}"[:500]
         except Exception as e:  # recorded per case; the parent test names it
