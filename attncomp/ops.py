@@ -33,6 +33,7 @@ import functools
 import itertools
 import logging
 import os
+import weakref
 from typing import Optional, Tuple
 
 import torch
@@ -41,8 +42,8 @@ from torch import Tensor
 from .policy import Drop, Hash, SPION, ceil_div, keep_mask, lsh_buckets
 from .spec import AttentionSpec, Predicates
 
-__all__ = ["attention", "check_inputs", "check_predicates", "materialize_aux", "site_dropout", "next_seed",
-           "training_mode", "ARG_INDEX", "PRED_NAMES"]
+__all__ = ["attention", "check_inputs", "check_predicates", "materialize_aux", "bucket_range", "site_dropout",
+           "next_seed", "training_mode", "ARG_INDEX", "PRED_NAMES"]
 
 log = logging.getLogger(__name__)
 
@@ -217,6 +218,32 @@ def next_seed(base: int = 0) -> int:
     return int(base)
 
 
+# Bucket tensors derived here, so with ids known to lie in [0, n_buckets): id -> (weak reference,
+# version, n_buckets). The Triton backend sorts such ids by counting (no range check on the device).
+_derived_buckets: dict = {}
+
+
+def _mark_buckets(t: Tensor, n: int) -> None:
+    try:
+        ver = t._version
+    except RuntimeError:  # inference tensors track no version: left unmarked
+        return
+    key = id(t)
+    _derived_buckets[key] = (weakref.ref(t, lambda _r, key=key: _derived_buckets.pop(key, None)), ver, n)
+
+
+def bucket_range(t: Optional[Tensor]) -> Optional[int]:
+    """``n`` when ``t`` is a bucket tensor that :func:`materialize_aux` derived (ids in ``[0, n)``)
+    and that nothing has written to since; else None (ids of any range). Reads no tensor data."""
+    ent = _derived_buckets.get(id(t))
+    if ent is None or ent[0]() is not t:
+        return None
+    try:
+        return ent[2] if t._version == ent[1] else None
+    except RuntimeError:
+        return None
+
+
 def materialize_aux(spec: AttentionSpec, q, k, q_aux=None, k_aux=None, seed: Optional[int] = None):
     """Derive the policy's per-token tensors that the caller did not give."""
     pol = spec.policy
@@ -226,6 +253,8 @@ def materialize_aux(spec: AttentionSpec, q, k, q_aux=None, k_aux=None, seed: Opt
         if q_aux is None:
             with torch.no_grad():
                 q_aux, k_aux = lsh_buckets(q.detach(), k.detach(), pol.n_buckets, pol.seed)
+            _mark_buckets(q_aux, pol.n_buckets)
+            _mark_buckets(k_aux, pol.n_buckets)
     elif isinstance(pol, Drop):
         s = pol.seed if seed is None else seed
         B, Hq, Nq = q.shape[:3]

@@ -118,3 +118,46 @@ def test_triton_keep_draw_equals_the_torch_draw(shape, monkeypatch):
     ref, ref_lse = R.attention(q.double(), k.double(), v.double(), spec=spec, q_aux=want_q, k_aux=want_k)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse.double(), ref_lse.double(), atol=1e-5, rtol=1e-5)
+
+
+def test_triton_counting_sort_only_for_buckets_attncomp_derived(monkeypatch):
+    """Buckets from ``attncomp.ops.materialize_aux`` lie in ``[0, n_buckets)``: the Triton backend sorts
+    them by counting; a caller's ids (any range), a copy, or derived buckets written to since take
+    ``torch.sort``. Every path computes the same attention."""
+    _backend_ok("triton")
+    from attncomp import ops
+    from attncomp.codegen.triton import backend as TB
+    from attncomp.codegen.triton import layout as L
+
+    B, Hq, Hk, Nq, Nk, D = 2, 4, 2, 9, 14, 8
+    seed = int(torch.randint(0, 2 ** 31 - 1, (1,)).item())
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, h, n, D, generator=gen) for h, n in ((Hq, Nq), (Hk, Nk), (Hk, Nk)))
+    pol = Hash(n_buckets=6, seed=seed % 1000)
+    spec = AttentionSpec(policy=pol, backend="triton")
+    paths = []
+    for nm in ("counting_layout", "sorted_layout"):
+        real = getattr(L, nm)
+        monkeypatch.setattr(L, nm, lambda *a, _r=real, _n=nm, **kw: paths.append(_n) or _r(*a, **kw))
+    monkeypatch.setattr(TB, "counting_layout", L.counting_layout)
+
+    def run(qb, kb):
+        paths.clear()
+        TB._LAYOUT_CACHE.clear()
+        out = torch.ops.attncomp.attention(q, k, v, None, qb, kb, None, None, None, None, None, None, None,
+                                           spec.to_json(), 0.0, 0)[0]
+        return out, list(paths)
+
+    qb, kb = ops.materialize_aux(spec, q, k)
+    assert ops.bucket_range(qb) == ops.bucket_range(kb) == 6
+    fast, p = run(qb, kb)
+    assert p == ["counting_layout"]
+    user, p = run(qb.clone(), kb.clone())
+    assert p == ["sorted_layout"] and torch.equal(user, fast)
+    # a caller's ids outside [0, n_buckets): same partition, shifted ids, still sorted correctly
+    shifted, p = run(qb.long() * 1000 - 7, kb.long() * 1000 - 7)
+    assert p == ["sorted_layout"] and torch.equal(shifted, fast)
+    kb.mul_(1000)                                            # written to since: its range is not known
+    assert ops.bucket_range(kb) is None
+    _, p = run(qb, kb)
+    assert p == ["sorted_layout"]

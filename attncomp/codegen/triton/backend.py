@@ -18,12 +18,13 @@ from typing import Optional, Tuple
 import torch
 from triton.runtime.errors import OutOfResources
 
-from ...policy import DFSS, SPION
+from ...ops import bucket_range
+from ...policy import DFSS, SPION, Hash
 from ...spec import AttentionSpec
 from . import configs
 from .common import LOG2E, MASK_BOOL, MASK_FLOAT, MASK_NONE
 from .common import cdiv as _cdiv, next_pow2 as _next_pow2, pow2_block as _pow2
-from .layout import Layout, derive_layout, layout_from_aux, window_ranges
+from .layout import GK_IDS, Layout, counting_layout, derive_layout, layout_from_aux, window_ranges
 from .schedule import tile_lists, tile_summary
 from .template import (MODE_DKDV, MODE_DQ, MODE_FWD, POLICY_DENSE, POLICY_DFSS, POLICY_SORTED, POLICY_SPION,
                        POS_ARANGE, POS_NONE, POS_VECTOR, SCHED_LIST, SCHED_SPAN, _attention_kernel, _bwd_preprocess)
@@ -387,15 +388,27 @@ def _tensor_key(t: torch.Tensor):
     return (t.data_ptr(), t._version, tuple(t.shape), tuple(t.stride()), t.dtype, str(t.device))
 
 
+def _sort_aux(spec: AttentionSpec, q_aux, k_aux) -> Layout:
+    """The layout of given policy tensors: bucket ids that attncomp derived itself lie in a known
+    range (:func:`attncomp.ops.bucket_range`), so they take the counting sort; other ids (a caller's,
+    of any range) ``torch.sort``."""
+    if isinstance(spec.policy, Hash):
+        n = bucket_range(q_aux)
+        if n is not None and bucket_range(k_aux) == n:
+            return counting_layout(q_aux, k_aux, n, kind=GK_IDS, q_shape=tuple(q_aux.shape),
+                                   k_shape=tuple(k_aux.shape))
+    return layout_from_aux(spec, q_aux, k_aux)
+
+
 def _layout_for(spec: AttentionSpec, q_aux, k_aux) -> Layout:
     try:
         key = (spec.policy.name, _tensor_key(q_aux), _tensor_key(k_aux))
     except RuntimeError:  # inference tensors track no version: nothing to key a cache on
-        return layout_from_aux(spec, q_aux, k_aux)
+        return _sort_aux(spec, q_aux, k_aux)
     hit = _LAYOUT_CACHE.get(key)
     if hit is not None:
         return hit[2]
-    lay = layout_from_aux(spec, q_aux, k_aux)
+    lay = _sort_aux(spec, q_aux, k_aux)
     _remember(key, (q_aux, k_aux, lay))
     return lay
 
