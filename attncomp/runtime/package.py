@@ -471,7 +471,9 @@ def _check_sympy_expr(s: Any, where: str) -> None:
                                f"expressions never do: {s[:80]!r}")
 
 
-_GUARD_NAMES = {"L", "inf", "IsNonOverlappingAndDenseIndicator", "cast_symbool_to_symint_guardless"}
+# min/max/abs: the builtins torch 2.11's export writes into shape guards (pure functions of sizes)
+_GUARD_NAMES = {"L", "inf", "IsNonOverlappingAndDenseIndicator", "cast_symbool_to_symint_guardless", "min", "max",
+                "abs"}
 _GUARD_TENSOR_ATTRS = {"size", "stride", "storage_offset", "dim", "numel"}
 _GUARD_MATH = {"isnan", "isinf", "floor", "ceil", "trunc", "sqrt", "inf", "nan"}
 _GUARD_TORCH = {"sym_not", "sym_int", "sym_float", "sym_ite", "sym_max", "sym_min", "sym_sqrt"}

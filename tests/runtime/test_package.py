@@ -443,6 +443,17 @@ def test_unsafe_guard_code_is_refused(pkg, tmp_path, guard):
     assert not marker.exists()
 
 
+def test_size_builtins_in_guards_pass_the_checks():
+    """torch 2.11's export writes guards such as ``min(a, a*b) == a``: pure size arithmetic."""
+    from attncomp.runtime.package import _check_guard
+
+    _check_guard("min(L['x'].size()[2], L['x'].size()[1]*L['x'].size()[2]) == L['x'].size()[2]", "g")
+    _check_guard("max(L['x'].size()[0], 1) >= abs(L['x'].size()[1] - 3)", "g")
+    for bad in ("min(open('f'), 1) == 1", "min.__self__", "getattr(min, 'x')"):
+        with pytest.raises(PackageError):
+            _check_guard(bad, "g")
+
+
 def test_bad_tensor_records_are_refused(pkg, tmp_path):
     manifest, entries = _read(pkg.path)
     doc = json.loads(entries["tensors.json"])
