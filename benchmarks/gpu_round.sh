@@ -6,7 +6,7 @@
 #
 #   bash benchmarks/gpu_round.sh PART[:SECONDS] ...
 #
-# Parts: env, tests, tvm (needs cubins built on a CPU machine: python -m attncomp build-kernels --arch sm_90
+# Parts: env, tests, pytest (the selection in $PYTEST_ARGS), spion (SPION pattern timing), tvm (needs cubins built on a CPU machine: python -m attncomp build-kernels --arch sm_90
 # --head-dim 64 --out build/tvm-cubins), checks (SDPA backend check, host overhead, SPION patterns),
 # models, kernels (dense/dfss/hash/drop table), structured (predicate and SPION rows), tvmbench.
 set -u
@@ -25,6 +25,8 @@ run_part() {
     case $name in
         env) nvidia-smi -L; $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" ;;
         tests) $PY -m pytest -q -m gpu -n 8 --timeout 600 -p no:cacheprovider -rfE $TESTS ;;
+        pytest) $PY -m pytest -q -p no:cacheprovider -rfE ${PYTEST_ARGS:-} ;;
+        spion) $PY benchmarks/spion_patterns.py --json "$OUT/spion_patterns_$GPU.json" ;;
         tvm) $PY -m pytest -q -m gpu --timeout 600 -p no:cacheprovider -rfE tests/codegen/test_tvm_gpu.py ;;
         checks) $PY benchmarks/sdpa_gpu_check.py && $PY benchmarks/host_overhead.py --device cuda --iters 200 &&
                 $PY benchmarks/spion_patterns.py --json "$OUT/spion_patterns_$GPU.json" ;;
