@@ -161,3 +161,35 @@ def test_triton_counting_sort_only_for_buckets_attncomp_derived(monkeypatch):
     assert ops.bucket_range(kb) is None
     _, p = run(qb, kb)
     assert p == ["sorted_layout"]
+
+
+def test_exported_hash_model_derives_buckets_after_load(tmp_path):
+    """``attncomp.export`` + ``attncomp.load`` of a compiled hash model: the package's graph holds no
+    bucket derivation, and the loaded module computes what the compiled one does (GQA, causal)."""
+    import attncomp
+    import torch.nn as nn
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.kv = nn.Linear(16, 16), nn.Linear(16, 16)
+
+        def forward(self, x):
+            B, N, _ = x.shape
+            q = self.q(x).view(B, N, 4, 4).transpose(1, 2)
+            k, v = self.kv(x).view(B, N, 2, 2, 4).permute(2, 0, 3, 1, 4)
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    torch.manual_seed(int(torch.randint(0, 2 ** 31 - 1, (1,)).item()))
+    model = M().eval()
+    x = torch.randn(2, 10, 16)
+    fast = attncomp.compile(model, policy=Hash(n_buckets=4, seed=3), example_inputs=(x,))
+    path = attncomp.export(fast, str(tmp_path / "m.acpkg"))
+    loaded = attncomp.load(path)
+    x2 = torch.randn(3, 13, 16)                               # other batch and length: dynamic dims
+    with torch.no_grad():
+        want, got = fast(x2), loaded(x2)
+        assert not torch.allclose(want, model(x2))           # the policy changed the result
+    assert torch.equal(got, want)
+    targets = {str(n.target) for n in loaded.program.graph.nodes}
+    assert "attncomp.attention.default" in targets and not [t for t in targets if "policy_aux" in t], targets
