@@ -138,6 +138,150 @@ def pool_map(A: torch.Tensor, block_size: int, filter_size: int = 31) -> torch.T
 
 
 # ---------------------------------------------------------------------------------------------
+# The recorded statistic: pool_map of one call's probabilities, tile by tile, without N x N.
+
+def _taps(x: torch.Tensor, y: torch.Tensor, ti: torch.Tensor, tj: torch.Tensor, B: int, L: int,
+          h: int) -> torch.Tensor:
+    """How many taps of the diagonal filter carry entry ``(x, y)`` of ``A`` into block ``(ti, tj)`` of
+    ``conv`` (output rows and columns past ``L`` are not part of ``conv``):
+    ``#{f in [-h, h] : x - f in rows(ti), y - f in cols(tj)}``."""
+    rs, cs = ti * B, tj * B
+    re, ce = (rs + B).clamp_max(L), (cs + B).clamp_max(L)
+    lo = torch.maximum(torch.maximum(x - re + 1, y - ce + 1), torch.full_like(x, -h))
+    hi = torch.minimum(torch.minimum(x - rs, y - cs), torch.full_like(x, h))
+    return (hi - lo + 1).clamp_min(0)
+
+
+def _offsets(r: int):
+    return [(eI, eJ) for eI in range(-r, r + 1) for eJ in range(-r, r + 1)]
+
+
+def _shift_add(T: torch.Tensor, r: int) -> torch.Tensor:
+    """Block sums ``(H, n, n)`` from tile partials ``T (H, (2r+1)^2, n, n)`` (``T[:, e, I', J']``:
+    tile ``(I', J')``'s share of block ``(I' + e_I, J' + e_J)``)."""
+    H, _, n, _ = T.shape
+    S = T.new_zeros(H, n + 2 * r, n + 2 * r)
+    for e, (eI, eJ) in enumerate(_offsets(r)):
+        S[:, r + eI:r + eI + n, r + eJ:r + eJ + n] += T[:, e]
+    return S[:, r:r + n, r:r + n]
+
+
+def _slice_rows(t: Optional[torch.Tensor], x0: int, x1: int, dim: int) -> Optional[torch.Tensor]:
+    if t is None or t.shape[dim] == 1:
+        return t
+    return t.narrow(dim, x0, x1 - x0)
+
+
+def _torch_partials(spec, q, k, attn_mask, preds, lse, B: int, h: int, per_head: bool,
+                    chunk: Optional[int]) -> torch.Tensor:
+    """The tile partials of :func:`block_statistic` in PyTorch, ``chunk`` query rows at a time
+    (logits ``(batch, Hq, chunk, N)`` at most; default: about 4M logits per chunk)."""
+    from .codegen import reference
+    from .spec import Predicates
+
+    Bt, Hq, N, _ = q.shape
+    n, r = -(-N // B), -(-h // B)
+    if chunk is None:
+        chunk = (1 << 22) // max(1, Bt * Hq * N)
+    rows = max(B, -(-int(chunk) // B) * B)
+    preds = preds if preds is not None else Predicates.none()
+    q_pos, k_pos = preds.q_pos, preds.k_pos
+    if any(b is not None for b in spec.bounds()):
+        dq, dk = reference.default_positions(spec, N, N, q.device)
+        q_pos = dq if q_pos is None else q_pos
+        k_pos = dk if k_pos is None else k_pos
+    mask = attn_mask
+    if mask is not None:
+        while mask.dim() < 4:
+            mask = mask.unsqueeze(0)
+    Hs = Hq if per_head else 1
+    T = torch.zeros(Hs, (2 * r + 1) ** 2, n, n, dtype=torch.float64, device=q.device)
+    y = torch.arange(n * B, device=q.device)[None, :]
+    for x0 in range(0, N, rows):
+        x1 = min(N, x0 + rows)
+        pc = Predicates(_slice_rows(q_pos, x0, x1, 1), k_pos, _slice_rows(preds.q_seg, x0, x1, 1), preds.k_seg,
+                        _slice_rows(preds.q_valid, x0, x1, 1), preds.k_valid)
+        s, allowed = reference.logits(spec, q[:, :, x0:x1], k, _slice_rows(mask, x0, x1, 2), pc)
+        lc = lse[:, :, x0:x1, None].to(s.dtype)
+        ok = allowed & (lc > float("-inf"))
+        p = torch.where(ok, torch.exp(torch.where(ok, s - lc, torch.zeros_like(s))), torch.zeros_like(s))
+        del s, allowed, ok
+        pm = p.sum(0, dtype=torch.float64)                        # (Hq, C, N): weights are per entry
+        del p
+        if not per_head:
+            pm = pm.sum(0, keepdim=True)
+        t0, t1 = x0 // B, -(-x1 // B)
+        pm = torch.nn.functional.pad(pm, (0, n * B - N, 0, (t1 - t0) * B - (x1 - x0)))
+        x = torch.arange(t0 * B, t1 * B, device=q.device)[:, None]
+        for e, (eI, eJ) in enumerate(_offsets(r)):
+            w = _taps(x, y, x // B + eI, y // B + eJ, B, N, h).to(torch.float64)
+            T[:, e, t0:t1] = (pm * w).reshape(Hs, t1 - t0, B, n, B).sum((2, 4))
+    return T
+
+
+def block_statistic(spec, q: torch.Tensor, k: torch.Tensor, attn_mask: Optional[torch.Tensor], preds,
+                    lse: torch.Tensor, *, block_size: int, filter_size: int, per_head: bool = False,
+                    impl: str = "auto", chunk: Optional[int] = None) -> torch.Tensor:
+    """The statistic one SPION training call records, from the op's inputs and its ``lse``:
+    ``pool_map(P averaged over the batch (and the heads unless per_head), block_size, filter_size)``,
+    float64 ``(1 or Hq, n, n)``, where ``P = exp(s - lse)`` on the allowed entries of the logits ``s``
+    (the op's scale, mask and predicates) and 0 elsewhere (and on rows with ``lse = -inf``).
+
+    Exact (up to rounding): entry ``(x, y)`` of ``P`` reaches pooled block ``(I, J)`` with the number
+    of filter taps ``f`` for which ``(x - f, y - f)`` lies in the block (and before ``L``), so each
+    ``Bs x Bs`` tile of ``P`` adds taps-weighted sums to the blocks within ``ceil(h / Bs)`` block
+    offsets of it. ``impl``: ``"triton"`` (the kernel of
+    :mod:`attncomp.codegen.triton.spion_stats`, one query tile per program), ``"torch"`` (query rows
+    in chunks of ``chunk``) or ``"auto"`` (Triton for CUDA tensors). Memory: the ``(B, Hq,
+    (2r+1)^2, n, n)`` tile partials and one tile (Triton) or one chunk of logits (PyTorch).
+    """
+    from .spec import AttentionSpec
+
+    if isinstance(spec, str):
+        spec = AttentionSpec.from_json(spec)
+    Bt, Hq, N, D = q.shape
+    if k.shape[2] != N:
+        raise ValueError(f"the SPION statistic is for self-attention (Nq == Nk), got {N} and {k.shape[2]}")
+    B, h = int(block_size), int(filter_size) // 2
+    n, r = -(-N // B), -(-h // B)
+    if impl == "auto":
+        impl = "torch"
+        if q.is_cuda:
+            try:
+                import triton  # noqa: F401
+                impl = "triton"
+            except ImportError:
+                pass
+    if impl == "triton":
+        from .codegen.triton.spion_stats import spion_partials
+        from .codegen import reference
+        from .spec import Predicates
+
+        pr = preds if preds is not None else Predicates.none()
+        left, right = spec.bounds()
+        q_pos, k_pos = pr.q_pos, pr.k_pos
+        if left is not None or right is not None:
+            dq, dk = reference.default_positions(spec, N, N, q.device)
+            q_pos = dq if q_pos is None else q_pos
+            k_pos = dk if k_pos is None else k_pos
+        scale = spec.scale if spec.scale is not None else 1.0 / math.sqrt(D)
+        R = spion_partials(q, k, lse, scale=scale, block_size=B, filter_size=filter_size, attn_mask=attn_mask,
+                           left=left, right=right, q_pos=q_pos, k_pos=k_pos, q_seg=pr.q_seg, k_seg=pr.k_seg,
+                           q_valid=pr.q_valid, k_valid=pr.k_valid)
+        T = R.sum(0, dtype=torch.float64)
+        if not per_head:
+            T = T.sum(0, keepdim=True)
+    elif impl == "torch":
+        T = _torch_partials(spec, q, k, attn_mask, preds, lse, B, h, per_head, chunk)
+    else:
+        raise ValueError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
+    S = _shift_add(T, r)
+    rows = torch.full((n,), float(B), dtype=torch.float64, device=S.device)
+    rows[-1] = N - (n - 1) * B
+    return S / (rows[:, None] * rows[None, :] * (Bt * (1 if per_head else Hq)))
+
+
+# ---------------------------------------------------------------------------------------------
 # Alg. 4: the flood fill, one walk per map in lockstep.
 
 def _quantile(x: torch.Tensor, q: float) -> torch.Tensor:
@@ -324,20 +468,32 @@ def fit_pattern(pattern: torch.Tensor, nq: int, nk: int) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 # The training procedure (Alg. 2): per-site state, the pattern op, calibration.
 #
-# Statistic. For a site called with probabilities ``p (B, Hq, N, N)`` (the dense softmax over the
-# allowed entries: mask, causal/window, segments and padding applied; computed by the reference path
-# under ``no_grad`` from q and k, whatever backend runs the site), one step records
-# ``A = pool_map(mean_b p, block_size, F)``: the filtered (Eq. 3, ``F = filter_size``, 1 for
+# Statistic. For a site called with probabilities ``P (B, Hq, N, N)`` (the dense softmax over the
+# allowed entries: mask, causal/window, segments and padding applied), one step records
+# ``A = pool_map(mean_b P, block_size, F)``: the filtered (Eq. 3, ``F = filter_size``, 1 for
 # ``spion-f``), average-pooled (Eq. 4) map, averaged over the batch and, unless ``per_head``, over
-# the heads: ``(1 or Hq, n, n)`` float64, never an ``N x N`` tensor kept across steps. Only calls with
+# the heads: ``(1 or Hq, n, n)`` float64. This is the exact map, not an approximation: the filter is
+# a sum along diagonals, so ``A`` is a taps-weighted sum of ``P`` over a band of diagonals around each
+# block, and :func:`block_statistic` accumulates it tile by tile from q, k and the row log-sum-exp
+# ``lse`` that the attention op returned (``P = exp(s - lse)``): a Triton kernel on CUDA
+# (:mod:`attncomp.codegen.triton.spion_stats`), query chunks in PyTorch elsewhere; no ``N x N``
+# tensor exists at once (beyond one chunk of logits on the PyTorch path). In the graph,
+# ``attncomp::spion_pattern`` (before the op) runs a call that is recorded dense (every block) and
+# ``attncomp::spion_record`` (after it) records the call from its ``lse``. Only calls with
 # ``Nq == Nk`` are recorded; the first recorded length is the site's calibration length ``L``, and
 # calls of other lengths are not recorded.
 #
-# Transition (Alg. 2 lines 5-7, Eq. 2). Alg. 2 compares the maps of successive epochs; here an
-# "epoch" is ``interval`` recorded training steps of the site and ``A_i`` the mean of their maps.
-# ``d_i = | ||A_{i-1}||_F - ||A_i||_F |`` (Eq. 2 as printed) and the site switches at the end of
-# interval i >= 2 when ``|d_{i-1} - d_i| < alpha * ||A_i||_F`` (relative to the map's norm, so one
-# ``alpha`` serves every length), to the pattern of ``A_i``.
+# Transition (Alg. 2 lines 5-7). Alg. 2 compares the maps of successive epochs; here an "epoch" is
+# ``interval`` recorded training steps of the site and ``A_i`` the mean of their maps. Alg. 2 calls
+# ``frobenius(A_{i-1}, A_i)`` the distance of two maps (Eq. 2 as printed, ``| ||A_{i-1}||_F -
+# ||A_i||_F |``, is blind to a change that keeps the norm, so it is not used); with ``alpha`` a
+# fraction it must be relative: ``d_i = ||A_i - A_{i-1}||_F / ||A_i - mean(A_i)||_F``
+# (:func:`map_distance`; relative to the map's structure, since a near-uniform map before the
+# attention forms has a large norm and barely changes). Alg. 2's test ``|d_{i-1} - d_i| < alpha``
+# holds whenever the maps change at a steady rate, fast or slow, so it fires during the first
+# epochs; the site switches at the end of interval ``i >= 2`` when ``d_{i-1} < alpha`` and
+# ``d_i < alpha`` (:func:`transition`: two successive small changes, which implies Alg. 2's test),
+# to the pattern of ``A_i``. The call that ends the interval runs dense; the next runs the pattern.
 # ``calibrate`` instead runs the given batches (eval mode, no grad), records every site, and switches
 # each to the pattern of the mean of those maps. Until a site switches it runs dense (a pattern with
 # every block kept: exactly dense attention).
@@ -352,7 +508,8 @@ from typing import Any, Iterable, List, Union
 
 from torch import Tensor
 
-__all__ += ["SpionState", "calibrate", "set_patterns", "patterns", "summary", "state_of"]
+__all__ += ["SpionState", "calibrate", "set_patterns", "patterns", "summary", "state_of", "block_statistic",
+            "map_distance", "transition"]
 
 _STATES: Dict[str, "SpionState"] = {}
 _BY_POLICY: Dict[int, str] = {}
@@ -374,7 +531,9 @@ class SiteState:
         self.calls = 0          # training calls of the site
         self.acc: Optional[Tensor] = None
         self.acc_count = 0
-        self.norms: List[float] = []
+        self.prev_map: Optional[Tensor] = None     # the previous interval's mean map
+        self.distances: List[float] = []            # d_i of each interval i >= 1 (map_distance)
+        self.record_next = False                    # the pattern op ran this call dense to record it
         self.cal_sum: Optional[Tensor] = None
         self.cal_count = 0
         self.pattern: Optional[Tensor] = None
@@ -451,18 +610,28 @@ class SpionState:
         training = ops._training.get() is not False
         return training and site.pattern is None and self.policy.alpha is not None
 
-    def observe(self, site: SiteState, q, k, attn_mask, preds, spec_json: str) -> None:
+    def observe(self, site: SiteState, q, k, attn_mask, preds, spec_json: str, lse) -> None:
+        """Record one call's statistic (:func:`block_statistic` from the op's ``lse``)."""
         Nq, Nk = q.shape[2], k.shape[2]
         if Nq != Nk or (site.length is not None and Nq != site.length):
             return
+        pol = self.policy
         with torch.no_grad():
-            A = _site_map(self.policy, q, k, attn_mask, preds, spec_json)
+            A = block_statistic(spec_json, q.detach(), k.detach(), attn_mask, preds, lse.detach(),
+                                block_size=pol.block_size, per_head=pol.per_head,
+                                filter_size=1 if pol.variant == "spion-f" else pol.filter_size)
         with self.lock:
             site.length = Nq
             if self.calibrating:
                 site.cal_sum = A if site.cal_sum is None else site.cal_sum + A
                 site.cal_count += 1
                 return
+            self.record(site, A)
+
+    def record(self, site: SiteState, A: Tensor) -> None:
+        """One training step's map ``A``: at the end of each interval, the interval mean, its
+        distance to the previous one, and Alg. 2's transition test (:func:`transition`)."""
+        with self.lock:
             site.steps += 1
             site.acc = A if site.acc is None else site.acc + A
             site.acc_count += 1
@@ -470,9 +639,10 @@ class SpionState:
                 return
             mean = site.acc / site.acc_count
             site.acc, site.acc_count = None, 0
-            site.norms.append(float(torch.linalg.vector_norm(mean)))
-            nr = site.norms[-3:]
-            if len(nr) == 3 and abs(abs(nr[0] - nr[1]) - abs(nr[1] - nr[2])) < self.policy.alpha * nr[2]:
+            if site.prev_map is not None:
+                site.distances.append(map_distance(site.prev_map, mean))
+            site.prev_map = mean
+            if transition(site.distances, self.policy.alpha):
                 self._set(site, self.make_pattern(mean), "auto (Alg. 2)")
 
     def make_pattern(self, pooled: Tensor) -> Tensor:
@@ -512,20 +682,28 @@ class SpionState:
         return torch.zeros((1, 0, 0), dtype=torch.bool)
 
 
-def _site_map(policy, q, k, attn_mask, preds, spec_json: str) -> Tensor:
-    from .codegen import reference
-    from .spec import AttentionSpec
+def map_distance(prev: Tensor, cur: Tensor) -> float:
+    """``d = ||A_i - A_{i-1}||_F / ||A_i - mean(A_i)||_F``: the Frobenius distance between successive
+    interval maps relative to the structure of the current one (its deviation from its mean).
 
-    spec = AttentionSpec.from_json(spec_json)
-    s, allowed = reference.logits(spec, q, k, attn_mask, preds) if preds is not None \
-        else reference.logits(spec, q, k, attn_mask)
-    s = s.float().masked_fill(~allowed, float("-inf"))
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0)       # rows with no allowed key: zeros
-    p = p.mean(0)                                       # (Hq, N, N)
-    if not policy.per_head:
-        p = p.mean(0, keepdim=True)
-    fs = 1 if policy.variant == "spion-f" else policy.filter_size
-    return pool_map(p, policy.block_size, fs)
+    Relative to ``||A_i||_F`` itself, a near-uniform map (attention not formed yet) looks stable: its
+    mean dominates the norm, so any change is small next to it. ``0`` for equal maps; ``inf`` for a
+    change of a constant map."""
+    diff = float(torch.linalg.vector_norm((cur - prev).to(torch.float64)))
+    c = cur.to(torch.float64)
+    struct = float(torch.linalg.vector_norm(c - c.mean()))
+    if diff == 0.0:
+        return 0.0
+    return diff / struct if struct > 0.0 else float("inf")
+
+
+def transition(distances: List[float], alpha: Optional[float]) -> bool:
+    """Alg. 2's transition test on the distances ``d_1 .. d_i`` so far: the last two are below
+    ``alpha`` (``d_{i-1} < alpha`` and ``d_i < alpha``, which implies Alg. 2's
+    ``|d_{i-1} - d_i| < alpha``; needs ``i >= 2``, three interval maps, as Alg. 2's ``i > 1``)."""
+    if alpha is None or len(distances) < 2:
+        return False
+    return distances[-2] < alpha and distances[-1] < alpha
 
 
 def state_for(policy) -> SpionState:
@@ -591,14 +769,10 @@ def _spion_pattern(q: Tensor, k: Tensor, attn_mask: Optional[Tensor], q_pos: Opt
 
         if ops._training.get() is not False and not st.calibrating:
             site.calls += 1
-        if st.recording(site):
-            from .spec import Predicates
-
-            preds = None
-            if any(t is not None for t in (q_pos, k_pos, q_seg, k_seg, q_valid, k_valid)):
-                preds = Predicates(q_pos, k_pos, q_seg, k_seg, q_valid, k_valid)
-            st.observe(site, q, k, attn_mask, preds, spec)
-        pat = site.pattern
+        # a recorded call runs dense (calibration of a switched site included): its lse is the
+        # dense softmax's, from which attncomp::spion_record recomputes the probabilities
+        site.record_next = st.recording(site)
+        pat = None if site.record_next else site.pattern
     elif stored is not None and stored.shape[-1] > 0:
         pat = stored
     if pat is None:
@@ -611,6 +785,41 @@ def _(q, k, attn_mask, q_pos, k_pos, q_seg, k_seg, q_valid, k_valid, stored, spe
     nq = (q.shape[2] + block_size - 1) // block_size
     nk = (k.shape[2] + block_size - 1) // block_size
     return q.new_empty((heads or q.shape[1], nq, nk), dtype=torch.bool)
+
+
+@torch.library.custom_op("attncomp::spion_record", mutates_args=())
+def _spion_record(q: Tensor, k: Tensor, attn_mask: Optional[Tensor], q_pos: Optional[Tensor],
+                  k_pos: Optional[Tensor], q_seg: Optional[Tensor], k_seg: Optional[Tensor],
+                  q_valid: Optional[Tensor], k_valid: Optional[Tensor], lse: Tensor, spec: str,
+                  key: str) -> Tensor:
+    """Record the statistic of the call the site's ``attncomp::spion_pattern`` ran dense for
+    recording (:func:`block_statistic` from q, k, the masks and the op's ``lse``). Returns a zero
+    scalar that the graph adds to the site's output, so the call is part of the data flow (no pass
+    or compiler removes it) and changes nothing."""
+    uid, _, name = key.partition(":")
+    st = _STATES.get(uid)
+    site = st.sites.get(name) if st is not None else None
+    if site is not None and site.record_next:
+        site.record_next = False
+        from .spec import Predicates
+
+        preds = None
+        if any(t is not None for t in (q_pos, k_pos, q_seg, k_seg, q_valid, k_valid)):
+            preds = Predicates(q_pos, k_pos, q_seg, k_seg, q_valid, k_valid)
+        st.observe(site, q, k, attn_mask, preds, spec, lse)
+    return q.new_zeros(())
+
+
+@_spion_record.register_fake
+def _(q, k, attn_mask, q_pos, k_pos, q_seg, k_seg, q_valid, k_valid, lse, spec, key):
+    return q.new_empty(())
+
+
+def _spion_record_backward(ctx, grad):
+    return (None,) * 12       # a constant zero: no gradient for any input
+
+
+_spion_record.register_autograd(_spion_record_backward)
 
 
 # -- user API -----------------------------------------------------------------------------------

@@ -5,12 +5,16 @@ depends on the position's half,
 
     y[i] = x[partner(i)],   partner(i) = i + L/2 in the first half,  L - 1 - i in the second,
 
-so the attention has to learn a shifted band and an anti-diagonal: a pattern no local window covers. ``attncomp.compile(model, policy=SPION(...))`` starts dense; at ``--switch`` the example calls
-``attncomp.spion.calibrate`` on a few batches, which records each layer's pooled attention map and
-switches it to its flood-fill pattern; the rest of training is block-sparse. ``--alpha`` instead lets
-Alg. 2 decide (Eq. 2 over intervals of ``--interval`` steps). On this task the criterion fires on
-the plateau before the attention has formed (the maps are near uniform and barely change there), so
-the default is the explicit switch after the loss has started to fall.
+so the attention has to learn a shifted band and an anti-diagonal: a pattern no local window covers.
+``attncomp.compile(model, policy=SPION(...))`` starts dense and records each layer's pooled attention
+map every step (from the op's log-sum-exp, without the ``N x N`` probabilities); every ``--interval``
+steps it compares the mean map with the previous one and switches a layer to its flood-fill pattern
+once two successive relative distances are below ``--alpha`` (Alg. 2, see ``attncomp.spion``). On
+this task the loss sits on a plateau for about 120 steps with near-uniform maps, then the attention
+forms; the distance (relative to the map's deviation from uniform) stays high on the plateau and
+while the attention forms, and falls below 0.1 once it has formed, so the layers switch around steps
+200-250. ``--switch STEP`` instead calls ``attncomp.spion.calibrate`` on a few batches after that
+step (the explicit switch).
 
 Prints the switch step and per-layer densities, times per step (dense vs sparse) and writes
 ``spion_loss.png`` (loss curves) and ``spion_layer<k>.png`` (patterns). ``--smoke`` runs in seconds.
@@ -112,9 +116,10 @@ def main():
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=8)
     ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--switch", type=int, default=200, help="step at which to calibrate and switch")
-    ap.add_argument("--alpha", type=float, default=None, help="let Alg. 2 switch instead (transition threshold)")
-    ap.add_argument("--interval", type=int, default=25, help="Alg. 2 interval (steps)")
+    ap.add_argument("--switch", type=int, default=None,
+                    help="calibrate and switch after this step instead of the automatic switch (Alg. 2)")
+    ap.add_argument("--alpha", type=float, default=0.1, help="Alg. 2 transition threshold (relative distance)")
+    ap.add_argument("--interval", type=int, default=10, help="Alg. 2 interval (steps)")
     ap.add_argument("--threshold", type=float, default=0.85, help="flood-fill quantile")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
@@ -122,7 +127,9 @@ def main():
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
     if args.smoke:
-        args.steps, args.length, args.batch, args.layers, args.switch = 8, 64, 4, 2, 4
+        args.steps, args.length, args.batch, args.layers = 8, 64, 4, 2
+        if args.switch is None:
+            args.alpha, args.interval = 10.0, 2     # any change is small: switch after three intervals
     torch.manual_seed(args.seed)
     d, h = 64, 4
 
@@ -131,14 +138,15 @@ def main():
         torch.manual_seed(args.seed)
         model = Encoder(args.vocab, args.length, d, h, args.layers).train()
         policy = "dense" if name == "dense" else attncomp.SPION(block_size=args.block, filter_size=7,
-                                                                threshold=args.threshold, alpha=args.alpha,
+                                                                threshold=args.threshold,
+                                                                alpha=None if args.switch is not None else args.alpha,
                                                                 interval=args.interval)
         fast = attncomp.compile(model, policy=policy, backend="reference", inductor=args.inductor)
 
         def on_step(step, loss, name=name, fast=fast):
             if step % max(1, args.steps // 10) == 0 or step == args.steps - 1:
                 print(f"[{name}] step {step:4d}  loss {loss:.4f}", flush=True)
-            if name == "spion" and args.alpha is None and step + 1 == args.switch:
+            if name == "spion" and args.switch is not None and step + 1 == args.switch:
                 g = torch.Generator().manual_seed(args.seed + 2)
                 batches = [make_batch(args.batch, args.length, args.vocab, g)[0] for _ in range(4)]
                 spion.calibrate(fast, batches)
@@ -150,14 +158,17 @@ def main():
     sp = results["spion"]
     print("\nSPION sites:")
     print(spion.summary(sp["fast"]))
-    # a site's switch step counts its recorded training calls from 1; the call that switches already
-    # runs with the new pattern, so on the 0-based step axis the sparse phase starts at switch - 1
+    # a site's switch step counts its training calls from 1; the call that switches still runs dense,
+    # so on the 0-based step axis the site runs sparse from its switch step on
     sites = sorted(spion.state_of(sp["fast"]).sites.values(), key=lambda s: s.index)
-    if args.alpha is None:
+    if args.switch is not None:
         switch = args.switch if any(s.pattern is not None for s in sites) else None
     else:
         sw = [s.switch_step for s in sites if s.switch_step is not None]
-        switch = max(sw) - 1 if sw else None
+        switch = max(sw) if sw else None
+        for s in sites:
+            ds = ", ".join(f"{d:.3f}" for d in s.distances)
+            print(f"  {s.name}: interval distances d_i = {ds}")
     warm = 3   # the first steps include capture and compilation
     td = results["dense"]["times"][warm:]
     if switch is not None:

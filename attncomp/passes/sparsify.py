@@ -52,6 +52,8 @@ def sparsify(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
         args[A["spec"]] = spec.replace(policy=new_pol).to_json()
         if isinstance(pol, SPION) and n.args[A["block_pattern"]] is None:
             args[A["block_pattern"]] = _spion_pattern_node(gm, ctx, n, args, pol, rep, n_spion)
+            # the pattern node's args end with (spec, key, block_size, heads)
+            _spion_record_node(gm, n, args, args[A["block_pattern"]].args[-3])
             n_spion += 1
         derived = isinstance(pol, Hash) and n.args[A["q_aux"]] is None
         if isinstance(pol, Drop) and n.args[A["q_aux"]] is None:
@@ -73,6 +75,34 @@ def sparsify(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
         ctx.count("sparsify", pol.name)
         modified = True
     return PassResult(gm, modified)
+
+
+def _spion_record_node(gm: fx.GraphModule, n: fx.Node, args, key: str) -> None:
+    """After the site: ``attncomp::spion_record`` (the statistic of a recorded call, from q, k, the
+    masks and the op's ``lse``), whose zero scalar is added to the op's output, so that it stays in
+    the data flow."""
+    A = ops.ARG_INDEX
+    outs = [u for u in n.users if u.op == "call_function" and u.target is operator.getitem and u.args[1] == 0]
+    if not outs:
+        return
+    lse = next((u for u in n.users if u.op == "call_function" and u.target is operator.getitem
+                and u.args[1] == 1), None)
+    preds = [args[A[p]] for p in ops.PRED_NAMES]
+    order = {u: i for i, u in enumerate(gm.graph.nodes)}
+    anchor = max(outs + ([lse] if lse is not None else []), key=order.__getitem__)
+    if lse is None:
+        with gm.graph.inserting_after(anchor):
+            lse = anchor = gm.graph.call_function(operator.getitem, (n, 1))
+    with gm.graph.inserting_after(anchor):
+        zero = gm.graph.call_function(torch.ops.attncomp.spion_record.default,
+                                      (args[0], args[1], args[A["attn_mask"]], *preds, lse, args[A["spec"]], key))
+    for out in outs:
+        users = list(out.users)
+        with gm.graph.inserting_after(zero):
+            added = gm.graph.call_function(operator.add, (out, zero))
+        for u in users:
+            u.replace_input_with(out, added)
+        added.meta.update({k: v for k, v in out.meta.items() if k == "val"})
 
 
 def _spion_pattern_node(gm: fx.GraphModule, ctx: CompileContext, n: fx.Node, args, pol: SPION, rep,
