@@ -39,6 +39,11 @@ def _add_build_kernels(p: argparse.ArgumentParser) -> None:
     p.add_argument("--value-dim", type=int, default=None, help="value head dim (default: the head dim)")
     p.add_argument("--nm", type=str, default=None, help="dfss N:M, e.g. 2:4 (default: 2:4)")
     p.add_argument("--block-size", type=_csv(int), default=[64], help="spion block sizes")
+    p.add_argument("--dfss-kernel", type=_csv(str), default=["sp", "scalar"],
+                   help="dfss CUDA kernels, comma separated: sp (sparse tensor cores, float16/bfloat16 "
+                        "inputs), scalar (every dtype) (default: both)")
+    p.add_argument("--operand-dtype", type=_csv(str), default=["float16", "bfloat16"],
+                   help="operand dtypes of the sp kernels (default: float16,bfloat16)")
     causal = p.add_mutually_exclusive_group()
     causal.add_argument("--causal", dest="causal", action="store_const", const=[True], help="causal only")
     causal.add_argument("--no-causal", dest="causal", action="store_const", const=[False], help="non-causal only")
@@ -52,7 +57,7 @@ def kernel_variants(args: argparse.Namespace):
     """The kernel variants ``build-kernels`` builds for these arguments."""
     import torch
 
-    from .codegen.tvm.backend import make_variant
+    from .codegen.tvm.backend import make_variant, sparse_variant
     from .policy import get_policy
     from .spec import AttentionSpec
 
@@ -75,8 +80,27 @@ def kernel_variants(args: argparse.Namespace):
             q = torch.empty(1, 1, 1, d)
             v = torch.empty(1, 1, 1, args.value_dim or d)
             am = None if mask == "none" else torch.empty(1, 1, dtype=torch.bool if mask == "bool" else torch.float32)
-            out.append((spec, make_variant(spec, q, v, am, None, 0.5 if drop else 0.0)))
+            var = make_variant(spec, q, v, am, None, 0.5 if drop else 0.0)
+            if pol != "dfss":
+                out.append((spec, var))
+                continue
+            for kind in args.dfss_kernel:
+                if kind not in ("sp", "scalar"):
+                    raise ValueError(f"unknown dfss kernel {kind!r}; valid: sp, scalar")
+                if kind == "scalar":
+                    out.append((spec, var))
+                    continue
+                for od in args.operand_dtype:
+                    if od not in ("float16", "bfloat16"):
+                        raise ValueError(f"unknown operand dtype {od!r}; valid: float16, bfloat16")
+                    sp = sparse_variant(var, getattr(torch, od))
+                    if sp is not None:  # dropout variants and other head dims stay scalar
+                        out.append((spec, sp))
     return out
+
+
+def _kind(var) -> str:
+    return f", mma.sp {var.operand_dtype}" if var.mma == "sp" else ""
 
 
 def build_kernels(args: argparse.Namespace) -> int:
@@ -91,7 +115,7 @@ def build_kernels(args: argparse.Namespace) -> int:
         return 2
     if args.list:
         for spec, var, arch in todo:
-            print(f"{arch}  {cuda.cubin_key(var, arch)}  {spec.describe()}, D={var.head_dim}")
+            print(f"{arch}  {cuda.cubin_key(var, arch)}  {spec.describe()}, D={var.head_dim}{_kind(var)}")
         return 0
     keys = []
     with progress(len(todo), "build CUDA kernels") as p:
@@ -102,7 +126,7 @@ def build_kernels(args: argparse.Namespace) -> int:
                 print(f"build-kernels: {arch} {spec.describe()} D={var.head_dim}: {e}", file=sys.stderr)
                 return 1
             keys.append(cuda.cubin_key(var, arch))
-            print(f"{arch}  {keys[-1]}  {len(cubin)} bytes  {spec.describe()}, D={var.head_dim}")
+            print(f"{arch}  {keys[-1]}  {len(cubin)} bytes  {spec.describe()}, D={var.head_dim}{_kind(var)}")
             p.update()
     if args.out:
         n = export_folder(args.out, keys)

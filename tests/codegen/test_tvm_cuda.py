@@ -24,6 +24,8 @@ BUILDS = [
     ("dense", Variant(head_dim=64, head_dim_v=64), "sm_90"),
     ("dense-causal-sm80", Variant(head_dim=128, head_dim_v=128, causal=True), "sm_80"),
     ("dfss", Variant(head_dim=64, head_dim_v=64, policy="dfss", nm_n=2, nm_m=4, mask="float"), "sm_90"),
+    ("dfss-sp-sm80", Variant(head_dim=128, head_dim_v=128, policy="dfss", nm_n=1, nm_m=2, causal=True, mma="sp",
+                             operand_dtype="bfloat16"), "sm_80"),
     ("hash", Variant(head_dim=64, head_dim_v=64, policy="hash", exclude_self=True, causal=True), "sm_90"),
     ("drop", Variant(head_dim=32, head_dim_v=32, policy="drop", mask="bool", dropout=True), "sm_90"),
     ("spion", Variant(head_dim=64, head_dim_v=64, policy="spion", block_size=32, block_q=32, block_k=32), "sm_90"),
@@ -72,7 +74,8 @@ def test_missing_artefact_error_names_the_command(monkeypatch, tmp_path):
     var = cuda.cuda_variant(TB.make_variant(spec, q, q, None, None, 0.0))
     assert cuda.get_cubin(var, "sm_90", build=False) is None
     cmd = TB.build_command(var, "sm_90")
-    assert cmd == "python -m attncomp build-kernels --arch sm_90 --policy dfss --head-dim 64 --nm 2:4 --causal"
+    assert cmd == ("python -m attncomp build-kernels --arch sm_90 --policy dfss --head-dim 64 --nm 2:4 "
+                   "--dfss-kernel scalar --causal")
     # the command builds exactly the missing artefact
     assert main(cmd.split()[3:]) == 0
     assert cuda.get_cubin(var, "sm_90", build=False) is not None

@@ -232,6 +232,77 @@ def attention_backward(spec: AttentionSpec, q, k, v, attn_mask, out, lse, grad_o
 
 _cubins: dict = {}
 
+#: which CUDA kernel runs dfss sites on float16/bfloat16 tensors: "sp" (sparse tensor cores, the
+#: default where the variant allows it) or "scalar" (the scalar template); ATTNCOMP_TVM_DFSS_KERNEL
+DFSS_KERNELS = ("sp", "scalar")
+
+
+def dfss_kernel_choice() -> str:
+    import os
+
+    k = os.environ.get("ATTNCOMP_TVM_DFSS_KERNEL", "sp").strip().lower() or "sp"
+    if k not in DFSS_KERNELS:
+        raise ValueError(f"ATTNCOMP_TVM_DFSS_KERNEL={k!r}: one of {', '.join(DFSS_KERNELS)}")
+    return k
+
+
+def sparse_variant(variant: Variant, dtype: torch.dtype) -> Optional[Variant]:
+    """The sparse tensor-core variant of a dfss ``variant`` for operands of ``dtype``, or ``None``
+    where that kernel does not apply (other dtypes, N:M other than 2:4/1:2, dropout, head dims)."""
+    import dataclasses
+
+    from .sparse import sp_supported
+
+    od = {torch.float16: "float16", torch.bfloat16: "bfloat16"}.get(dtype)
+    if od is None or variant.policy != "dfss" or variant.dtype != "float32":
+        return None
+    sp = dataclasses.replace(variant, mma="sp", operand_dtype=od)
+    return None if sp_supported(sp) else sp
+
+
+def cuda_kernel_variant(spec: AttentionSpec, q, v, attn_mask, preds, dropout_p: float) -> Variant:
+    """The CUDA kernel variant of a call (with its CUDA tile sizes)."""
+    from . import cuda as _cuda
+
+    variant = make_variant(spec, q, v, attn_mask, preds, dropout_p)
+    if variant.policy == "dfss" and dfss_kernel_choice() == "sp":
+        variant = sparse_variant(variant, q.dtype) or variant
+    return _cuda.cuda_variant(variant)
+
+
+def _kernel_inputs(variant: Variant, q, k, v, ct: torch.dtype):
+    """q, k, v as the kernel reads them: the operand dtype of a tensor-core kernel, else ``ct``."""
+    if variant.mma == "sp":
+        od = torch.float16 if variant.operand_dtype == "float16" else torch.bfloat16
+        return tuple(x.detach().to(od).contiguous() for x in (q, k, v))
+    return _prep(q, ct), _prep(k, ct), _prep(v, ct)
+
+
+def sparse_emulated_forward(spec: AttentionSpec, q, k, v, attn_mask=None, preds=None,
+                            seed: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The sparse tensor-core DFSS forward built for the CPU (``llvm``): the same schedule, packing
+    and metadata as the CUDA kernel, each warp instruction emulated from the lanes' packed registers
+    (:mod:`.sparse`). For tests of that kernel's logic on machines without a GPU; raises where the
+    kernel does not apply."""
+    ct = _compute_dtype(q.dtype)
+    B, Hq, Nq, _ = q.shape
+    Nk, Dv = k.shape[2], v.shape[-1]
+    variant = make_variant(spec, q, v, attn_mask, preds, 0.0)
+    sp = sparse_variant(variant, q.dtype)
+    if sp is None:
+        raise ValueError(f"the sparse tensor-core DFSS kernel does not serve this call ({spec.describe()}, {q.dtype})")
+    from . import cuda as _cuda
+
+    sp = _cuda.cuda_variant(sp)
+    lse = _empty((B, Hq, Nq), torch.float32, q.device)
+    out = _empty((B, Hq, Nq, Dv), torch.float32, q.device)
+    qc, kc, vc = _kernel_inputs(sp, q, k, v, ct)
+    if sp.operand_dtype == "bfloat16":  # the CPU build reads bfloat16 operands as their bits
+        qc, kc, vc = (x.view(torch.int16) for x in (qc, kc, vc))
+    extra = _extra_values(sp, spec, q, k, attn_mask, None, None, None, preds, 0.0, seed, ct)
+    _call("fwd_sp_emu", sp, {"q": qc, "k": kc, "kt": kc, "v": vc, "o": out, "lse": lse}, extra)
+    return out.to(q.dtype), lse
+
 
 def build_command(variant: Variant, arch: str) -> str:
     """The command line that builds the CUDA kernel of ``variant`` ahead of time."""
@@ -241,6 +312,9 @@ def build_command(variant: Variant, arch: str) -> str:
         bits.append(f"--value-dim {variant.head_dim_v}")
     if variant.policy == "dfss":
         bits.append(f"--nm {variant.nm_n}:{variant.nm_m}")
+        bits.append(f"--dfss-kernel {'sp' if variant.mma == 'sp' else 'scalar'}")
+        if variant.mma == "sp":
+            bits.append(f"--operand-dtype {variant.operand_dtype}")
     if variant.policy == "spion":
         bits.append(f"--block-size {variant.block_size}")
     bits.append("--causal" if variant.causal else "--no-causal")
@@ -262,7 +336,7 @@ def cuda_forward(spec: AttentionSpec, q, k, v, attn_mask=None, q_aux=None, k_aux
     lse = _empty((B, Hq, Nq), torch.float32, q.device)
     if Nq == 0 or B * Hq == 0 or Nk == 0:
         return _no_keys(q, v, lse)
-    variant = _cuda.cuda_variant(make_variant(spec, q, v, attn_mask, preds, dropout_p))
+    variant = cuda_kernel_variant(spec, q, v, attn_mask, preds, dropout_p)
     major, minor = torch.cuda.get_device_capability(q.device)
     arch = f"sm_{major}{minor}"
     key = _cuda.cubin_key(variant, arch)
@@ -277,7 +351,7 @@ def cuda_forward(spec: AttentionSpec, q, k, v, attn_mask=None, q_aux=None, k_aux
                 f"{build_command(variant, arch)} --out <folder>\nthen bring the folder here and call "
                 "attncomp.runtime.cubin.import_folder(<folder>), or export a package that carries it.")
         kernel = _cubins[key] = CubinKernel(*art)
-    qc, kc, vc = _prep(q, ct), _prep(k, ct), _prep(v, ct)
+    qc, kc, vc = _kernel_inputs(variant, q, k, v, ct)
     out = _empty((B, Hq, Nq, Dv), ct, q.device)
     extra = _extra_values(variant, spec, q, k, attn_mask, q_aux, k_aux, block_pattern, preds, dropout_p, seed, ct)
     tensors = {"q": qc, "k": kc, "v": vc, "o": out, "lse": lse}

@@ -67,8 +67,16 @@ def llvm_target() -> Dict[str, str]:
     return {"kind": "llvm", "mtriple": triple, "mcpu": mcpu}
 
 
-_SOURCES = {"fwd": kernels.forward_source, "dkdv": kernels.dkdv_source, "dq": kernels.dq_source}
-_SYMBOLS = {"fwd": "attn_fwd", "dkdv": "attn_bwd_dkdv", "dq": "attn_bwd_dq"}
+def _sp_emulated(variant: kernels.Variant) -> str:
+    from .sparse import sp_forward_source
+
+    return sp_forward_source(variant, "llvm")
+
+
+# fwd_sp_emu: the sparse tensor-core DFSS forward built for the CPU with emulated warp instructions
+_SOURCES = {"fwd": kernels.forward_source, "dkdv": kernels.dkdv_source, "dq": kernels.dq_source,
+            "fwd_sp_emu": _sp_emulated}
+_SYMBOLS = {"fwd": "attn_fwd", "dkdv": "attn_bwd_dkdv", "dq": "attn_bwd_dq", "fwd_sp_emu": "attn_fwd"}
 
 
 def kernel_source(kind: str, variant: kernels.Variant) -> str:

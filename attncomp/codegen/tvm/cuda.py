@@ -42,11 +42,33 @@ def cuda_variant(v: Variant) -> Variant:
     import dataclasses
 
     bq, bk = CUDA_BLOCK_Q, CUDA_BLOCK_K
+    if v.mma == "sp":
+        from .sparse import SP_BLOCK_Q, sp_block_k
+
+        return dataclasses.replace(v, block_q=SP_BLOCK_Q, block_k=sp_block_k(v.head_dim, v.head_dim_v))
     if v.policy == "spion":
         bq = bk = min(v.block_size, 32)
     if v.policy == "dfss" and bk % v.nm_m:
         bk = v.nm_m
     return dataclasses.replace(v, block_q=bq, block_k=bk)
+
+
+def forward_source(v: Variant) -> str:
+    """TVMScript of the CUDA forward kernel of ``v`` (a variant with its CUDA tile sizes): the scalar
+    template below, or the sparse tensor-core DFSS kernel (:mod:`.sparse`) when ``v.mma == "sp"``."""
+    if v.mma == "sp":
+        from .sparse import sp_forward_source
+
+        return sp_forward_source(v, "cuda")
+    return cuda_forward_source(v)
+
+
+def threads_per_block(v: Variant) -> int:
+    if v.mma == "sp":
+        from .sparse import SP_THREADS
+
+        return SP_THREADS
+    return v.block_q
 
 
 def cuda_forward_source(v: Variant) -> str:
@@ -151,7 +173,8 @@ def cuda_forward_source(v: Variant) -> str:
 _MATCH = re.compile(r"^\s*(\w+) = T\.match_buffer\((\w+), \(([^)]*)\), \"(\w+)\"\)", re.M)
 _KERNEL_SIG = re.compile(r'extern "C" __global__ void (?:__launch_bounds__\((\d+)\) )?(\w+)\(([^)]*)\)\s*\{')
 _SHARED = re.compile(r"__shared__ (?:alignas\(\d+\) )?(\w+) \w+\[(\d+)\]")
-_CSIZE = {"float": 4, "double": 8, "half": 2, "int": 4, "signed char": 1, "uchar": 1, "unsigned char": 1}
+_CSIZE = {"float": 4, "double": 8, "half": 2, "nv_bfloat16": 2, "__nv_bfloat16": 2, "int": 4, "uint": 4,
+          "signed char": 1, "uchar": 1, "unsigned char": 1}
 
 
 def _buffers(tvmscript: str) -> Dict[str, dict]:
@@ -198,7 +221,7 @@ def launch_meta(tvmscript: str, cuda_src: str, v: Variant, arch: str) -> dict:
         "params": params,
         # grid.x = ceil(Nq / block_q), grid.y = B * Hq; block = block_q threads
         "grid": [["cdiv", ["shape", "q", 2], v.block_q], ["mul", ["shape", "q", 0], ["shape", "q", 1]], 1],
-        "block": [v.block_q, 1, 1],
+        "block": [threads_per_block(v), 1, 1],
         "shared_mem": shared,
         "block_k": v.block_k,
         "variant": v.to_json(),
@@ -241,7 +264,7 @@ def build_cubin(v: Variant, arch: str = "sm_90") -> Tuple[bytes, dict, str]:
     from tvm.script import tirx as T
 
     v = cuda_variant(v)
-    script = cuda_forward_source(v)
+    script = forward_source(v)
     func = tvm.script.from_source(script, extra_vars={"T": T})
     # no host-side common subexpressions: every kernel parameter must be a buffer, a shape or an
     # argument, so that a loader without TVM can compute it
@@ -265,7 +288,7 @@ def cubin_key(v: Variant, arch: str) -> str:
     v = cuda_variant(v)
     # the GPU machine that loads the artefact runs another torch (and no TVM): the key holds only what
     # changes the cubin or how it is launched, never the loading machine's library versions
-    ident = {"backend": "tvm-cuda", "kind": "fwd", "source": cuda_forward_source(v), "arch": str(arch),
+    ident = {"backend": "tvm-cuda", "kind": "fwd", "source": forward_source(v), "arch": str(arch),
              "kernel_version": K.KERNEL_VERSION, "attncomp": __version__, "format": CACHE_FORMAT}
     digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).digest()
     return base64.b32encode(digest).decode().rstrip("=")

@@ -70,6 +70,10 @@ class Variant:
     q_valid: bool = False
     k_valid: bool = False
     dropout: bool = False
+    #: CUDA kernel family: "" (the scalar template) or "sp" (DFSS on sparse tensor cores, :mod:`.sparse`)
+    mma: str = ""
+    #: operand dtype of the tensor-core kernels (float16 | bfloat16); "" for the others
+    operand_dtype: str = ""
 
     def __post_init__(self):
         if self.policy == "dfss" and self.block_k % self.nm_m:
@@ -139,6 +143,7 @@ BWD_ARGS = ("q", "k", "kt", "v", "vt", "do", "lse", "delta")
 
 
 def arg_names(kind: str, v: Variant) -> Tuple[str, ...]:
+    kind = kind.split("_", 1)[0]  # fwd_sp_emu, dq_cuda_emu, ...: the arguments of their kind
     base = {"fwd": FWD_ARGS, "dkdv": BWD_ARGS + ("dk", "dv"), "dq": BWD_ARGS + ("dq",)}[kind]
     return tuple(base) + tuple(n for n, _ in _extra_args(v))
 
