@@ -528,13 +528,13 @@ class _State:
             if not self.compiler.contexts:
                 rep = Report(policy=self.policy.describe(), backend=self.backend,
                              capture="dynamo (the torch.compile mechanism)",
-                             notes=["not captured yet: the model is compiled on its first call"])
+                             notes=["not captured yet: the model is compiled on its first call"] + self.notes)
                 return rep
             rep = self.compiler.report()
         else:
             if self.last_ctx is None:
                 return Report(policy=self.policy.describe(), backend=self.backend,
-                              notes=["not captured yet: the model is compiled on its first call"])
+                              notes=["not captured yet: the model is compiled on its first call"] + self.notes)
             rep = _make_report(self.last_ctx)
             rep.graphs = len(self.graphs)
         rep.notes.extend(n for n in self.notes if n not in rep.notes)

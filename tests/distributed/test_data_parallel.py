@@ -33,6 +33,21 @@ def test_compiled_model_trains_like_single_process(dp_results, case):
             assert any("FSDP2" in n for n in r["notes"]), f"rank {rank}: report notes {r['notes']}"
 
 
+@pytest.mark.parametrize("case", workers.FSDP_EXAMPLE_CASES)
+def test_fsdp2_example_compile_leaves_parameters_sharded(dp_results, case):
+    """attncomp.compile(..., example_inputs=...) runs a forward that no backward follows: FSDP2 modules
+    it left unsharded are put back, so an optimizer built afterwards trains the sharded parameters."""
+    for rank, res in enumerate(dp_results):
+        r = res["_fsdp_example_" + case]
+        assert "raised" not in r, f"rank {rank}: {r.get('raised')}"
+        assert r["replaced"] == 0 and r["unsharded"] == 0, \
+            f"rank {rank}: after compile {r['replaced']} parameter(s) are other tensors, {r['unsharded']} not sharded"
+        assert any("FSDP2" in n for n in r["notes"]), f"rank {rank}: report notes {r['notes']}"
+        assert r["rewritten"] >= 1, f"rank {rank}: no attention site was rewritten"
+        for step, e in enumerate(r["errors"]):
+            assert e < 1e-9, f"rank {rank}, step {step}: gradients differ from single-process training by {e:.3g}"
+
+
 def test_drop_draws_reproducible_per_step_and_rank_independent(dp_results):
     res = dp_results[0]["_drop"]
     assert "raised" not in res, res.get("raised")

@@ -288,6 +288,53 @@ def _drop_draws(x, world: int):
             "reproducible": (y2 - y).abs().max().item(), "step_change": (y3 - y2).abs().max().item()}
 
 
+#: FSDP2 layouts in which ``attncomp.compile(..., example_inputs=...)``'s compile-time forward leaves
+#: unsharded parameters behind: an eval-mode compile of the root, layers that keep their parameters
+#: unsharded after forward (``reshard_after_forward=False``), and one such layer compiled on its own
+#: after the whole model ran (a non-root FSDP2 module: resharded group by group)
+FSDP_EXAMPLE_CASES = ("eval-root", "no-reshard-after-forward", "non-root-layer")
+
+
+def _fsdp_example_compile(case: str, x, t, ref, mesh, steps: int):
+    """Compile (dense, with example inputs) a fully_shard-ed model or one of its layers as ``case``
+    says, then train the whole model with an optimizer built after the compile: parameters replaced
+    by the compile, parameters that stopped being sharded, and the gradient error per step."""
+    import attncomp
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    # the layers' forward is a frame of its own under FSDP2 (its hooks break the graph): the cases
+    # before this one compiled it for their models up to dynamo's recompile limit
+    torch._dynamo.reset()
+    model = _toy_model()
+    for b in model.blocks:
+        fully_shard(b, mesh=mesh, reshard_after_forward=case == "eval-root")
+    fully_shard(model, mesh=mesh)
+    target = model
+    if case == "non-root-layer":
+        model(x).sum().backward()  # the root's first iteration: the layers become non-root
+        target = model.blocks[0]
+    if case == "eval-root":
+        model.eval()
+    ids = [id(p) for p in model.parameters()]
+    sharded = sum(isinstance(p, DTensor) for p in model.parameters())
+    compiled = attncomp.compile(target, policy="dense", example_inputs=(x,))
+    res = {"replaced": sum(id(p) != i for p, i in zip(model.parameters(), ids)),
+           "unsharded": sharded - sum(isinstance(p, DTensor) for p in model.parameters()),
+           "notes": list(attncomp.report(compiled).notes), "rewritten": attncomp.report(compiled).rewritten}
+    model.train()
+    run = compiled if target is model else model
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    res["errors"] = []
+    for s in range(steps):
+        opt.zero_grad()
+        ((run(x) - t) ** 2).mean().backward()
+        grads = {n: _full_grad(p) for n, p in model.named_parameters()}
+        res["errors"].append(max((grads[n] - ref[s][n]).abs().max().item() for n in grads))
+        opt.step()
+    return res
+
+
 def data_parallel(rank: int, world: int, steps: int = 2):
     """Every case of :data:`DP_CASES`: max abs gradient error per step against single-process
     training, or the error raised."""
@@ -347,6 +394,14 @@ def data_parallel(rank: int, world: int, steps: int = 2):
                 res[name]["report_raised"] = f"{type(e).__name__}: {e}"[:500]
         except Exception as e:  # recorded per case; the parent test names it
             res[name] = {"raised": f"{type(e).__name__}: {e}"[:2000]}
+        dist.barrier()
+    for case in FSDP_EXAMPLE_CASES:
+        try:
+            if "dense" not in refs:
+                refs["dense"] = _reference_grads("dense", X, T, world, steps)
+            res["_fsdp_example_" + case] = _fsdp_example_compile(case, x, t, refs["dense"], mesh, steps)
+        except Exception as e:  # recorded per case; the parent test names it
+            res["_fsdp_example_" + case] = {"raised": f"{type(e).__name__}: {e}"[:2000]}
         dist.barrier()
     try:
         res["_drop"] = _drop_draws(X[:b], world)
