@@ -415,6 +415,103 @@ def test_automatic_switch_alg2():
     assert site2.steps == 4
 
 
+def test_recorded_statistic_is_the_pooled_map_of_the_step():
+    # one training call records pool_map of its dense probabilities (from the op's lse, tile by tile)
+    torch.manual_seed(6)
+    model = Toy().train()
+    fast = _compile(model, alpha=1.0, interval=100)
+    x = torch.randn(3, 53, 32)
+    fast(x).sum().backward()
+    _, maps = oracle(model, x, None, 16)
+    sites = sorted(spion.state_of(fast).sites.values(), key=lambda s: s.index)
+    for s, m in zip(sites, maps):
+        want = spion.pool_map(m[None], 16, 31)
+        assert s.acc_count == 1 and s.acc.shape == (1, 4, 4)
+        assert rel_err(s.acc, want) < 1e-5, s.name
+    # a second call adds its own map
+    x2 = torch.randn(3, 53, 32)
+    fast(x2).sum().backward()
+    _, maps2 = oracle(model, x2, None, 16)
+    assert rel_err(sites[0].acc, spion.pool_map(maps[0][None], 16, 31) + spion.pool_map(maps2[0][None], 16, 31)) < 1e-5
+
+
+def test_calibrating_a_switched_site_records_dense_maps():
+    torch.manual_seed(7)
+    model = Toy()
+    fast = _compile(model, threshold=0.7)
+    fast(torch.randn(1, 64, 32))
+    spion.set_patterns(fast, {0: torch.eye(4, dtype=torch.bool), 1: torch.eye(4, dtype=torch.bool)})
+    batches = [torch.randn(2, 64, 32) for _ in range(2)]
+    pats = spion.calibrate(fast, batches)
+    maps = [sum(oracle(model, b, None, 16)[1][i] for b in batches) / 2 for i in range(2)]
+    for i, p in enumerate(pats.values()):
+        assert torch.equal(p[0], spion.generate_pattern(maps[i], 16, filter_size=31, threshold=0.7))
+    # and the model runs the new patterns afterwards
+    x = torch.randn(2, 64, 32)
+    assert rel_err(fast(x), oracle(model, x, list(pats.values()), 16)[0]) < 1e-5
+
+
+def _site_state(alpha, interval):
+    st = spion.SpionState(attncomp.SPION(block_size=16, alpha=alpha, interval=interval))
+    return st, st.site("layer", 1)
+
+
+def _forming_maps(g, n=6, steps=14, formed=7):
+    """Maps whose structure forms at a steady rate until ``formed``, then holds (noise 1e-4 only)."""
+    U = torch.full((1, n, n), 1.0 / n, dtype=torch.float64)
+    S = 0.05 * torch.randn(1, n, n, generator=g, dtype=torch.float64)
+    return [U + S * min(t, formed) / formed + 1e-4 * torch.randn(1, n, n, generator=g, dtype=torch.float64)
+            for t in range(steps)]
+
+
+def test_transition_switches_once_the_maps_are_stable():
+    g = torch.Generator().manual_seed(8)
+    maps = _forming_maps(g)
+    st, site = _site_state(alpha=0.1, interval=1)
+    switched = None
+    for t, A in enumerate(maps):
+        st.record(site, A)
+        if site.pattern is not None and switched is None:
+            switched = t
+            assert torch.equal(site.pattern, spion.pattern_from_pool(A, threshold=0.9))
+    # d_1..d_7 ~ 1/t while the structure forms (d_7 ~ 0.14 > alpha); d_8, d_9 noise only: the switch
+    # comes with map 9, the second map after the structure has formed
+    assert switched == 9 and site.source == "auto (Alg. 2)"
+    d = site.distances
+    assert all(x > 0.1 for x in d[:7]) and all(x < 0.1 for x in d[7:])
+    # Alg. 2's printed test |d_{i-1} - d_i| < alpha alone holds while the maps still change fast
+    assert any(abs(d[i - 1] - d[i]) < 0.1 for i in range(1, 6))
+
+
+def test_transition_over_intervals_and_on_a_plateau():
+    g = torch.Generator().manual_seed(9)
+    maps = _forming_maps(g)
+    # interval 3: each step's map is the interval's map plus noise; the means follow the same sequence
+    st, site = _site_state(alpha=0.1, interval=3)
+    switched = None
+    for t in range(3 * len(maps)):
+        st.record(site, maps[t // 3] + 1e-4 * torch.randn(maps[0].shape, generator=g, dtype=torch.float64))
+        if site.pattern is not None and switched is None:
+            switched, nd = t, len(site.distances)
+    assert switched == 3 * 9 + 2 and nd == 9
+    # a near-uniform plateau (attention not formed: noise around the uniform map) never switches,
+    # though each change is tiny next to the map's norm
+    st2, site2 = _site_state(alpha=0.1, interval=1)
+    n = 6
+    plateau = [torch.full((1, n, n), 1.0 / n, dtype=torch.float64)
+               + 1e-4 * torch.randn(1, n, n, generator=g, dtype=torch.float64) for _ in range(12)]
+    for A in plateau:
+        st2.record(site2, A)
+    assert site2.pattern is None and min(site2.distances) > 0.5
+    assert float((plateau[1] - plateau[0]).norm() / plateau[1].norm()) < 1e-3
+    # the distance itself
+    A = maps[-1]
+    assert spion.map_distance(A, A) == 0.0
+    assert abs(spion.map_distance(A, A + 0.5 * (A - A.mean())) - 1 / 3) < 1e-12
+    assert not spion.transition([0.01], 0.1) and spion.transition([0.2, 0.01, 0.02], 0.1)
+    assert not spion.transition([0.01, 0.2], 0.1) and not spion.transition([0.01, 0.02], None)
+
+
 def test_per_head_patterns_and_variants():
     torch.manual_seed(4)
     model = Toy(n=1)

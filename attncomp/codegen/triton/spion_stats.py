@@ -130,13 +130,14 @@ def spion_partials(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, *, scale
                    right: Optional[int] = None, q_pos: Optional[torch.Tensor] = None,
                    k_pos: Optional[torch.Tensor] = None, q_seg: Optional[torch.Tensor] = None,
                    k_seg: Optional[torch.Tensor] = None, q_valid: Optional[torch.Tensor] = None,
-                   k_valid: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   k_valid: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``R (B, Hq, (2r+1)^2, n, n)`` float32: for query tile ``I'``, key tile ``J'`` and block offset
     ``e = (e_I, e_J)`` (row-major over ``[-r, r]^2``), the taps-weighted sum of ``P`` over the tile
     into block ``(I' + e_I, J' + e_J)`` (see the module docstring). ``q (B, Hq, N, D)``, ``k (B, Hk, N,
     D)``, ``lse (B, Hq, N)``; ``attn_mask`` broadcastable to ``(B, Hq, N, N)`` (bool: allowed; float:
     bias, ``-inf`` not allowed); ``left``/``right`` the position bounds with ``q_pos``/``k_pos``
-    (``(B or 1, N)``, both given when a bound is), segments and validity flags as the op takes them."""
+    (``(B or 1, N)``, both given when a bound is), segments and validity flags as the op takes them.
+    ``out``: a contiguous float32 tensor of that shape to write into (every element is written)."""
     B, Hq, N, D = q.shape
     Hk = k.shape[1]
     if k.shape[2] != N or lse.shape != (B, Hq, N):
@@ -146,7 +147,11 @@ def spion_partials(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, *, scale
     rr = -(-h // bs)
     n = -(-N // bs)
     ne = (2 * rr + 1) ** 2
-    out = torch.empty((B, Hq, ne, n, n), dtype=torch.float32, device=q.device)
+    shape = (B, Hq, ne, n, n)
+    if out is None:
+        out = torch.empty(shape, dtype=torch.float32, device=q.device)
+    elif tuple(out.shape) != shape or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous float32 tensor of shape {shape}")
     if B * Hq * N == 0:
         return out.zero_()
     dummy = q
