@@ -610,9 +610,11 @@ def compile(model: nn.Module, policy: Union[str, Policy] = "dense", *, example_i
     ``dynamic`` as in ``torch.compile`` (default: every input dim dynamic from the first call).
 
     ``example_inputs``: a tuple of positional arguments or a dict of keyword arguments; given, the
-    model is compiled now, otherwise on its first call. ``fallback="eager"`` returns the original module
-    (with a warning) when the model cannot be captured. ``inference`` says whether weights are frozen
-    (default: eval mode and no parameter requires grad), which lets rewrites fold constants into weights.
+    model is compiled now (it runs once on them; ``fully_shard``-ed modules that this forward without
+    backward leaves unsharded get their sharded parameters back), otherwise on its first call.
+    ``fallback="eager"`` returns the original module (with a warning) when the model cannot be
+    captured. ``inference`` says whether weights are frozen (default: eval mode and no parameter
+    requires grad), which lets rewrites fold constants into weights.
     The user's parameters are never modified by compilation.
     """
     pol = _check_options(policy, backend, fallback)

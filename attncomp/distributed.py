@@ -41,6 +41,10 @@ manager the op would compute shard-local attention. Call :func:`context_parallel
 model instead (its output is the same function of the sequence as the op's); it runs eagerly
 (``torch.compiler.disable``), so a model calling it can still be compiled, the ring running between
 the compiled regions.
+
+Data parallelism needs one thing from ``attncomp.compile``: after the call it makes on
+``example_inputs`` (a forward that no backward follows), :func:`_restore_fsdp` puts ``fully_shard``-ed
+modules back between iterations, their sharded parameters registered again.
 """
 
 from __future__ import annotations
