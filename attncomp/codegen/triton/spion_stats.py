@@ -7,7 +7,7 @@ entries (zero elsewhere, and on rows with ``lse = -inf``). :mod:`attncomp.spion`
 block sums of Eq. 4, before the division by the block areas). Each entry ``(x, y)`` of ``P`` reaches
 block ``(I, J)`` through ``c = #{f in [-h, h] : x - f in rows(I), y - f in cols(J)}`` taps, a closed
 form (:func:`_taps`), and only blocks within ``r = ceil(h / Bs)`` block offsets of the entry's own
-tile are reached. So one program per (query tile, batch * head) recomputes ``P`` tile by tile from
+tile are reached. So one program per (batch * head, query tile) recomputes ``P`` tile by tile from
 ``q``, ``k`` and ``lse`` and writes, for each key tile and each of the ``(2r + 1)^2`` block offsets
 ``(e_I, e_J)``, the sum ``sum c * P`` over the tile: ``R[bh, e, I', J']`` float32. Nothing of size
 ``N x N`` is written; :func:`attncomp.spion.block_statistic` adds the partials of each target block.
@@ -15,7 +15,6 @@ tile are reached. So one program per (query tile, batch * head) recomputes ``P``
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -54,8 +53,8 @@ def _spion_stat_kernel(
     MASK_KIND: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SEG: tl.constexpr,
     QV: tl.constexpr, KV: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
+    bh = tl.program_id(0)
+    pid_m = tl.program_id(1)
     b = bh // H
     h = bh % H
     hk = h // G
@@ -178,7 +177,7 @@ def spion_partials(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, *, scale
     upcast = q.dtype == torch.float32 or q.dtype == torch.float64 or interpret_mode()
     if q.dtype == torch.float64:
         q, k = q.float(), k.float()
-    grid = (n, B * Hq)
+    grid = (B * Hq, n)
     _spion_stat_kernel[grid](
         q, k, lse, m, *toks, out,
         *q.stride(), *k.stride(), *lse.stride(), *ms,
@@ -189,6 +188,6 @@ def spion_partials(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, *, scale
         BLOCK=bs, BLOCK_D=max(16, triton.next_power_of_2(D)), HF=h, RR=rr,
         MASK_KIND=kind, HAS_LEFT=left is not None, HAS_RIGHT=right is not None, SEG=seg,
         QV=q_valid is not None, KV=k_valid is not None, UPCAST=bool(upcast),
-        num_warps=1 if interpret_mode() else 4,
+        num_warps=1 if interpret_mode() else (4 if bs <= 64 else 8),
     )
     return out
