@@ -49,6 +49,8 @@ def _add_build_kernels(p: argparse.ArgumentParser) -> None:
     causal.add_argument("--no-causal", dest="causal", action="store_const", const=[False], help="non-causal only")
     p.add_argument("--mask", type=_csv(str), default=["none"], help="dense mask kinds: none,bool,float")
     p.add_argument("--dropout", action="store_true", help="also the dropout variants")
+    p.add_argument("--backward", action="store_true",
+                   help="also the backward kernels (dK/dV and dQ) of every variant")
     p.add_argument("--out", default=None, help="also copy the artefacts into this folder (<key>/kernel.cubin, launch.json)")
     p.add_argument("--list", action="store_true", help="list the kernels and their cache keys without building")
 
@@ -99,7 +101,9 @@ def kernel_variants(args: argparse.Namespace):
     return out
 
 
-def _kind(var) -> str:
+def _kind(var, kind: str = "fwd") -> str:
+    if kind != "fwd":
+        return f", backward {kind}"
     return f", mma.sp {var.operand_dtype}" if var.mma == "sp" else ""
 
 
@@ -109,24 +113,31 @@ def build_kernels(args: argparse.Namespace) -> int:
     from .runtime.progress import progress
 
     try:
-        todo = [(spec, var, arch) for (spec, var), arch in itertools.product(kernel_variants(args), args.arch)]
+        kinds = ("fwd", "dkdv", "dq") if args.backward else ("fwd",)
+        todo, seen = [], set()
+        for (spec, var), arch, kind in itertools.product(kernel_variants(args), args.arch, kinds):
+            key = cuda.cubin_key(var, arch, kind)  # the sp and scalar dfss variants share their backward
+            if key not in seen:
+                seen.add(key)
+                todo.append((spec, var, arch, kind, key))
     except ValueError as e:
         print(f"build-kernels: {e}", file=sys.stderr)
         return 2
     if args.list:
-        for spec, var, arch in todo:
-            print(f"{arch}  {cuda.cubin_key(var, arch)}  {spec.describe()}, D={var.head_dim}{_kind(var)}")
+        for spec, var, arch, kind, key in todo:
+            print(f"{arch}  {key}  {spec.describe()}, D={var.head_dim}{_kind(var, kind)}")
         return 0
     keys = []
     with progress(len(todo), "build CUDA kernels") as p:
-        for spec, var, arch in todo:
+        for spec, var, arch, kind, key in todo:
             try:
-                cubin, meta = cuda.get_cubin(var, arch)
+                cubin, meta = cuda.get_cubin(var, arch, kind=kind)
             except Exception as e:  # name the kernel that failed, then stop
-                print(f"build-kernels: {arch} {spec.describe()} D={var.head_dim}: {e}", file=sys.stderr)
+                print(f"build-kernels: {arch} {spec.describe()} D={var.head_dim}{_kind(var, kind)}: {e}",
+                      file=sys.stderr)
                 return 1
-            keys.append(cuda.cubin_key(var, arch))
-            print(f"{arch}  {keys[-1]}  {len(cubin)} bytes  {spec.describe()}, D={var.head_dim}{_kind(var)}")
+            keys.append(key)
+            print(f"{arch}  {key}  {len(cubin)} bytes  {spec.describe()}, D={var.head_dim}{_kind(var, kind)}")
             p.update()
     if args.out:
         n = export_folder(args.out, keys)

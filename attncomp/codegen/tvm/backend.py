@@ -326,10 +326,6 @@ def build_command(variant: Variant, arch: str) -> str:
 def cuda_forward(spec: AttentionSpec, q, k, v, attn_mask=None, q_aux=None, k_aux=None, block_pattern=None,
                  dropout_p: float = 0.0, seed: int = 0, preds=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """The forward on CUDA tensors through the prebuilt cubin of the call's kernel variant."""
-    from ...runtime.cache import default_cache
-    from ...runtime.cubin import CubinKernel
-    from . import cuda as _cuda
-
     ct = _compute_dtype(q.dtype)
     B, Hq, Nq, _ = q.shape
     Nk, Dv = k.shape[2], v.shape[-1]
@@ -338,19 +334,7 @@ def cuda_forward(spec: AttentionSpec, q, k, v, attn_mask=None, q_aux=None, k_aux
         return _no_keys(q, v, lse)
     variant = cuda_kernel_variant(spec, q, v, attn_mask, preds, dropout_p)
     major, minor = torch.cuda.get_device_capability(q.device)
-    arch = f"sm_{major}{minor}"
-    key = _cuda.cubin_key(variant, arch)
-    kernel = _cubins.get(key)
-    if kernel is None:
-        can_build = _build.tvm_available() and _cuda.nvcc_version() != "none"
-        art = _cuda.get_cubin(variant, arch, build=can_build)
-        if art is None:
-            raise RuntimeError(
-                f"TVM backend: no CUDA kernel for this site ({spec.describe()}, head dim {variant.head_dim}, {arch}) "
-                f"in the kernel cache {default_cache().root}. Build it on a machine with TVM and nvcc:\n    "
-                f"{build_command(variant, arch)} --out <folder>\nthen bring the folder here and call "
-                "attncomp.runtime.cubin.import_folder(<folder>), or export a package that carries it.")
-        kernel = _cubins[key] = CubinKernel(*art)
+    kernel = _cuda_kernels(spec, variant, ("fwd",), f"sm_{major}{minor}")["fwd"]
     qc, kc, vc = _kernel_inputs(variant, q, k, v, ct)
     out = _empty((B, Hq, Nq, Dv), ct, q.device)
     extra = _extra_values(variant, spec, q, k, attn_mask, q_aux, k_aux, block_pattern, preds, dropout_p, seed, ct)
@@ -359,6 +343,89 @@ def cuda_forward(spec: AttentionSpec, q, k, v, attn_mask=None, q_aux=None, k_aux
     scalars = {n: x for n, x in extra.items() if not isinstance(x, torch.Tensor)}
     kernel.launch(tensors, scalars)
     return out.to(q.dtype), lse
+
+
+def _backward_setup(spec, q, k, v, attn_mask, out, lse, grad_out, q_aux, k_aux, block_pattern, dropout_p, seed, preds):
+    ct = _compute_dtype(q.dtype)
+    variant = make_variant(spec, q, v, attn_mask, preds, dropout_p)
+    qc, kc, vc, doc = _prep(q, ct), _prep(k, ct), _prep(v, ct), _prep(grad_out, ct)
+    delta = (doc * out.detach().to(ct)).sum(-1).to(torch.float32).contiguous()
+    lse = lse.detach().to(torch.float32).contiguous()
+    grads = {"dq": _empty(q.shape, ct, q.device), "dk": _empty(k.shape, ct, q.device), "dv": _empty(v.shape, ct, q.device)}
+    base = {"q": qc, "k": kc, "v": vc, "do": doc, "lse": lse, "delta": delta}
+
+    def extra(kernel_variant: Variant) -> dict:
+        # per kernel: the tile summaries follow that kernel's key tile
+        return _extra_values(kernel_variant, spec, q, k, attn_mask, q_aux, k_aux, block_pattern, preds, dropout_p,
+                             seed, ct)
+    return variant, base, extra, grads
+
+
+def _cuda_kernels(spec, variant: Variant, kinds, arch: str):
+    """The loaded CUDA kernels ``kinds`` of ``variant``: from the cache, built here when TVM and nvcc
+    are present, else an error naming the missing kernels and the command that builds them."""
+    from ...runtime.cache import default_cache
+    from ...runtime.cubin import CubinKernel
+    from . import cuda as _cuda
+
+    out, missing = {}, []
+    for kind in kinds:
+        key = _cuda.cubin_key(variant, arch, kind)
+        kernel = _cubins.get(key)
+        if kernel is None:
+            can_build = _build.tvm_available() and _cuda.nvcc_version() != "none"
+            art = _cuda.get_cubin(variant, arch, build=can_build, kind=kind)
+            if art is None:
+                missing.append(kind)
+                continue
+            kernel = _cubins[key] = CubinKernel(*art)
+        out[kind] = kernel
+    if missing:
+        what = {"fwd": "forward", "dkdv": "backward dK/dV", "dq": "backward dQ"}
+        names = ", ".join(what[k] for k in missing)
+        bwd = " --backward" if any(k != "fwd" for k in missing) else ""
+        raise RuntimeError(
+            f"TVM backend: no CUDA kernel ({names}) for this site ({spec.describe()}, head dim {variant.head_dim}, "
+            f"{arch}) in the kernel cache {default_cache().root}. Build it on a machine with TVM and nvcc:\n    "
+            f"{build_command(variant, arch)}{bwd} --out <folder>\nthen bring the folder here and call "
+            "attncomp.runtime.cubin.import_folder(<folder>), or export a package that carries it.")
+    return out
+
+
+def cuda_backward(spec: AttentionSpec, q, k, v, attn_mask, out, lse, grad_out, q_aux=None, k_aux=None,
+                  block_pattern=None, dropout_p: float = 0.0, seed: int = 0, preds=None):
+    """``(dq, dk, dv)`` on CUDA tensors through the prebuilt backward cubins (:mod:`.cuda_bwd`)."""
+    B, Hq, Nq, _ = q.shape
+    Nk = k.shape[2]
+    if Nq == 0 or Nk == 0 or B * Hq == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    variant, base, extra, grads = _backward_setup(spec, q, k, v, attn_mask, out, lse, grad_out, q_aux, k_aux,
+                                                  block_pattern, dropout_p, seed, preds)
+    major, minor = torch.cuda.get_device_capability(q.device)
+    from . import cuda as _cuda
+
+    kernels = _cuda_kernels(spec, variant, ("dkdv", "dq"), f"sm_{major}{minor}")
+    for kind in ("dkdv", "dq"):
+        ex = extra(_cuda.kernel_variant(variant, kind))
+        tensors = dict(base, **grads)
+        tensors.update({n: t for n, t in ex.items() if isinstance(t, torch.Tensor)})
+        kernels[kind].launch(tensors, {n: x for n, x in ex.items() if not isinstance(x, torch.Tensor)})
+    return grads["dq"].to(q.dtype), grads["dk"].to(k.dtype), grads["dv"].to(v.dtype)
+
+
+def cuda_schedule_backward_on_cpu(spec: AttentionSpec, q, k, v, attn_mask, out, lse, grad_out, q_aux=None,
+                                  k_aux=None, block_pattern=None, dropout_p: float = 0.0, seed: int = 0, preds=None):
+    """The CUDA backward kernels' TIR (same generator, tile sizes and statements; threads as loops
+    between barriers) built for the CPU and run on CPU tensors: what the CPU tests check."""
+    from . import cuda as _cuda
+
+    variant, base, extra, grads = _backward_setup(spec, q, k, v, attn_mask, out, lse, grad_out, q_aux, k_aux,
+                                                  block_pattern, dropout_p, seed, preds)
+    tensors = dict(base, kt=base["k"], vt=base["v"], **grads)
+    for kind in ("dkdv", "dq"):
+        kv = _cuda.kernel_variant(variant, kind)
+        _call(f"{kind}_cuda", kv, tensors, extra(kv))
+    return grads["dq"].to(q.dtype), grads["dk"].to(k.dtype), grads["dv"].to(v.dtype)
 
 
 class TVMBackend:
@@ -403,8 +470,10 @@ class TVMBackend:
         # the mask gradient (a full B x H x Nq x Nk tensor) is left to the caller's fallback
         self._check(spec, q, k, v, preds)
         if q.is_cuda:
-            raise RuntimeError(f"TVM backend: the CUDA kernels are forward only so far ({spec.describe()}); "
-                               "train with backend='triton' on a GPU, or run the TVM backward on CPU tensors")
+            with torch.no_grad():
+                dq, dk, dv = cuda_backward(spec, q, k, v, attn_mask, out, lse, grad_out, q_aux, k_aux,
+                                           block_pattern, dropout_p, seed, preds)
+            return dq, dk, dv, None
         with torch.no_grad():
             dq, dk, dv = attention_backward(spec, q, k, v, attn_mask, out, lse, grad_out, q_aux, k_aux,
                                             block_pattern, dropout_p, seed, preds)

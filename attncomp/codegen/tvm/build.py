@@ -73,10 +73,20 @@ def _sp_emulated(variant: kernels.Variant) -> str:
     return sp_forward_source(variant, "llvm")
 
 
-# fwd_sp_emu: the sparse tensor-core DFSS forward built for the CPU with emulated warp instructions
+def _cuda_bwd_on_cpu(kind: str):
+    def source(variant: kernels.Variant) -> str:
+        from .cuda_bwd import bwd_source
+
+        return bwd_source(variant, kind, "llvm")
+    return source
+
+
+# fwd_sp_emu: the sparse tensor-core DFSS forward built for the CPU with emulated warp instructions;
+# dkdv_cuda / dq_cuda: the CUDA backward kernels' schedule built for the CPU
 _SOURCES = {"fwd": kernels.forward_source, "dkdv": kernels.dkdv_source, "dq": kernels.dq_source,
-            "fwd_sp_emu": _sp_emulated}
-_SYMBOLS = {"fwd": "attn_fwd", "dkdv": "attn_bwd_dkdv", "dq": "attn_bwd_dq", "fwd_sp_emu": "attn_fwd"}
+            "fwd_sp_emu": _sp_emulated, "dkdv_cuda": _cuda_bwd_on_cpu("dkdv"), "dq_cuda": _cuda_bwd_on_cpu("dq")}
+_SYMBOLS = {"fwd": "attn_fwd", "dkdv": "attn_bwd_dkdv", "dq": "attn_bwd_dq", "fwd_sp_emu": "attn_fwd",
+            "dkdv_cuda": "attn_bwd_dkdv", "dq_cuda": "attn_bwd_dq"}
 
 
 def kernel_source(kind: str, variant: kernels.Variant) -> str:

@@ -63,7 +63,34 @@ def forward_source(v: Variant) -> str:
     return cuda_forward_source(v)
 
 
-def threads_per_block(v: Variant) -> int:
+#: CUDA kernels per variant: the forward and the two backward kernels (:mod:`.cuda_bwd`)
+KINDS = ("fwd", "dkdv", "dq")
+_SYMBOL = {"fwd": "attn_fwd", "dkdv": "attn_bwd_dkdv", "dq": "attn_bwd_dq"}
+
+
+def kernel_variant(v: Variant, kind: str = "fwd") -> Variant:
+    """``v`` with the tile sizes of its CUDA kernel ``kind``."""
+    if kind == "fwd":
+        return cuda_variant(v)
+    from .cuda_bwd import bwd_variant
+
+    return bwd_variant(v, kind)
+
+
+def kernel_source(v: Variant, kind: str = "fwd") -> str:
+    """TVMScript of CUDA kernel ``kind`` of ``v`` (a variant with that kernel's tile sizes)."""
+    if kind == "fwd":
+        return forward_source(v)
+    from .cuda_bwd import bwd_source
+
+    return bwd_source(v, kind, "cuda")
+
+
+def threads_per_block(v: Variant, kind: str = "fwd") -> int:
+    if kind != "fwd":
+        from .cuda_bwd import bwd_threads
+
+        return bwd_threads(v, kind)
     if v.mma == "sp":
         from .sparse import SP_THREADS
 
@@ -185,7 +212,7 @@ def _buffers(tvmscript: str) -> Dict[str, dict]:
     return out
 
 
-def launch_meta(tvmscript: str, cuda_src: str, v: Variant, arch: str) -> dict:
+def launch_meta(tvmscript: str, cuda_src: str, v: Variant, arch: str, kind: str = "fwd") -> dict:
     """Parameters (in the kernel's order), grid, block and shared memory of the generated kernel."""
     m = _KERNEL_SIG.search(cuda_src)
     if m is None:
@@ -215,13 +242,20 @@ def launch_meta(tvmscript: str, cuda_src: str, v: Variant, arch: str) -> dict:
         else:
             raise RuntimeError(f"kernel parameter {name!r} ({ctype}) cannot be derived")
     shared = sum(int(n) * _CSIZE.get(t, 4) for t, n in _SHARED.findall(cuda_src))
+    if kind == "fwd":
+        # grid.x = ceil(Nq / block_q), grid.y = B * Hq
+        grid = [["cdiv", ["shape", "q", 2], v.block_q], ["mul", ["shape", "q", 0], ["shape", "q", 1]], 1]
+    else:
+        from .cuda_bwd import bwd_grid
+
+        grid = bwd_grid(v, kind)
     return {
         "symbol": m.group(2),
         "arch": arch,
         "params": params,
-        # grid.x = ceil(Nq / block_q), grid.y = B * Hq; block = block_q threads
-        "grid": [["cdiv", ["shape", "q", 2], v.block_q], ["mul", ["shape", "q", 0], ["shape", "q", 1]], 1],
-        "block": [threads_per_block(v), 1, 1],
+        "grid": grid,
+        "block": [threads_per_block(v, kind), 1, 1],
+        "kind": kind,
         "shared_mem": shared,
         "block_k": v.block_k,
         "variant": v.to_json(),
@@ -257,64 +291,66 @@ def _nvcc_cubin(cuda_src: str, arch: str) -> bytes:
             return f.read()
 
 
-def build_cubin(v: Variant, arch: str = "sm_90") -> Tuple[bytes, dict, str]:
-    """``(cubin, launch metadata, CUDA source)`` of the forward kernel of ``v`` for ``arch``."""
+def build_cubin(v: Variant, arch: str = "sm_90", kind: str = "fwd") -> Tuple[bytes, dict, str]:
+    """``(cubin, launch metadata, CUDA source)`` of CUDA kernel ``kind`` (fwd | dkdv | dq) of ``v``
+    for ``arch``."""
     import tvm
     import tvm.script
     from tvm.script import tirx as T
 
-    v = cuda_variant(v)
-    script = forward_source(v)
+    v = kernel_variant(v, kind)
+    script = kernel_source(v, kind)
     func = tvm.script.from_source(script, extra_vars={"T": T})
     # no host-side common subexpressions: every kernel parameter must be a buffer, a shape or an
     # argument, so that a loader without TVM can compute it
     with tvm.transform.PassContext(config={"tirx.disable_cse_tir": True}):
-        lib = tvm.compile(tvm.IRModule({"attn_fwd": func}), target={"kind": "cuda", "arch": arch})
+        lib = tvm.compile(tvm.IRModule({_SYMBOL[kind]: func}), target={"kind": "cuda", "arch": arch})
     dev = lib.mod.imports[0]
     cuda_src = dev.inspect_source()
     cubin = _nvcc_cubin(cuda_src, arch)
-    meta = launch_meta(script, cuda_src, v, arch)
+    meta = launch_meta(script, cuda_src, v, arch, kind)
     meta["cubin_sha256"] = hashlib.sha256(cubin).hexdigest()
     return cubin, meta, cuda_src
 
 
-def cubin_key(v: Variant, arch: str) -> str:
-    """Cache key of the cubin of ``v`` for ``arch`` (computable without TVM: the loader uses it)."""
+def cubin_key(v: Variant, arch: str, kind: str = "fwd") -> str:
+    """Cache key of the cubin of kernel ``kind`` of ``v`` for ``arch`` (computable without TVM: the
+    loader uses it)."""
     import base64
 
     from ... import __version__
     from ...runtime.cache import CACHE_FORMAT
 
-    v = cuda_variant(v)
+    v = kernel_variant(v, kind)
     # the GPU machine that loads the artefact runs another torch (and no TVM): the key holds only what
     # changes the cubin or how it is launched, never the loading machine's library versions
-    ident = {"backend": "tvm-cuda", "kind": "fwd", "source": forward_source(v), "arch": str(arch),
+    ident = {"backend": "tvm-cuda", "kind": kind, "source": kernel_source(v, kind), "arch": str(arch),
              "kernel_version": K.KERNEL_VERSION, "attncomp": __version__, "format": CACHE_FORMAT}
     digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).digest()
     return base64.b32encode(digest).decode().rstrip("=")
 
 
-def get_cubin(v: Variant, arch: str, build: bool = True) -> Optional[Tuple[bytes, dict]]:
-    """The cached ``(cubin, metadata)`` of ``v`` for ``arch``; built and stored when missing and
-    ``build`` (needs TVM and nvcc), else ``None``."""
+def get_cubin(v: Variant, arch: str, build: bool = True, kind: str = "fwd") -> Optional[Tuple[bytes, dict]]:
+    """The cached ``(cubin, metadata)`` of kernel ``kind`` of ``v`` for ``arch``; built and stored when
+    missing and ``build`` (needs TVM and nvcc), else ``None``."""
     from ...runtime.cache import default_cache
 
     store = default_cache()
-    key = cubin_key(v, arch)
+    key = cubin_key(v, arch, kind)
     cubin, meta = store.get(key, "kernel.cubin"), store.get_json(key, "launch.json")
     if cubin is not None and meta is not None:
         return cubin, meta
     if not build:
         return None
-    cubin, meta, _ = build_cubin(v, arch)
+    cubin, meta, _ = build_cubin(v, arch, kind)
     store.put(key, "kernel.cubin", cubin)
     store.put_json(key, "launch.json", meta)
     return cubin, meta
 
 
-def artefact_names(v: Variant, arch: str) -> List[str]:
+def artefact_names(v: Variant, arch: str, kind: str = "fwd") -> List[str]:
     """``<cache key>/<file>`` names of the artefacts of ``v`` (what a package carries)."""
-    key = cubin_key(v, arch)
+    key = cubin_key(v, arch, kind)
     return [f"{key}/kernel.cubin", f"{key}/launch.json"]
 
 
