@@ -21,6 +21,9 @@ logits per query row (``-inf`` for a row with no kept key); backends use it for 
 
 The host path never synchronises with the device: checks that would read tensor data run only
 under ``ATTNCOMP_DEBUG=1``; spec parsing and backend choice are cached per spec, dtype and device.
+It is also short: on plain CPU/CUDA tensors the op's own autograd kernel runs the implementation
+directly, and an eager backward calls the backward's implementation directly (traced calls, under
+a mode or on fake/functional tensors, go through the dispatcher as registered).
 
 The op has a fake implementation (shapes only) and autograd, so graphs that contain it run forward
 and backward, and export with ``torch.export``.
@@ -33,6 +36,7 @@ import functools
 import itertools
 import logging
 import os
+import warnings
 import weakref
 from typing import Optional, Tuple
 
@@ -321,12 +325,11 @@ def _pkw(preds) -> dict:
     return {} if preds is None else {"preds": preds}
 
 
-@torch.library.custom_op("attncomp::attention", mutates_args=())
-def _attention_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], q_aux: Optional[Tensor],
-                  k_aux: Optional[Tensor], block_pattern: Optional[Tensor], q_pos: Optional[Tensor],
-                  k_pos: Optional[Tensor], q_seg: Optional[Tensor], k_seg: Optional[Tensor],
-                  q_valid: Optional[Tensor], k_valid: Optional[Tensor], spec: str, dropout_p: float,
-                  seed: int) -> Tuple[Tensor, Tensor]:
+def _attention_impl(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], q_aux: Optional[Tensor],
+                    k_aux: Optional[Tensor], block_pattern: Optional[Tensor], q_pos: Optional[Tensor],
+                    k_pos: Optional[Tensor], q_seg: Optional[Tensor], k_seg: Optional[Tensor],
+                    q_valid: Optional[Tensor], k_valid: Optional[Tensor], spec: str, dropout_p: float,
+                    seed: int) -> Tuple[Tensor, Tensor]:
     s = _resolved(spec, q.dtype)
     preds = _preds(q_pos, k_pos, q_seg, k_seg, q_valid, k_valid)
     be = _backend_for(s, q, k, v, preds, dropout_p, attn_mask)
@@ -334,6 +337,9 @@ def _attention_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], 
         q_aux, k_aux = _derive_buckets(s, be, q, k, q_aux, k_aux)
     out, lse = be.forward(s, q, k, v, attn_mask, q_aux, k_aux, block_pattern, dropout_p, seed, **_pkw(preds))
     return out, lse
+
+
+_attention_op = torch.library.custom_op("attncomp::attention", mutates_args=())(_attention_impl)
 
 
 @_attention_op.register_fake
@@ -345,13 +351,12 @@ def _(q, k, v, attn_mask, q_aux, k_aux, block_pattern, q_pos, k_pos, q_seg, k_se
     return out, lse
 
 
-@torch.library.custom_op("attncomp::attention_backward", mutates_args=())
-def _attention_backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
-                           q_aux: Optional[Tensor], k_aux: Optional[Tensor], block_pattern: Optional[Tensor],
-                           q_pos: Optional[Tensor], k_pos: Optional[Tensor], q_seg: Optional[Tensor],
-                           k_seg: Optional[Tensor], q_valid: Optional[Tensor], k_valid: Optional[Tensor],
-                           out: Tensor, lse: Tensor, spec: str, dropout_p: float, seed: int,
-                           need_mask_grad: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+def _attention_backward_impl(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
+                             q_aux: Optional[Tensor], k_aux: Optional[Tensor], block_pattern: Optional[Tensor],
+                             q_pos: Optional[Tensor], k_pos: Optional[Tensor], q_seg: Optional[Tensor],
+                             k_seg: Optional[Tensor], q_valid: Optional[Tensor], k_valid: Optional[Tensor],
+                             out: Tensor, lse: Tensor, spec: str, dropout_p: float, seed: int,
+                             need_mask_grad: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     s = _resolved(spec, q.dtype)
     preds = _preds(q_pos, k_pos, q_seg, k_seg, q_valid, k_valid)
     be = _backend_for(s, q, k, v, preds, dropout_p, attn_mask)
@@ -373,9 +378,33 @@ def _attention_backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, at
     return _layout_like(dq, q), _layout_like(dk, k), _layout_like(dv, v), dm
 
 
+_attention_backward_op = torch.library.custom_op("attncomp::attention_backward",
+                                                 mutates_args=())(_attention_backward_impl)
+
+
+def _untraced(tensors) -> bool:
+    """Whether a backward runs eagerly on plain tensors: grad mode off (no double backward), no
+    dispatch mode (fake tensors, functionalisation, proxies: AOT autograd, export, compiled autograd)
+    and no tensor subclass or functorch wrapper. Such a backward calls the op's implementation
+    directly (the dispatcher's checks cost as much as the rest of the host path); every other one
+    records ``attncomp::attention_backward``."""
+    if torch.is_grad_enabled() or _dispatch_modes():
+        return False
+    for t in tensors:
+        if t is not None and (type(t) is not Tensor or _wrapped(t)):
+            return False
+    return True
+
+
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+
+
 def _layout_like(g: Tensor, t: Tensor) -> Tensor:
     """``g`` with the strides the fake implementation promises (``empty_like(t)``): compiled graphs
     assert them, and backends return their own layouts."""
+    if t.is_contiguous() and g.stride() == t.stride():  # empty_like copies a dense tensor's strides
+        return g
     out = torch.empty_like(t)
     if out.stride() == g.stride():
         return g
@@ -417,13 +446,71 @@ def _backward(ctx, grad_out, grad_lse):
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     q, k, v, attn_mask = tensors[:4]
-    dq, dk, dv, dm = _attention_backward_op(grad_out.contiguous(), *tensors, out, lse, ctx.spec, ctx.dropout_p,
-                                            ctx.seed, ctx.need_mask_grad)
+    grad_out = grad_out.contiguous()
+    bw = _attention_backward_impl if _untraced((grad_out, out, lse) + tuple(tensors)) else _attention_backward_op
+    dq, dk, dv, dm = bw(grad_out, *tensors, out, lse, ctx.spec, ctx.dropout_p, ctx.seed, ctx.need_mask_grad)
     # no gradient for the policy tensors, the predicates, or the spec/dropout/seed
     return (dq, dk, dv, (dm if ctx.need_mask_grad else None)) + (None,) * (_N_TENSORS - 4 + 3)
 
 
 _attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _AttentionFunction(torch.autograd.Function):
+    """The op's autograd node: what ``register_autograd`` above builds, minus the per-call rebuilding
+    of the schema's argument list (``torch.library`` fills in defaults, which this schema has none
+    of, by converting every argument of the schema on each call: more host time than the rest of
+    the forward). The registration above stays the op's declared autograd."""
+
+    @staticmethod
+    def forward(ctx, keyset, *args):
+        output = _below_autograd(keyset, args)
+        _setup_context(ctx, args, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        return (None,) + _backward(ctx, grad_out, grad_lse)
+
+
+def _autograd_kernel(keyset, *args):
+    if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
+        return _AttentionFunction.apply(keyset, *args)
+    return _below_autograd(keyset, args)
+
+
+def _below_autograd(keyset, args):
+    """The op below autograd. Dense CPU/CUDA tensors with nothing else to dispatch to (no mode,
+    fake or functional tensor, vmap, meta) run the implementation directly: the dispatcher's path to
+    it adds a check that outputs do not alias inputs (they never do) and costs a third of the host
+    path. Every other call redispatches."""
+    below = keyset & _AFTER_AUTOGRAD
+    raw = below.raw_repr()
+    direct = _DIRECT.get(raw)
+    if direct is None:
+        direct = _DIRECT[raw] = below.remove(_INPLACE_OR_VIEW).highestPriorityTypeId() in _DENSE_KEYS
+    if direct:
+        return _direct_impl(*args)
+    with torch._C._AutoDispatchBelowAutograd():
+        return _ATTENTION.redispatch(below, *args)
+
+
+_ATTENTION = torch.ops.attncomp.attention.default
+_AFTER_AUTOGRAD = torch._C._after_autograd_keyset
+_INPLACE_OR_VIEW = torch._C.DispatchKey.ADInplaceOrView
+_DENSE_KEYS = (torch._C.DispatchKey.CPU, torch._C.DispatchKey.CUDA)
+_DIRECT: dict = {}
+# as torch.library runs implementations: never traced by dynamo (a graph break runs the op eagerly)
+_direct_impl = torch._disable_dynamo(_attention_impl)
+_LIB = torch.library.Library("attncomp", "IMPL")  # kept: the registration lives as long as the library object
+with warnings.catch_warnings():
+    # replacing the kernel that register_autograd installed is the intent
+    warnings.filterwarnings("ignore", message="(?s).*Overriding a previously registered kernel")
+    _LIB.impl("attention", _autograd_kernel, "Autograd", with_keyset=True)
+# CPU and CUDA calls that do get here through the dispatcher (inference mode skips autograd; traced
+# calls redispatch) run the implementation without torch.library's alias check in between
+_LIB.impl("attention", _direct_impl, "CPU")
+_LIB.impl("attention", _direct_impl, "CUDA")
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None, *, spec: AttentionSpec,

@@ -5,7 +5,8 @@ argument checks, spec handling, backend choice, deriving policy tensors, launchi
 
 * ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` (the floor);
 * ``functional``: ``attncomp.functional.attention`` (checks + spec per call, then the op);
-* ``op``: ``torch.ops.attncomp.attention`` called directly, as a compiled graph calls it;
+* ``op``: ``torch.ops.attncomp.attention`` called directly, as a compiled graph calls it (``hash``
+  also without buckets, ``causal,derived``: compiled graphs leave them to the op);
 * with ``--backward``: forward + backward of each.
 
 Usage: ``python benchmarks/host_overhead.py [--device cpu|cuda] [--iters N] [--backward] [--json PATH]``.
@@ -96,6 +97,9 @@ def main(argv=None):
         bp = extra.get("block_pattern")
         run("op", pol, "causal", lambda: torch.ops.attncomp.attention(
             q, k, v, None, qa, ka, bp, None, None, None, None, None, None, sj, 0.0, 0)[0])
+        if pol == "hash":  # as compiled graphs call it: no buckets, the op derives them
+            run("op", pol, "causal,derived", lambda: torch.ops.attncomp.attention(
+                q, k, v, None, None, None, None, None, None, None, None, None, None, sj, 0.0, 0)[0])
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"shape": [B, H, N, D], "dtype": str(dtype), "torch": torch.__version__,

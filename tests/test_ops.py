@@ -170,6 +170,72 @@ def test_fake_kernel_and_opcheck():
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 
 
+@pytest.mark.parametrize("policy", ["dense", "hash"])
+def test_eager_backward_skips_the_dispatcher_traced_backward_records_the_op(monkeypatch, policy):
+    """An eager backward calls the backward's implementation directly (same gradients as the
+    float64 reference); a double backward and a traced one (make_fx, as AOT autograd traces) go
+    through ``attncomp::attention_backward``."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    q, k, v, _ = _case("dense", dtype=F64, seed=fresh_seed())
+    spec = AttentionSpec(causal=True, causal_align="bottom_right", policy=get_policy(policy)).to_json()
+    calls = []
+    real = ops._attention_backward_op
+    monkeypatch.setattr(ops, "_attention_backward_op", lambda *a: calls.append(1) or real(*a))
+
+    def op(q, k, v):
+        return torch.ops.attncomp.attention(q, k, v, None, None, None, None, None, None, None, None, None, None,
+                                            spec, 0.0, 0)[0]
+
+    g = torch.randn(2, 4, 11, 8, dtype=F64)
+    got = torch.autograd.grad(op(q, k, v), (q, k, v), g)
+    assert calls == []
+    s = AttentionSpec.from_json(spec).replace(backend="reference")
+    qa, ka = ops.materialize_aux(s, q, k)
+    want = torch.autograd.grad(R.attention(q, k, v, spec=s, q_aux=qa, k_aux=ka)[0], (q, k, v), g)
+    for a, b in zip(got, want):
+        assert_close(a, b, F64)
+    torch.autograd.grad(op(q, k, v), (q, k, v), g, create_graph=True)
+    assert calls == [1]
+    gm = make_fx(lambda q, k, v: torch.autograd.grad(op(q, k, v).sum(), (q, k, v)))(q, k, v)
+    assert "attncomp.attention_backward.default" in {str(n.target) for n in gm.graph.nodes}
+
+
+def test_op_runs_its_implementation_directly_only_on_plain_tensors(monkeypatch):
+    """Plain CPU tensors run the implementation without the dispatcher's redispatch; under a dispatch
+    mode and on meta tensors the op still dispatches (the mode sees the op, meta gets the fake)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    q, k, v, _ = _case("dense", dtype=torch.float32, grad=False, seed=fresh_seed())
+    spec = AttentionSpec(causal=True).to_json()
+    direct = []
+    real = ops._direct_impl
+    monkeypatch.setattr(ops, "_direct_impl", lambda *a: direct.append(1) or real(*a))
+
+    def op(q, k, v):
+        return torch.ops.attncomp.attention(q, k, v, None, None, None, None, None, None, None, None, None, None,
+                                            spec, 0.0, 0)[0]
+
+    want = op(q, k, v)
+    assert direct == [1]
+    assert_close(want, R.attention(q.double(), k.double(), v.double(), spec=AttentionSpec(causal=True))[0],
+                 torch.float32)
+
+    class Seen(TorchDispatchMode):
+        ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Seen():
+        got = op(q, k, v)
+    assert "attncomp.attention.default" in Seen.ops and torch.equal(got, want)
+    meta = op(*(t.to("meta") for t in (q, k, v)))
+    assert meta.device.type == "meta" and meta.shape == want.shape
+    assert direct == [1]
+
+
 def _raises(match, **kw):
     q, k, v, _ = _case("dense", grad=False)
     with pytest.raises(ValueError, match=match):

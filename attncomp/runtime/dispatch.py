@@ -372,6 +372,22 @@ def keeps_all(spec: AttentionSpec) -> bool:
     return bool(spec.policy.keeps_all())
 
 
+# ``os.environ.get`` encodes the name and decodes the value on every call (a third of the memoised
+# lookup below): read the raw mapping where the platform has one (it is what ``os.environ`` updates)
+_ENV_DATA = getattr(os.environ, "_data", None)
+try:
+    _TVM_AUTO_KEY = os.environ.encodekey("ATTNCOMP_TVM_AUTO")  # type: ignore[attr-defined]
+except (AttributeError, TypeError):
+    _ENV_DATA = None
+
+
+def _tvm_auto_env():
+    """The value of ``ATTNCOMP_TVM_AUTO`` (raw; None when unset): part of the CPU choice's memo key."""
+    if _ENV_DATA is not None:
+        return _ENV_DATA.get(_TVM_AUTO_KEY)
+    return os.environ.get("ATTNCOMP_TVM_AUTO")
+
+
 def select_backend(spec: AttentionSpec, q: torch.Tensor, k: Optional[torch.Tensor] = None,
                    v: Optional[torch.Tensor] = None, preds=None, dropout_p: Optional[float] = None,
                    attn_mask: Optional[torch.Tensor] = None):
@@ -389,12 +405,12 @@ def select_backend(spec: AttentionSpec, q: torch.Tensor, k: Optional[torch.Tenso
         if not q.is_cuda and _gpu_arch(q) is None:
             # CPU: memoised per spec, dtype, sizes and what is present (the choice reads nothing else)
             p = spec.dropout_p if dropout_p is None else dropout_p
-            n_keys = (k if k is not None else q).shape[-2]
+            qs = q.shape
+            n_keys = qs[-2] if k is None else k.shape[-2]
             # keyed by the spec's identity (specs come from a parse cache; hashing one costs more than
             # the rest of the lookup), checked against the spec kept with the entry
-            mk = (id(spec), q.dtype, q.device.type, q.shape[-2], n_keys, q.shape[-1],
-                  None if v is None else v.shape[-1], preds is None, p > 0, id(get_backend),
-                  os.environ.get("ATTNCOMP_TVM_AUTO"))
+            mk = (id(spec), q.dtype, q.device, qs[-2], n_keys, qs[-1],
+                  None if v is None else v.shape[-1], preds is None, p > 0, id(get_backend), _tvm_auto_env())
             ent = _cpu_memo.get(mk)
             if ent is None or ent[0] is not spec or ent[1] is not get_backend:
                 if len(_cpu_memo) > 4096:
