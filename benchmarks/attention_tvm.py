@@ -7,10 +7,13 @@ after 2 warm-up calls, fresh random inputs. Kernels are built (or loaded from th
 timing. Sparse policies report their density (kept / allowed entries) and the ideal speedup.
 
 GPU (``--device cuda --cubins DIR``): the cubins built on a CPU machine (``python -m attncomp
-build-kernels ... --out DIR``) imported into the kernel cache and timed against SDPA (forward only:
-the CUDA kernels are forward only so far).
+build-kernels ... --backward --out DIR``) imported into the kernel cache and timed against SDPA:
+forward rows, and forward+backward rows (the CUDA backward kernels) for dense and dfss. dfss rows
+come twice on a GPU: ``kernel: mma.sp`` (the sparse tensor-core forward) and ``kernel: scalar`` (the
+scalar template, ``ATTNCOMP_TVM_DFSS_KERNEL=scalar``), on the same inputs.
 
     python benchmarks/attention_tvm.py --device cpu                  # writes results/attention_cpu.json
+    python -m attncomp build-kernels --arch sm_90 --head-dim 64 --backward --out build/tvm-cubins
     python benchmarks/attention_tvm.py --device cuda --cubins build/tvm-cubins --out /tmp/tvm_gpu.json
 
 ``rows(args)`` returns the rows as dictionaries, for ``benchmarks/attention.py`` to merge into its table.
@@ -46,7 +49,7 @@ def parse_args(argv=None):
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--policies", default="dense,dfss,hash,drop,spion")
-    ap.add_argument("--bwd-max-n", type=int, default=1024, help="forward+backward rows up to this N")
+    ap.add_argument("--bwd-max-n", type=int, default=1024, help="forward+backward rows up to this N (CPU)")
     ap.add_argument("--ref-max-n", type=int, default=2048, help="reference backend timed up to this N")
     ap.add_argument("--cubins", default=None, help="folder of prebuilt cubins (--device cuda)")
     ap.add_argument("--out", default=None)
@@ -115,14 +118,21 @@ def rows(args) -> List[Dict]:
                 for causal in ((False, True) if policy in ("dense", "dfss") else (False,)):
                     spec, q, k, v, aux = case(policy, causal, args.batch, args.heads, N, D, dtype, device)
                     qa, ka, bp = aux
-                    passes = ["fwd"] + (["fwd+bwd"] if device == "cpu" and N <= args.bwd_max_n
+                    passes = ["fwd"] + (["fwd+bwd"] if (device == "cuda" or N <= args.bwd_max_n)
                                          and policy in ("dense", "dfss") else [])
+                    # dfss on a GPU: the sparse tensor-core forward and the scalar one
+                    kernels = [""] if device == "cpu" or policy != "dfss" else ["sp", "scalar"]
                     dens = density(spec, q, k, aux)
-                    for ps in passes:
+                    for ps, kern in ((ps, kern) for ps in passes for kern in kernels):
+                        if kern:
+                            os.environ["ATTNCOMP_TVM_DFSS_KERNEL"] = kern
                         row = {"backend": "tvm", "device": device, "policy": spec.policy.describe(),
                                "causal": causal, "B": args.batch, "H": args.heads, "N": N, "D": D,
                                "dtype": dtype_name(dtype), "pass": ps, "density": round(dens, 4),
                                "ideal_speedup": round(1.0 / dens, 2) if dens > 0 else None}
+                        if device == "cuda":
+                            var = TB.cuda_kernel_variant(spec, q, v, None, None, 0.0)
+                            row["kernel"] = "mma.sp" if var.mma == "sp" else "scalar"
                         if ps == "fwd":
                             tvm = lambda: be.forward(spec, q, k, v, None, qa, ka, bp, 0.0, 0)  # noqa: E731
                         else:
@@ -155,16 +165,18 @@ def rows(args) -> List[Dict]:
                             row["reference_over_tvm"] = round(row["reference_ms"] / row["tvm_ms"], 2)
                         print(json.dumps(row), file=sys.stderr, flush=True)
                         out.append(row)
+                        os.environ.pop("ATTNCOMP_TVM_DFSS_KERNEL", None)
     return out
 
 
 def table(rs: List[Dict]) -> str:
-    head = f"{'policy':<28} {'causal':<6} {'N':>5} {'pass':<8} {'dens':>5} {'tvm ms':>9} {'sdpa ms':>9} " \
+    head = f"{'policy':<28} {'kernel':<7} {'causal':<6} {'N':>5} {'pass':<8} {'dens':>5} {'tvm ms':>9} {'sdpa ms':>9} " \
            f"{'sdpa/tvm':>8} {'ref ms':>9} {'ref/tvm':>7}"
     lines = [head, "-" * len(head)]
     for r in rs:
-        lines.append(f"{r['policy'][:28]:<28} {str(r['causal']):<6} {r['N']:>5} {r['pass']:<8} {r['density']:>5.2f} "
-                     f"{r['tvm_ms']:>9.1f} {r['sdpa_dense_ms']:>9.1f} {r['sdpa_over_tvm']:>8.2f} "
+        lines.append(f"{r['policy'][:28]:<28} {r.get('kernel', ''):<7} {str(r['causal']):<6} {r['N']:>5} {r['pass']:<8} "
+                     f"{r['density']:>5.2f} "
+                     f"{r['tvm_ms']:>9.2f} {r['sdpa_dense_ms']:>9.2f} {r['sdpa_over_tvm']:>8.2f} "
                      f"{r.get('reference_ms', float('nan')):>9.1f} {r.get('reference_over_tvm', float('nan')):>7.2f}")
     return "\n".join(lines)
 

@@ -2,8 +2,11 @@
 
 Build the artefacts on a machine with apache-tvm and nvcc, bring the folder, run::
 
-    python -m attncomp build-kernels --arch sm_90 --head-dim 64 --out build/tvm-cubins
+    python -m attncomp build-kernels --arch sm_90 --head-dim 64 --backward --out build/tvm-cubins
     ATTNCOMP_TVM_CUBINS=build/tvm-cubins python -m pytest -q -m gpu tests/codegen/test_tvm_gpu.py
+
+(forward kernels of every policy, causal or not; for dfss the sparse tensor-core kernel for float16
+and bfloat16 and the scalar one; the backward kernels with ``--backward``.)
 """
 
 from __future__ import annotations
@@ -68,6 +71,81 @@ def test_cubin_forward_matches_reference(case, dtype):
     ref, rlse = R.attention(q.double(), k.double(), v.double(), None, spec=spec, q_aux=qa, k_aux=ka, block_pattern=bp)
     assert_close(out, ref, dtype, "out")
     assert torch.equal(torch.isneginf(lse), torch.isneginf(rlse))
+
+
+def _inputs(B, Hq, Hk, Nq, Nk, D, dtype, seed=1234):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, Hq, Nq, D, generator=g).to("cuda", dtype),
+            torch.randn(B, Hk, Nk, D, generator=g).to("cuda", dtype),
+            torch.randn(B, Hk, Nk, D, generator=g).to("cuda", dtype))
+
+
+@pytest.mark.parametrize("nm,causal,dtype", [((2, 4), False, torch.float16), ((2, 4), True, torch.float16),
+                                             ((2, 4), False, torch.bfloat16), ((2, 4), True, torch.bfloat16)],
+                         ids=lambda x: str(x))
+def test_cubin_sparse_tensor_core_dfss_matches_reference(nm, causal, dtype, monkeypatch):
+    """The mma.sp kernel (dense mma for QK^T, 2:4 selection, packed P and metadata, P V on sparse
+    tensor cores) against the reference and against the scalar dfss kernel on the same inputs."""
+    B, H, Nq, D = 2, 3, 150, 64
+    Nk = Nq if causal else 203
+    q, k, v = _inputs(B, H, H, Nq, Nk, D, dtype)
+    spec = AttentionSpec(causal=causal, dtype=dtype_name(dtype), head_dim=D, policy=DFSS(*nm))
+    assert TB.cuda_kernel_variant(spec, q, v, None, None, 0.0).mma == "sp"
+    out, lse = TB.TVMBackend().forward(spec, q, k, v, None, None, None, None, 0.0, 0)
+    torch.cuda.synchronize()
+    ref, rlse = R.attention(q.double(), k.double(), v.double(), None, spec=spec)
+    assert_close(out, ref, dtype, "out")
+    fin = torch.isfinite(rlse)
+    assert torch.equal(torch.isfinite(lse), fin)
+    assert_close(lse[fin], rlse[fin].to(lse.device), torch.float32, "lse")
+    monkeypatch.setenv("ATTNCOMP_TVM_DFSS_KERNEL", "scalar")
+    assert TB.cuda_kernel_variant(spec, q, v, None, None, 0.0).mma == ""
+    scalar, _ = TB.TVMBackend().forward(spec, q, k, v, None, None, None, None, 0.0, 0)
+    assert_close(out, scalar.double(), dtype, "sp vs scalar")
+
+
+BWD_CASES = [(Dense(), False), (Dense(), True), (DFSS(2, 4), False), (DFSS(2, 4), True)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("case", BWD_CASES, ids=lambda c: f"{c[0].name}-{'causal' if c[1] else 'full'}")
+def test_cubin_backward_matches_reference(case, dtype):
+    """dQ, dK, dV from the backward cubins (GQA, odd sizes) against the reference backward in float64."""
+    pol, causal = case
+    B, Hq, Hk, Nq, D = 2, 4, 2, 150, 64
+    Nk = Nq if causal else 203
+    q, k, v = _inputs(B, Hq, Hk, Nq, Nk, D, dtype, seed=4321)
+    do = torch.randn(B, Hq, Nq, D, generator=torch.Generator().manual_seed(7)).to("cuda", dtype)
+    spec = AttentionSpec(causal=causal, dtype=dtype_name(dtype), head_dim=D, policy=pol.resolved(torch.float16))
+    be = TB.TVMBackend()
+    out, lse = be.forward(spec, q, k, v, None, None, None, None, 0.0, 0)
+    dq, dk, dv, dmask = be.backward(spec, q, k, v, None, None, None, None, 0.0, 0, out, lse, do)
+    torch.cuda.synchronize()
+    assert dmask is None
+    rq, rk, rv, _ = R.attention_backward(q.double(), k.double(), v.double(), None, do.double(), spec=spec)
+    for name, a, b in (("dq", dq, rq), ("dk", dk, rk), ("dv", dv, rv)):
+        assert a.dtype == dtype and a.device.type == "cuda"
+        assert_close(a, b, dtype, name)
+
+
+def test_autograd_through_the_cuda_kernels():
+    """attncomp.functional.attention on CUDA tensors with the TVM backend trains: forward and backward
+    cubins, gradients against the reference's autograd."""
+    import attncomp
+
+    q, k, v = _inputs(1, 4, 2, 97, 120, 64, torch.float16, seed=99)
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    out = attncomp.functional.attention(q, k, v, is_causal=True, enable_gqa=True, policy="dfss", backend="tvm")
+    go = torch.randn_like(out)
+    out.backward(go)
+    q2, k2, v2 = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    spec = AttentionSpec(causal=True, dtype="float16", head_dim=64, policy=DFSS(2, 4))
+    ref, _ = R.attention(q2, k2, v2, None, spec=spec)
+    ref.backward(go.double())
+    assert_close(out, ref, torch.float16, "out")
+    for a, b, nm in ((q.grad, q2.grad, "dq"), (k.grad, k2.grad, "dk"), (v.grad, v2.grad, "dv")):
+        assert_close(a, b, torch.float16, nm)
 
 
 _LOAD_AND_RUN = r"""

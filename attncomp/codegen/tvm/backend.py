@@ -9,6 +9,10 @@ results cast back; float64 inputs run float64 kernels.
 Everything the kernels read is O(N) besides q, k, v (predicate tensors, per-key-tile summaries for
 the tile schedule) except a dense ``attn_mask`` when the caller gives one, which is read in place
 through its broadcast strides.
+
+CUDA tensors run prebuilt cubins (:func:`cuda_forward`, :func:`cuda_backward`, loaded without TVM by
+:mod:`attncomp.runtime.cubin`); :func:`sparse_emulated_forward` and
+:func:`cuda_schedule_backward_on_cpu` run those kernels' schedules built for the CPU (tests).
 """
 
 from __future__ import annotations
@@ -429,7 +433,8 @@ def cuda_schedule_backward_on_cpu(spec: AttentionSpec, q, k, v, attn_mask, out, 
 
 
 class TVMBackend:
-    """TIR kernels compiled by apache-tvm for the CPU (``llvm``): every policy, forward and backward."""
+    """TIR kernels compiled by apache-tvm for the CPU (``llvm``) and, ahead of time, to CUDA cubins:
+    every policy, forward and backward."""
 
     name = "tvm"
 

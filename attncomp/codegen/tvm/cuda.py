@@ -1,5 +1,9 @@
 """CUDA kernels from the same template, built ahead of time to cubin (any machine with TVM and nvcc).
 
+Kernels per variant (``kind``): ``fwd`` (below, or the sparse tensor-core DFSS kernel of
+:mod:`.sparse` for ``mma == "sp"`` variants), ``dkdv`` and ``dq`` (:mod:`.cuda_bwd`); each has its own
+cache key and launch metadata.
+
 The CUDA schedule of the forward template: one thread block per (query tile, batch x head), one
 thread per query row; each key tile (``BK`` keys) is staged in shared memory by the whole block, then
 every thread scores its row against it with the same entry predicate (:func:`.kernels._allowed`),
