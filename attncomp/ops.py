@@ -13,8 +13,9 @@ the op: the Python entry point :func:`attention` and compiled graphs (``attncomp
 them before calling it, so the forward and backward of one call see the same draw. Hash buckets may
 be left out (compiled graphs do): they depend only on q, k and the policy's fixed seed, so the op
 derives them, forward and backward alike; a backend with ``derives_aux = True`` (Triton: fused with
-its sort) does it itself, for every other one the op calls :func:`materialize_aux` first. ``lse`` is the float32 log-sum-exp of the kept
-logits per query row (``-inf`` for a row with no kept key); backends use it for the backward.
+its sort) does it itself, for every other one the op calls :func:`materialize_aux` first. ``lse``
+is the float32 log-sum-exp of the kept logits per query row (``-inf`` for a row with no kept key);
+backends use it for the backward.
 ``q_pos``..``k_valid`` are the structured-mask predicates of DESIGN.md §4.1 (see
 :class:`~attncomp.spec.Predicates`); backends receive them as one ``preds`` keyword argument.
 :data:`ARG_INDEX` gives each argument's position, for passes that build or read op nodes.

@@ -10,8 +10,8 @@ Guarantees: each site's spec carries the compile policy, resolved for the site's
 derives them itself, forward and backward alike (fused with the sort in the Triton kernels, through
 :func:`attncomp.ops.materialize_aux` on every other backend). ``drop`` sites without caller-given
 masks get an ``attncomp::policy_aux`` node drawing the keep masks from a fresh seed per training
-call (:func:`attncomp.ops.next_seed`), so that forward and backward see the same draw. ``dense`` and ``et`` keep every allowed entry:
-those sites compute exactly what the model computed. ``spion`` sites without a caller-given pattern get
+call (:func:`attncomp.ops.next_seed`), so that forward and backward see the same draw. ``dense``
+and ``et`` keep every allowed entry: those sites compute exactly what the model computed. ``spion`` sites without a caller-given pattern get
 an ``attncomp::spion_pattern`` node (:mod:`attncomp.spion`) that feeds the op every block while the
 site is in its dense phase and its calibrated pattern after it switches (Alg. 2), and an
 ``attncomp::spion_record`` node after the op that records the call's pooled attention statistic
