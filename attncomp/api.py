@@ -424,6 +424,8 @@ class _State:
         self.compiled = None
         #: what compile() did besides capturing (listed in the report)
         self.notes: List[str] = []
+        #: calls run through dynamo so far
+        self.calls = 0
 
     # -- the original forward, as the model's class defines it ---------------------------------
     def forward_fn(self, fast):
@@ -461,6 +463,7 @@ class _State:
                     raise
                 raise CaptureError(f"dynamo could not capture {type(self.model).__name__}: "
                                    f"{type(e).__name__}: {_first_line(e)}") from e
+        self.calls += 1
         if len(self.compiler.graphs) > n0:
             self.last = self.compiler.graphs[-1]
         breaks = torch._dynamo.utils.counters["graph_break"]
@@ -526,9 +529,16 @@ class _State:
     def report(self, fast) -> Report:
         if self.capture == "dynamo":
             if not self.compiler.contexts:
+                first = "not captured yet: the model is compiled on its first call" if not self.calls else (
+                    f"no graph captured: {self.calls} call(s) ran without attncomp, dynamo ran every frame "
+                    "eagerly (it skips a frame with a graph break inside a loop, and stops compiling a frame "
+                    "once torch._dynamo.config.recompile_limit graphs of it exist; under FSDP2 the hooks "
+                    "break the layer loop, so each layer's forward is a frame of its own, whose graphs every "
+                    "compiled module of that class in the process counts; torch._dynamo.reset() clears them)")
                 rep = Report(policy=self.policy.describe(), backend=self.backend,
-                             capture="dynamo (the torch.compile mechanism)",
-                             notes=["not captured yet: the model is compiled on its first call"] + self.notes)
+                             capture="dynamo (the torch.compile mechanism)", notes=[first] + self.notes)
+                for reason, count in self.compiler.breaks.items():
+                    rep.notes.append(f"graph break ({count}x): {reason.splitlines()[0][:300]}")
                 return rep
             rep = self.compiler.report()
         else:

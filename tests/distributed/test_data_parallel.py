@@ -48,6 +48,17 @@ def test_fsdp2_example_compile_leaves_parameters_sharded(dp_results, case):
             assert e < 1e-9, f"rank {rank}, step {step}: gradients differ from single-process training by {e:.3g}"
 
 
+def test_report_says_when_calls_ran_without_a_graph(dp_results):
+    for rank, res in enumerate(dp_results):
+        r = res["_fsdp_frames_used_up"]
+        assert "raised" not in r, f"rank {rank}: {r.get('raised') if isinstance(r, dict) else r}"
+        first, second = r
+        assert first["rewritten"] >= 1 and first["graphs"] >= 1, f"rank {rank}: {first}"
+        assert second["rewritten"] == 0 and second["graphs"] == 0, f"rank {rank}: {second}"
+        assert second["notes"][0].startswith("no graph captured: 1 call(s) ran without attncomp"), \
+            f"rank {rank}: {second['notes']}"
+
+
 def test_drop_draws_reproducible_per_step_and_rank_independent(dp_results):
     res = dp_results[0]["_drop"]
     assert "raised" not in res, res.get("raised")

@@ -335,6 +335,25 @@ def _fsdp_example_compile(case: str, x, t, ref, mesh, steps: int):
     return res
 
 
+def _fsdp_frames_used_up(x, mesh):
+    """Two fully_shard-ed models of one class compiled lazily with dynamo's recompile limit at 1:
+    under FSDP2 each layer's forward is a frame of its own, so the first model's graphs use up the
+    limit and the second runs without attncomp; its report says so instead of "not captured yet"."""
+    import attncomp
+
+    torch._dynamo.reset()
+    reports = []
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for _ in range(2):
+            model = _toy_model()
+            compiled = attncomp.compile(_wrap("fsdp2", model, model, mesh), policy="dense")
+            compiled(x).sum().backward()
+            rep = attncomp.report(compiled)
+            reports.append({"rewritten": rep.rewritten, "graphs": rep.graphs, "notes": list(rep.notes)})
+    torch._dynamo.reset()
+    return reports
+
+
 def data_parallel(rank: int, world: int, steps: int = 2):
     """Every case of :data:`DP_CASES`: max abs gradient error per step against single-process
     training, or the error raised."""
@@ -403,6 +422,11 @@ def data_parallel(rank: int, world: int, steps: int = 2):
         except Exception as e:  # recorded per case; the parent test names it
             res["_fsdp_example_" + case] = {"raised": f"{type(e).__name__}: {e}"[:2000]}
         dist.barrier()
+    try:
+        res["_fsdp_frames_used_up"] = _fsdp_frames_used_up(x, mesh)
+    except Exception as e:  # recorded; the parent test names it
+        res["_fsdp_frames_used_up"] = {"raised": f"{type(e).__name__}: {e}"[:2000]}
+    dist.barrier()
     try:
         res["_drop"] = _drop_draws(X[:b], world)
     except Exception as e:  # recorded; the parent test names it
