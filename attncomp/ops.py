@@ -504,14 +504,30 @@ _DIRECT: dict = {}
 # as torch.library runs implementations: never traced by dynamo (a graph break runs the op eagerly)
 _direct_impl = torch._disable_dynamo(_attention_impl)
 _LIB = torch.library.Library("attncomp", "IMPL")  # kept: the registration lives as long as the library object
-with warnings.catch_warnings():
-    # replacing the kernel that register_autograd installed is the intent
-    warnings.filterwarnings("ignore", message="(?s).*Overriding a previously registered kernel")
-    _LIB.impl("attention", _autograd_kernel, "Autograd", with_keyset=True)
+
+
+def _override(kernel, key: str, **kw) -> bool:
+    """Replace the kernel ``torch.library`` registered for ``key``. torch 2.11 refuses to override a
+    kernel registered from Python (2.13 allows it with a warning): there the op keeps the kernels of
+    ``register_autograd`` / the custom op, which compute the same thing with more host time."""
+    try:
+        with warnings.catch_warnings():
+            # replacing the kernel that register_autograd / custom_op installed is the intent
+            warnings.filterwarnings("ignore", message="(?s).*Overriding a previously registered kernel")
+            _LIB.impl("attention", kernel, key, **kw)
+        return True
+    except RuntimeError as e:
+        if "already a kernel registered" not in str(e):
+            raise
+        return False
+
+
+FAST_HOST_PATH = _override(_autograd_kernel, "Autograd", with_keyset=True)
 # CPU and CUDA calls that do get here through the dispatcher (inference mode skips autograd; traced
 # calls redispatch) run the implementation without torch.library's alias check in between
-_LIB.impl("attention", _direct_impl, "CPU")
-_LIB.impl("attention", _direct_impl, "CUDA")
+if FAST_HOST_PATH:
+    _override(_direct_impl, "CPU")
+    _override(_direct_impl, "CUDA")
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None, *, spec: AttentionSpec,
