@@ -61,14 +61,22 @@ def test_fragment_layouts_are_ptx_s():
     assert a == [(i, j) for i in range(16) for j in range(16)]
     b = sorted(e for lane in range(32) for r in range(4) for e in SP.fragment_b(lane, r))
     assert b == [(i, j) for i in range(32) for j in range(8)]
-    # sparsity selector 0 on m16n8k32: threads 0 and 1 of each quad, rows g and g + 8
-    assert [SP.metadata_lane(r) for r in (0, 8, 1, 9, 7, 15)] == [0, 1, 4, 5, 28, 29]
+    # sparsity selector 0 on m16n8k32 f16/bf16: threads 0 and 1 of each quad hold keys 0..15 and
+    # 16..31, row g in the low half-word and row g + 8 in the high one
+    assert SP.metadata_location(0, 0) == (0, 0)
+    assert SP.metadata_location(0, 3) == (0, 12)
+    assert SP.metadata_location(0, 4) == (1, 0)
+    assert SP.metadata_location(8, 0) == (0, 16)
+    assert SP.metadata_location(9, 7) == (5, 28)
+    assert SP.metadata_location(7, 5) == (29, 4)
+    cells = sorted(SP.metadata_location(r, q) for r in range(16) for q in range(8))
+    assert cells == sorted((4 * g + p, b) for g in range(8) for p in range(2) for b in range(0, 32, 4))
 
 
 def test_metadata_encoding_of_a_hand_made_tile():
     """Each group's nibble is ``i0 | i1 << 2`` (``i0 < i1``, one of PTX's meaningful values 0b0100,
-    0b1000, 0b1001, 0b1100, 0b1101, 0b1110), group q at bits 4q..4q+3; lanes 4g and 4g+1 carry rows g
-    and g + 8, the others nothing."""
+    0b1000, 0b1001, 0b1100, 0b1101, 0b1110); a row's word has group q at bits 4q..4q+3; lane 4g + p
+    carries half-word p of rows g (low) and g + 8 (high), lanes 4g + 2, 4g + 3 nothing."""
     pairs = [(0, 1), (0, 2), (1, 2), (0, 3), (1, 3), (2, 3)]
     nibbles = {(0, 1): 0b0100, (0, 2): 0b1000, (1, 2): 0b1001, (0, 3): 0b1100, (1, 3): 0b1101, (2, 3): 0b1110}
     rows = []
@@ -82,12 +90,57 @@ def test_metadata_encoding_of_a_hand_made_tile():
     assert vals == [0, 1, 4, 6, 9, 10, 12, 15, 17, 19, 22, 23, 24, 25, 28, 30]
     # groups 0..7 of row 0 keep (0,1) (0,2) (1,2) (0,3) (1,3) (2,3) (0,1) (0,2): nibbles 4 8 9 C D E 4 8
     assert word == 0x84EDC984
+    # row 8 keeps (1,2) (0,3) (1,3) (2,3) (0,1) (0,2) (1,2) (0,3): 0xC984EDC9
+    assert SP.compress_row(rows[8], [0.0] * 32)[1] == 0xC984EDC9
+    assert SP.metadata_word(rows, 0) == 0xEDC9C984
+    assert SP.metadata_word(rows, 1) == 0xC98484ED
     for lane in range(32):
-        g, t = lane // 4, lane % 4
-        expect = 0 if t > 1 else sum(nibbles[pairs[(g + 8 * t + q) % 6]] << (4 * q) for q in range(8))
+        g, p = lane // 4, lane % 4
+        expect = 0 if p > 1 else sum(nibbles[pairs[(g + 8 * h + 4 * p + q) % 6]] << (16 * h + 4 * q)
+                                     for h in range(2) for q in range(4))
         assert SP.metadata_word(rows, lane) == expect, lane
     with pytest.raises(ValueError):
         SP.compress_row([True] * 3 + [False] * 29, [0.0] * 32)
+
+
+def test_kernel_registers_follow_the_documented_layouts():
+    """The register expressions the CUDA kernel hands to ``mma.sp`` (metadata, packed P and V
+    fragments), evaluated on the CPU for a hand-made tile, against the layouts above."""
+    import tvm
+    import tvm.script
+    from tvm.script import tirx as T
+
+    func = tvm.script.from_source(SP.register_probe_source(), extra_vars={"T": T})
+    probe = tvm.compile(tvm.IRModule({"probe": func}), target={"kind": "llvm"})["probe"]
+    g = _gen()
+    pairs = [(0, 1), (0, 2), (1, 2), (0, 3), (1, 3), (2, 3)]
+    rows = []
+    for r in range(16):
+        choice = torch.randint(0, 6, (8,), generator=g).tolist()
+        rows.append([4 * q + p in (4 * q + pairs[choice[q]][0], 4 * q + pairs[choice[q]][1])
+                     for q in range(8) for p in range(4)])
+    words = [SP.compress_row(rows[r], [0.0] * 32)[1] for r in range(16)]
+    # uint32 buffers as int32 bit patterns (the same 32 bits)
+    md = torch.tensor(words, dtype=torch.int64).to(torch.int32).view(torch.uint32).reshape(16, 1)
+    pc = torch.randn(16, 16, generator=g).half()
+    vs = torch.randn(32, 8, generator=g).half()
+    e, a, bv = (torch.zeros(*s, dtype=torch.int32).view(torch.uint32) for s in ((32,), (32, 4), (32, 4)))
+    probe(md, pc, vs, e, a, bv)
+
+    def u32(x):
+        return [int(t) & 0xFFFFFFFF for t in x.view(torch.int32).flatten().tolist()]
+
+    def pack(t, elems):
+        (r0, c0), (r1, c1) = elems
+        bits = t.view(torch.int16).to(torch.int64) & 0xFFFF
+        return int(bits[r0, c0]) | int(bits[r1, c1]) << 16
+
+    e, a, bv = u32(e), u32(a), u32(bv)
+    for lane in range(32):
+        assert e[lane] == SP.metadata_word(rows, lane), lane
+        for r in range(4):
+            assert a[4 * lane + r] == pack(pc, SP.fragment_a_sp(lane, r)), (lane, r)
+            assert bv[4 * lane + r] == pack(vs, SP.fragment_b(lane, r)), (lane, r)
 
 
 def test_hand_made_tile_keeps_the_documented_entries():

@@ -14,12 +14,14 @@ One thread block (4 warps, 128 threads) per (64-query tile, batch x head); per k
    word of the row (``i0 | i1 << 2`` per group, ``i0 < i1``, group ``q`` of a 32-key block at bits
    ``4q .. 4q + 3``: PTX's ``mma.sp::ordered_metadata`` encoding);
 4. warp ``w`` rescales its accumulators and runs ``mma.sp.m16n8k32`` on (``Pc`` fragment, metadata,
-   value fragment), the metadata given by threads 0 and 1 of each quad (sparsity selector 0: thread
-   ``4g`` holds row ``g``, thread ``4g + 1`` row ``g + 8``).
+   value fragment), the metadata given by threads 0 and 1 of each quad (sparsity selector 0): thread
+   ``4g + p`` holds the 16 bits of keys ``16p .. 16p + 15`` of row ``g`` in its low half and those of
+   row ``g + 8`` in its high half (:func:`metadata_location`).
 
 The same generator writes an ``llvm`` build of this schedule (``target="llvm"``): the block's
 threads become loops over the 128 threads between barriers, and each warp instruction is replaced by
-:func:`_mma_emulation`, which rebuilds every lane's packed registers with the *same* packing
+an emulation (:meth:`_Gen.mma_qk`, :meth:`_Gen.mma_pv`) that rebuilds every lane's packed registers
+with the *same* packing
 expressions, decodes the metadata and the fragments by PTX's documented layouts, and does the dense
 product. That build runs on CPU tensors and is tested against the reference, which checks the
 packing, the metadata and the fragment layouts without a GPU.
@@ -30,13 +32,13 @@ tests on hand-made tiles.
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 from . import kernels as K
 from .kernels import Variant
 
 __all__ = ["sp_supported", "sp_forward_source", "sp_block_k", "SP_THREADS", "SP_BLOCK_Q", "metadata_word",
-           "fragment_a_sp", "fragment_b", "fragment_c", "metadata_lane", "compress_row"]
+           "fragment_a_sp", "fragment_b", "fragment_c", "metadata_location", "compress_row"]
 
 SP_THREADS = 128  # 4 warps
 SP_BLOCK_Q = 64  # 16 query rows per warp
@@ -89,9 +91,11 @@ def fragment_c(lane: int, i: int) -> Tuple[int, int]:
     return g + 8 * (i // 2), 2 * t + i % 2
 
 
-def metadata_lane(row: int) -> int:
-    """The lane (sparsity selector 0) whose metadata register describes ``row`` of a 16 x 32 A."""
-    return 4 * (row % 8) + row // 8
+def metadata_location(row: int, group: int) -> Tuple[int, int]:
+    """``(lane, first bit)`` of the 4-bit metadata of ``group`` (keys ``4 group .. 4 group + 3``) of
+    ``row`` of a 16 x 32 sparse A (m16n8k32 f16/bf16, sparsity selector 0): lanes ``4g`` and ``4g + 1``
+    carry keys 0..15 and 16..31, rows ``g`` (low half-word) and ``g + 8`` (high half-word)."""
+    return 4 * (row % 8) + group // 4, 16 * (row // 8) + 4 * (group % 4)
 
 
 def compress_row(keep: Sequence[bool], values: Sequence[float]) -> Tuple[List[float], int]:
@@ -111,10 +115,14 @@ def compress_row(keep: Sequence[bool], values: Sequence[float]) -> Tuple[List[fl
 
 def metadata_word(keep_rows: Sequence[Sequence[bool]], lane: int) -> int:
     """The metadata register of ``lane`` for a 16 x 32 keep pattern (0 for lanes that give none)."""
-    if lane % 4 > 1:
-        return 0
-    row = lane // 4 + 8 * (lane % 4)
-    return compress_row(keep_rows[row], [0.0] * 32)[1]
+    out = 0
+    for row in range(16):
+        word = compress_row(keep_rows[row], [0.0] * 32)[1]
+        for q in range(8):
+            ln, bit = metadata_location(row, q)
+            if ln == lane:
+                out |= ((word >> (4 * q)) & 15) << bit
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -179,7 +187,12 @@ class _Gen:
         return self.pack2(f"Vs[{key}, {col}]", f"Vs[{key} + 1, {col}]")
 
     def meta(self, w, g, t, kb) -> str:
-        return f"T.if_then_else({t} < 2, MD[16 * {w} + {g} + 8 * T.min({t}, 1), {kb}], T.uint32(0))"
+        """The metadata register of lane (g, t): half-word ``t`` (keys 16t..16t+15) of the row words of
+        rows g (low) and g + 8 (high); lanes 2 and 3 of a quad give none (selector 0)."""
+        sh = f"T.Cast(\"uint32\", 16 * T.min({t}, 1))"
+        lo = f"T.bitwise_and(T.shift_right(MD[16 * {w} + {g}, {kb}], {sh}), T.uint32(65535))"
+        hi = f"T.bitwise_and(T.shift_right(MD[16 * {w} + {g} + 8, {kb}], {sh}), T.uint32(65535))"
+        return f"T.if_then_else({t} < 2, T.bitwise_or({lo}, T.shift_left({hi}, T.uint32(16))), T.uint32(0))"
 
     def acc(self, i: str) -> str:
         return f"ACC[tx, {i}]" if self.cpu else f"ACC[{i}]"
@@ -211,16 +224,18 @@ class _Gen:
             return [f"{ind}for r in T.unroll(4):", f"{ind}    Bf[r] = {self.frag_v('g', 't', kb, nbv, 'r')}",
                     f"{ind}T.ptx.mma.sp__ordered_metadata.sync.aligned.m16n8k32.row.col.f32.{ty}.{ty}.f32("
                     f"{c}, Af[0], Af[1], Af[2], Af[3], Bf[0], Bf[1], Bf[2], Bf[3], {c}, Er[0], 0)"]
-        # emulation: the metadata of row ri comes from lane 4 (ri % 8) + ri // 8 (selector 0); each
-        # group's nibble names the two positions its compressed pair stands for
-        md = self.meta("w", "(ri % 8)", "(ri // 8)", kb)
+        # emulation: the metadata of group q of row ri sits in lane 4 (ri % 8) + q // 4 at bit
+        # 16 (ri // 8) + 4 (q % 4) (selector 0); the nibble names the two positions its compressed pair
+        # stands for
+        md = self.meta("w", "(ri % 8)", "(kk // 16)", kb)
         a = self.half(self.frag_p("w", "(ri % 8)", "((cc % 8) // 2)", kb, "(ri // 8) + 2 * (cc // 8)"), "cc % 2")
         b = self.half(self.frag_v("ci", "((kk % 8) // 2)", kb, nbv, "kk // 8"), "kk % 2")
         return [f"{ind}for i in range(4):",
                 f"{ind}    ri = g + 8 * (i // 2)", f"{ind}    ci = 2 * t + i % 2",
                 f"{ind}    Wm[0] = {self.acc(f'{nbv} * 4 + i')}",
                 f"{ind}    for kk in range(32):",
-                f"{ind}        nib = T.bitwise_and(T.shift_right({md}, T.Cast(\"uint32\", 4 * (kk // 4))), T.uint32(15))",
+                f"{ind}        nib = T.bitwise_and(T.shift_right({md}, T.Cast(\"uint32\", 16 * (ri // 8) + 4 * (kk // 4 % 4))), "
+                "T.uint32(15))",
                 f"{ind}        i0 = T.Cast(\"int32\", T.bitwise_and(nib, T.uint32(3)))",
                 f"{ind}        i1 = T.Cast(\"int32\", T.shift_right(nib, T.uint32(2)))",
                 f"{ind}        cc = 2 * (kk // 4) + T.if_then_else(kk % 4 == i1, 1, 0)",
@@ -387,5 +402,28 @@ def sp_forward_source(v: Variant, target: str = "cuda") -> str:
     return _Gen(v, target).source()
 
 
-def emulation_metadata() -> Dict[str, int]:
-    return {"threads": SP_THREADS, "block_q": SP_BLOCK_Q}
+def register_probe_source() -> str:
+    """TVMScript of a small CPU function that evaluates, for the 32 lanes of warp 0, the *kernel's*
+    register expressions (the ones the CUDA kernel passes to ``mma.sp``): the metadata register from
+    16 row words ``MD (16, 1)``, the packed A fragment of a compressed float16 tile ``Pc (16, 16)`` and
+    the packed B fragment of a value tile ``Vs (32, 8)``; tests compare them with PTX's layouts."""
+    g = _Gen(Variant(head_dim=16, head_dim_v=8, policy="dfss", nm_n=2, nm_m=4, block_q=SP_BLOCK_Q, block_k=64,
+                     mma="sp", operand_dtype="float16"), "llvm")
+    return "\n".join([
+        "@T.prim_func",
+        "def probe(md: T.handle, pc: T.handle, vs: T.handle, e: T.handle, a: T.handle, bv: T.handle):",
+        '    T.func_attr({"global_symbol": "probe", "tir.noalias": True})',
+        '    MD = T.match_buffer(md, (16, 1), "uint32")',
+        '    Pc = T.match_buffer(pc, (16, 16), "float16")',
+        '    Vs = T.match_buffer(vs, (32, 8), "float16")',
+        '    E = T.match_buffer(e, (32,), "uint32")',
+        '    A = T.match_buffer(a, (32, 4), "uint32")',
+        '    Bv = T.match_buffer(bv, (32, 4), "uint32")',
+        "    for lane in range(32):",
+        "        g = lane // 4",
+        "        t = lane % 4",
+        f"        E[lane] = {g.meta('0', 'g', 't', '0')}",
+        "        for r in range(4):",
+        f"            A[lane, r] = {g.frag_p('0', 'g', 't', '0', 'r')}",
+        f"            Bv[lane, r] = {g.frag_v('g', 't', '0', '0', 'r')}",
+    ]) + "\n"
