@@ -661,8 +661,8 @@ def compile(model: nn.Module, policy: Union[str, Policy] = "dense", *, example_i
         reset = _restore_fsdp(model, before)
         if reset:
             state.notes.append(f"example inputs: the compile-time call left FSDP2 parameters unsharded; "
-                               f"{', '.join(reset)} reset to its sharded parameters, so "
-                               "parameters(), state_dict() and optimizers see them as before the call")
+                               f"reset to the sharded parameters: {', '.join(reset)}; parameters(), "
+                               "state_dict() and optimizers see them as before the call")
     return fast
 
 
