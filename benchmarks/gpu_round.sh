@@ -30,7 +30,8 @@ run_part() {
         tvm) $PY -m pytest -q -m gpu --timeout 600 -p no:cacheprovider -rfE tests/codegen/test_tvm_gpu.py ;;
         checks) $PY benchmarks/sdpa_gpu_check.py && $PY benchmarks/host_overhead.py --device cuda --iters 200 &&
                 $PY benchmarks/spion_patterns.py --json "$OUT/spion_patterns_$GPU.json" ;;
-        models) $PY benchmarks/models.py --json "$OUT/models_$GPU.json" ${MODELS_ARGS:-} ;;
+        models) [ -f "benchmarks/results/models_$GPU.json" ] && cp "benchmarks/results/models_$GPU.json" "$OUT/"
+                $PY benchmarks/models.py --json "$OUT/models_$GPU.json" ${MODELS_ARGS:-} ;;
         kernels) $PY benchmarks/attention.py --tune --out "$OUT/attention_$GPU.json" ${KERNELS_ARGS:-} ;;
         structured) $PY benchmarks/attention.py --table structured ${STRUCTURED_ARGS:-} ;;
         tvmbench) $PY benchmarks/attention_tvm.py --device cuda --cubins "$ATTNCOMP_TVM_CUBINS" --ns 1024,4096 \

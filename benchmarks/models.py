@@ -176,6 +176,10 @@ def run_config(c, policies, device, dtype, iters):
         yield row
 
 
+def _row_key(r):
+    return (r["model"], r["mode"], r["B"], r["N"], r["policy"])
+
+
 def main(argv=None) -> int:
     global T
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -201,6 +205,10 @@ def main(argv=None) -> int:
     meta = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
                 cpus=os.cpu_count(), torch=torch.__version__, transformers=transformers.__version__,
                 dtype=str(dtype), iters=iters)
+    kept = []  # rows already in the file that this run does not measure again (--only/--modes/--policies)
+    if path and os.path.exists(path) and not args.smoke:
+        with open(path) as f:
+            kept = json.load(f).get("rows", [])
     for c in configs(device_name(), args.smoke):
         if args.only and c["model"] not in args.only.split(","):
             continue
@@ -210,12 +218,14 @@ def main(argv=None) -> int:
             ["dense"] if device.type == "cpu" else ["dense", "dfss"] + (["hash", "drop"] if c["N"] >= 4096 else []))
         for row in run_config(c, pols, device, dtype, iters):
             rows.append(row)
+            key = _row_key(row)
+            kept = [r for r in kept if _row_key(r) != key]
             print(f"  {row['model']:5s} {row['mode']:5s} {row['B']}x{row['N']} {row['policy']:6s} eager "
                   f"{row['eager_ms']:.2f} ms  torch.compile {row['compile_ms']:.2f} ms  attncomp "
                   f"{row['attncomp_ms']:.2f} ms" + (f"  FAILED {row['error']}" if "error" in row else ""), flush=True)
             if path:  # after every row: a run cut short keeps what it measured
                 with open(path, "w") as f:
-                    json.dump(dict(meta=meta, rows=rows), f, indent=1)
+                    json.dump(dict(meta=meta, rows=kept + rows), f, indent=1)
     hdr = ("model", "mode", "BxN", "policy", "eager ms", "compile ms", "attncomp ms", "vs eager", "vs compile",
            "host us")
     lines = [hdr]
