@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from attncomp.spion import generate_pattern  # noqa: E402
+from attncomp.spion import generate_pattern, pattern_from_pool, pool_map  # noqa: E402
 
 
 def layer_map(L: int, seed: int, device) -> torch.Tensor:
@@ -62,12 +62,24 @@ def main(argv=None) -> int:
         run()
         times.append(time.perf_counter() - t)
     med = statistics.median(times)
+
+    def stage(fn):  # one stage over every layer, synchronised
+        t = time.perf_counter()
+        res = fn()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        return res, time.perf_counter() - t
+
+    pools, t_pool = stage(lambda: [pool_map(m, args.block) for m in maps])
+    _, t_fill = stage(lambda: [pattern_from_pool(p) for p in pools])
     dens = sum(float(p.float().mean()) for p in pats) / len(pats)
     name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
     row = dict(device=name, layers=args.layers, L=args.length, block=args.block, seconds=med, density=dens,
+               pool_seconds=t_pool, fill_seconds=t_fill,
                torch=torch.__version__, threads=torch.get_num_threads())
     print(f"SPION patterns: {args.layers} layers, L={args.length}, B={args.block} on {name}: {med:.3f} s "
-          f"(median of {args.repeats}; target < 1 s), mean density {dens:.3f}")
+          f"(median of {args.repeats}; target < 1 s), mean density {dens:.3f}; filter+pooling {t_pool:.3f} s, "
+          f"quantile+flood fill {t_fill:.3f} s")
     out = args.json or (os.path.join(os.environ["OUT"], "spion_patterns.json") if os.environ.get("OUT") else None)
     if out:
         with open(out, "w") as f:
