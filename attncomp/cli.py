@@ -49,8 +49,8 @@ def _add_build_kernels(p: argparse.ArgumentParser) -> None:
     causal.add_argument("--no-causal", dest="causal", action="store_const", const=[False], help="non-causal only")
     p.add_argument("--mask", type=_csv(str), default=["none"], help="dense mask kinds: none,bool,float")
     p.add_argument("--dropout", action="store_true", help="also the dropout variants")
-    p.add_argument("--backward", action="store_true",
-                   help="also the backward kernels (dK/dV and dQ) of every variant")
+    p.add_argument("--backward", action=argparse.BooleanOptionalAction, default=True,
+                   help="also the backward kernels (dK/dV and dQ) of every variant (default: yes)")
     p.add_argument("--out", default=None, help="also copy the artefacts into this folder (<key>/kernel.cubin, launch.json)")
     p.add_argument("--list", action="store_true", help="list the kernels and their cache keys without building")
 

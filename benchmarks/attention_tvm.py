@@ -7,13 +7,13 @@ after 2 warm-up calls, fresh random inputs. Kernels are built (or loaded from th
 timing. Sparse policies report their density (kept / allowed entries) and the ideal speedup.
 
 GPU (``--device cuda --cubins DIR``): the cubins built on a CPU machine (``python -m attncomp
-build-kernels ... --backward --out DIR``) imported into the kernel cache and timed against SDPA:
+build-kernels ... --out DIR``) imported into the kernel cache and timed against SDPA:
 forward rows, and forward+backward rows (the CUDA backward kernels) for dense and dfss. dfss rows
 come twice on a GPU: ``kernel: mma.sp`` (the sparse tensor-core forward) and ``kernel: scalar`` (the
 scalar template, ``ATTNCOMP_TVM_DFSS_KERNEL=scalar``), on the same inputs.
 
     python benchmarks/attention_tvm.py --device cpu                  # writes results/attention_cpu.json
-    python -m attncomp build-kernels --arch sm_90 --head-dim 64 --backward --out build/tvm-cubins
+    python -m attncomp build-kernels --arch sm_90 --head-dim 64 --out build/tvm-cubins
     python benchmarks/attention_tvm.py --device cuda --cubins build/tvm-cubins --out /tmp/tvm_gpu.json
 
 ``rows(args)`` returns the rows as dictionaries, for ``benchmarks/attention.py`` to merge into its table.

@@ -57,10 +57,13 @@ def test_cli_builds_a_set_into_a_folder(tmp_path, monkeypatch, capsys):
                "--out", str(tmp_path / "cubins")])
     assert rc == 0
     out = capsys.readouterr().out
-    assert "1 kernels copied" in out
-    assert import_folder(tmp_path / "cubins", store=DiskCache(tmp_path / "other")) == 1
+    assert "3 kernels copied" in out  # the forward and, by default, the two backward kernels
+    assert import_folder(tmp_path / "cubins", store=DiskCache(tmp_path / "other")) == 3
     assert main(["build-kernels", "--policy", "nope"]) == 2
     assert main(["build-kernels", "--policy", "dense", "--head-dim", "32", "--list"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 6  # causal or not, forward + two backward
+    assert main(["build-kernels", "--policy", "dense", "--head-dim", "32", "--no-backward", "--list"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 2
 
 
 def test_missing_artefact_error_names_the_command(monkeypatch, tmp_path):
