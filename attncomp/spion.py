@@ -197,25 +197,41 @@ def _torch_partials(spec, q, k, attn_mask, preds, lse, B: int, h: int, per_head:
     Hs = Hq if per_head else 1
     T = torch.zeros(Hs, (2 * r + 1) ** 2, n, n, dtype=torch.float64, device=q.device)
     y = torch.arange(n * B, device=q.device)[None, :]
+    a = torch.arange(B, device=q.device)
+    W = torch.stack([_taps(a[:, None], a[None, :], torch.tensor(eI), torch.tensor(eJ), B, 1 << 40, h)
+                     for eI, eJ in _offsets(r)]).to(torch.float64)       # taps into whole blocks
     for x0 in range(0, N, rows):
         x1 = min(N, x0 + rows)
         pc = Predicates(_slice_rows(q_pos, x0, x1, 1), k_pos, _slice_rows(preds.q_seg, x0, x1, 1), preds.k_seg,
                         _slice_rows(preds.q_valid, x0, x1, 1), preds.k_valid)
         s, allowed = reference.logits(spec, q[:, :, x0:x1], k, _slice_rows(mask, x0, x1, 2), pc)
         lc = lse[:, :, x0:x1, None].to(s.dtype)
-        ok = allowed & (lc > float("-inf"))
-        p = torch.where(ok, torch.exp(torch.where(ok, s - lc, torch.zeros_like(s))), torch.zeros_like(s))
-        del s, allowed, ok
-        pm = p.sum(0, dtype=torch.float64)                        # (Hq, C, N): weights are per entry
+        lc = lc.masked_fill(lc == float("-inf"), float("inf"))   # a row without allowed keys: zeros
+        p = s.sub_(lc).masked_fill_(~allowed, float("-inf")).exp_()   # s is the chunk's own tensor
+        del s, allowed
+        pm = p.sum(0)                                              # (Hq, C, N): weights are per entry
         del p
         if not per_head:
             pm = pm.sum(0, keepdim=True)
+        pm = pm.to(torch.float64)
         t0, t1 = x0 // B, -(-x1 // B)
         pm = torch.nn.functional.pad(pm, (0, n * B - N, 0, (t1 - t0) * B - (x1 - x0)))
-        x = torch.arange(t0 * B, t1 * B, device=q.device)[:, None]
-        for e, (eI, eJ) in enumerate(_offsets(r)):
-            w = _taps(x, y, x // B + eI, y // B + eJ, B, N, h).to(torch.float64)
-            T[:, e, t0:t1] = (pm * w).reshape(Hs, t1 - t0, B, n, B).sum((2, 4))
+        # every tile with the weights of a whole target block: one product with (2r+1)^2 B x B weights
+        T[:, :, t0:t1] = torch.einsum("hiajb,kab->hkij", pm.reshape(Hs, t1 - t0, B, n, B), W)
+        if N % B:
+            # targets in the last (partial) block row or column: the exact taps, on those strips only
+            x = torch.arange(t0 * B, t1 * B, device=q.device)[:, None]
+            for e, (eI, eJ) in enumerate(_offsets(r)):
+                j = n - 1 - eJ
+                if 0 <= j < n:
+                    yj = y[:, j * B:(j + 1) * B]
+                    w = _taps(x, yj, x // B + eI, yj // B + eJ, B, N, h).to(torch.float64)
+                    T[:, e, t0:t1, j] = (pm[:, :, j * B:(j + 1) * B] * w).reshape(Hs, t1 - t0, B * B).sum(-1)
+                i = n - 1 - eI
+                if t0 <= i < t1:
+                    xi = x[(i - t0) * B:(i - t0 + 1) * B]
+                    w = _taps(xi, y, xi // B + eI, y // B + eJ, B, N, h).to(torch.float64)
+                    T[:, e, i] = (pm[:, (i - t0) * B:(i - t0 + 1) * B] * w).reshape(Hs, B, n, B).sum((1, 3))
     return T
 
 
