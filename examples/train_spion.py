@@ -13,8 +13,8 @@ once two successive relative distances are below ``--alpha`` (Alg. 2, see ``attn
 this task the loss sits on a plateau for about 120 steps with near-uniform maps, then the attention
 forms; the distance (relative to the map's deviation from uniform) stays high on the plateau and
 while the attention forms, and falls below 0.1 once it has formed, so the layers switch around steps
-200-250. ``--switch STEP`` instead calls ``attncomp.spion.calibrate`` on a few batches after that
-step (the explicit switch).
+200-270. ``--switch S`` instead calls ``attncomp.spion.calibrate`` on a few batches after ``S``
+training steps (the explicit switch).
 
 Prints the switch step and per-layer densities, times per step (dense vs sparse) and writes
 ``spion_loss.png`` (loss curves) and ``spion_layer<k>.png`` (patterns). ``--smoke`` runs in seconds.
@@ -117,7 +117,7 @@ def main():
     ap.add_argument("--vocab", type=int, default=8)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--switch", type=int, default=None,
-                    help="calibrate and switch after this step instead of the automatic switch (Alg. 2)")
+                    help="calibrate and switch after this many steps instead of the automatic switch (Alg. 2)")
     ap.add_argument("--alpha", type=float, default=0.1, help="Alg. 2 transition threshold (relative distance)")
     ap.add_argument("--interval", type=int, default=10, help="Alg. 2 interval (steps)")
     ap.add_argument("--threshold", type=float, default=0.85, help="flood-fill quantile")
