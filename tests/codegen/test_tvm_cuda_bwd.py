@@ -172,3 +172,38 @@ def test_missing_backward_cubins_error_names_them_and_the_command(tmp_path, monk
     for kind in ("fwd", "dkdv", "dq"):
         assert cuda.get_cubin(var, "sm_90", build=False, kind=kind) is not None
     assert set(TB._cuda_kernels(spec, var, ("dkdv", "dq"), "sm_90")) == {"dkdv", "dq"}
+
+
+@needs_nvcc
+@pytest.mark.parametrize("policy,dtype", [(DFSS(2, 4), torch.float16), (DFSS(2, 4), torch.float32),
+                                          (Dense(), torch.bfloat16)], ids=["dfss-sp", "dfss-scalar", "dense"])
+def test_cuda_host_paths_fill_every_kernel_parameter(policy, dtype, tmp_path, monkeypatch):
+    """What a GPU run does up to the driver call, here: the backend's forward and backward on the CUDA
+    path (kernel choice, cubins, argument dictionaries) with the launch replaced by the loader's
+    argument packing and grid arithmetic, which raise on any parameter the host does not provide."""
+    from attncomp.runtime.cubin import CubinKernel
+
+    monkeypatch.setenv("ATTNCOMP_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    launched = []
+
+    def launch(self, tensors, scalars, stream=None):
+        grid, block, _, args = self.prepare(tensors, scalars)
+        launched.append((self.meta["symbol"], grid, block, len(args)))
+
+    monkeypatch.setattr(CubinKernel, "launch", launch)
+    g = _gen()
+    B, Hq, Hk, Nq, Nk, D = 2, 4, 2, 70, 90, 64
+    q, k, v = (torch.randn(B, h, n, D, generator=g).to(dtype) for h, n in ((Hq, Nq), (Hk, Nk), (Hk, Nk)))
+    seg = torch.cumsum(torch.rand(B, Nk, generator=g) < 0.05, -1).to(torch.int32)
+    preds = Predicates(q_seg=seg[:, :Nq], k_seg=seg, k_valid=torch.rand(B, Nk, generator=g) > 0.1)
+    am = torch.rand(B, 1, Nq, Nk, generator=g) > 0.2
+    spec = AttentionSpec(causal=True, causal_align="bottom_right", policy=policy, mask_kind="bool")
+    out, lse = TB.cuda_forward(spec, q, k, v, am, preds=preds)
+    do = torch.randn(out.shape, generator=g).to(dtype)
+    TB.cuda_backward(spec, q, k, v, am, out.nan_to_num(0.0), lse.nan_to_num(0.0), do, preds=preds)
+    sp = policy.name == "dfss" and dtype == torch.float16
+    assert [s for s, *_ in launched] == ["attn_fwd_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"]
+    assert launched[0][1:3] == (((Nq + 63) // 64, B * Hq, 1), ((128 if sp else 64), 1, 1))
+    assert launched[1][1] == ((Nk + 63) // 64, B * Hk, 1)
+    assert launched[2][1] == ((Nq + 63) // 64, B * Hq, 1)
