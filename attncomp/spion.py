@@ -50,6 +50,7 @@ See :class:`SpionState`, :func:`calibrate`, :func:`set_patterns` and :func:`patt
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -235,6 +236,9 @@ def _torch_partials(spec, q, k, attn_mask, preds, lse, B: int, h: int, per_head:
     return T
 
 
+_TRITON_FAILED: Optional[str] = None     # why the Triton statistic kernel could not run, once it failed
+
+
 def block_statistic(spec, q: torch.Tensor, k: torch.Tensor, attn_mask: Optional[torch.Tensor], preds,
                     lse: torch.Tensor, *, block_size: int, filter_size: int, per_head: bool = False,
                     impl: str = "auto", chunk: Optional[int] = None) -> torch.Tensor:
@@ -248,7 +252,8 @@ def block_statistic(spec, q: torch.Tensor, k: torch.Tensor, attn_mask: Optional[
     ``Bs x Bs`` tile of ``P`` adds taps-weighted sums to the blocks within ``ceil(h / Bs)`` block
     offsets of it. ``impl``: ``"triton"`` (the kernel of
     :mod:`attncomp.codegen.triton.spion_stats`, one query tile per program), ``"torch"`` (query rows
-    in chunks of ``chunk``) or ``"auto"`` (Triton for CUDA tensors). Memory: the ``(B, Hq,
+    in chunks of ``chunk``) or ``"auto"`` (Triton for CUDA tensors; if it raises, a warning and
+    PyTorch from then on). Memory: the ``(B, Hq,
     (2r+1)^2, n, n)`` tile partials and one tile (Triton) or one chunk of logits (PyTorch).
     """
     from .spec import AttentionSpec
@@ -261,13 +266,16 @@ def block_statistic(spec, q: torch.Tensor, k: torch.Tensor, attn_mask: Optional[
     B, h = int(block_size), int(filter_size) // 2
     n, r = -(-N // B), -(-h // B)
     if impl == "auto":
-        impl = "torch"
-        if q.is_cuda:
+        global _TRITON_FAILED
+        if q.is_cuda and _TRITON_FAILED is None:
             try:
-                import triton  # noqa: F401
-                impl = "triton"
-            except ImportError:
-                pass
+                return block_statistic(spec, q, k, attn_mask, preds, lse, block_size=block_size,
+                                       filter_size=filter_size, per_head=per_head, impl="triton")
+            except Exception as e:  # no Triton, or a kernel that fails here: training goes on
+                _TRITON_FAILED = f"{type(e).__name__}: {e}"
+                warnings.warn("attncomp.spion: the Triton statistic kernel failed "
+                              f"({_TRITON_FAILED}); recording with the PyTorch path from now on")
+        impl = "torch"
     if impl == "triton":
         from .codegen.triton.spion_stats import spion_partials
         from .codegen import reference
