@@ -188,6 +188,6 @@ def spion_partials(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, *, scale
         BLOCK=bs, BLOCK_D=max(16, triton.next_power_of_2(D)), HF=h, RR=rr,
         MASK_KIND=kind, HAS_LEFT=left is not None, HAS_RIGHT=right is not None, SEG=seg,
         QV=q_valid is not None, KV=k_valid is not None, UPCAST=bool(upcast),
-        num_warps=1 if interpret_mode() else (4 if bs <= 64 else 8),
+        num_warps=1 if interpret_mode() else (4 if bs <= 32 else 8),
     )
     return out
