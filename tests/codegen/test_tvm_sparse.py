@@ -121,7 +121,8 @@ def test_kernel_registers_follow_the_documented_layouts():
                      for q in range(8) for p in range(4)])
     words = [SP.compress_row(rows[r], [0.0] * 32)[1] for r in range(16)]
     # uint32 buffers as int32 bit patterns (the same 32 bits)
-    md = torch.tensor(words, dtype=torch.int64).to(torch.int32).view(torch.uint32).reshape(16, 1)
+    halves = [[w & 0xFFFF, w >> 16] for w in words]  # the kernel keeps one half-word per 16 keys
+    md = torch.tensor(halves, dtype=torch.int32).view(torch.uint32)
     pc = torch.randn(16, 16, generator=g).half()
     vs = torch.randn(32, 8, generator=g).half()
     e, a, bv = (torch.zeros(*s, dtype=torch.int32).view(torch.uint32) for s in ((32,), (32, 4), (32, 4)))

@@ -8,11 +8,12 @@ One thread block (4 warps, 128 threads) per (64-query tile, batch x head); per k
 2. warp ``w`` computes the 16 x BK logits of its rows with ``mma.m16n8k16`` (f32 accumulate), applies
    the scale, the residual mask and the entry predicate (:func:`.kernels._allowed`, the same conjuncts
    as every other kernel) and writes them to shared ``S``;
-3. one thread per query row runs the online softmax over its row and the N:M selection of every
-   group of 4 keys (2:4, or 1:2 as two pairs: both are a 2:4 pattern), and writes the two kept
-   probabilities (operand dtype) to the compressed tile ``Pc`` and their positions to the metadata
-   word of the row (``i0 | i1 << 2`` per group, ``i0 < i1``, group ``q`` of a 32-key block at bits
-   ``4q .. 4q + 3``: PTX's ``mma.sp::ordered_metadata`` encoding);
+3. two threads per query row (one per half of the key tile) take the row maximum from the halves'
+   maxima, run the online softmax and the N:M selection of every group of 4 keys of their half
+   (2:4, or 1:2 as two pairs: both are a 2:4 pattern), and write the two kept probabilities (operand
+   dtype) to the compressed tile ``Pc`` and their positions to the metadata half-word of each 16 keys
+   (``i0 | i1 << 2`` per group, ``i0 < i1``, group ``q`` at bits ``4q .. 4q + 3``: PTX's
+   ``mma.sp::ordered_metadata`` encoding);
 4. warp ``w`` rescales its accumulators and runs ``mma.sp.m16n8k32`` on (``Pc`` fragment, metadata,
    value fragment), the metadata given by threads 0 and 1 of each quad (sparsity selector 0): thread
    ``4g + p`` holds the 16 bits of keys ``16p .. 16p + 15`` of row ``g`` in its low half and those of
@@ -32,6 +33,7 @@ tests on hand-made tiles.
 
 from __future__ import annotations
 
+import re
 from typing import List, Sequence, Tuple
 
 from . import kernels as K
@@ -187,11 +189,11 @@ class _Gen:
         return self.pack2(f"Vs[{key}, {col}]", f"Vs[{key} + 1, {col}]")
 
     def meta(self, w, g, t, kb) -> str:
-        """The metadata register of lane (g, t): half-word ``t`` (keys 16t..16t+15) of the row words of
-        rows g (low) and g + 8 (high); lanes 2 and 3 of a quad give none (selector 0)."""
-        sh = f"T.Cast(\"uint32\", 16 * T.min({t}, 1))"
-        lo = f"T.bitwise_and(T.shift_right(MD[16 * {w} + {g}, {kb}], {sh}), T.uint32(65535))"
-        hi = f"T.bitwise_and(T.shift_right(MD[16 * {w} + {g} + 8, {kb}], {sh}), T.uint32(65535))"
+        """The metadata register of lane (g, t): the half-words of keys 32 kb + 16t .. + 15 (``MDH``, one
+        per 16 keys, group q at bits 4q) of rows g (low) and g + 8 (high); lanes 2 and 3 of a quad give
+        none (selector 0)."""
+        lo = f"MDH[16 * {w} + {g}, 2 * {kb} + T.min({t}, 1)]"
+        hi = f"MDH[16 * {w} + {g} + 8, 2 * {kb} + T.min({t}, 1)]"
         return f"T.if_then_else({t} < 2, T.bitwise_or({lo}, T.shift_left({hi}, T.uint32(16))), T.uint32(0))"
 
     def acc(self, i: str) -> str:
@@ -258,12 +260,14 @@ class _Gen:
         shared = "shared" if not self.cpu else "global"
         allocs = [("Qs", (BQ, D), od, shared), ("Ks", (BK, D), od, shared), ("Vs", (BK, Dv), od, shared),
                   ("S", (BQ, BK), "float32", shared), ("Pc", (BQ, BK // 2), od, shared),
-                  ("MD", (BQ, BK // 32), "uint32", shared), ("Mx", (BQ,), "float32", shared),
+                  ("MDH", (BQ, BK // 16), "uint32", shared), ("Mx", (BQ,), "float32", shared),
+                  ("MN", (BQ,), "float32", shared), ("PM", (2, BQ), "float32", shared),
+                  ("PS", (2, BQ), "float32", shared),
                   ("Ls", (BQ,), "float32", shared), ("Al", (BQ,), "float32", shared),
                   ("ACC", ((NT, self.nacc) if self.cpu else (self.nacc,)), "float32", "local"),
                   ("Af", (4,), "uint32", "local"), ("Bf", (4,), "uint32", "local"), ("Cf", (4,), "float32", "local"),
                   ("Er", (1,), "uint32", "local"), ("Wr", (4,), "float32", "local"), ("Wm", (1,), "float32", "local"),
-                  ("Ir", (2,), "int32", "local"), ("Mw", (BK // 32,), "uint32", "local")]
+                  ("Ir", (2,), "int32", "local"), ("Mw", (1,), "uint32", "local")]
         if self.cpu:
             ind = "        "
             L += [f"    for blk in T.parallel(((Nq + {BQ - 1}) // {BQ}) * B * Hq):",
@@ -323,8 +327,14 @@ class _Gen:
                  "        ri = 16 * w + g + 8 * (i // 2)", "        ci = nb * 8 + 2 * t + i % 2",
                  f"        S[ri, ci] = T.if_then_else({K._and(conds)}, {val}, {ninf})"]
         L += phase(ind2, body)
-        # 3. one thread per row: online softmax, N:M selection, compressed P and metadata
-        n, m = v.nm_n, v.nm_m
+        # 3. two threads per row (thread tx: row rw = tx % 64, half hf = tx // 64 of the key tile): the row max
+        # from the two halves' maxima, then each thread selects N:M in its groups, writes their kept
+        # probabilities to Pc and their positions to the metadata half-words of its keys
+        n, m, NH = v.nm_n, v.nm_m, BK // 16
+
+        def rowwise(lines: List[str]) -> List[str]:
+            # rw / hf spelled out (a let-bound name here trips TVM's buffer flattening on CUDA)
+            return [re.sub(r"\bhf\b", f"(tx // {BQ})", re.sub(r"\brw\b", f"(tx % {BQ})", x)) for x in lines]
 
         def kept(p: int) -> str:
             """Position ``p`` of the 4-group is among the ``n`` largest of its ``m``-group (ties keep
@@ -334,37 +344,46 @@ class _Gen:
             for o in range(base, base + m):
                 if o == p:
                     continue
-                c = f"S[tx, c4 + {o}] > S[tx, c4 + {p}]"
+                c = f"S[rw, c4 + {o}] > S[rw, c4 + {p}]"
                 if o < p:
-                    c = f"S[tx, c4 + {o}] >= S[tx, c4 + {p}]"
+                    c = f"S[rw, c4 + {o}] >= S[rw, c4 + {p}]"
                 terms.append(f"T.Cast(\"int32\", {c})")
             return f"({' + '.join(terms)} < {n})"
 
-        body = [f"if tx < {BQ}:",
-                "    Wr[0] = Mx[tx]", "    Wr[1] = Wr[0]",
-                f"    for j in range({BK}):", "        Wr[1] = T.max(Wr[1], S[tx, j])",
-                f"    mu = T.if_then_else(Wr[1] == {ninf}, T.float32(0), Wr[1])",
-                "    alpha = T.exp(Wr[0] - mu)",
-                "    Al[tx] = alpha", "    Wr[2] = T.float32(0)",
-                f"    for kb in range({BK // 32}):", "        Mw[kb] = T.uint32(0)",
-                f"    for q4 in range({BK // 4}):",
-                "        c4 = q4 * 4",
-                "        Ir[0] = 3", "        Ir[1] = 0"]
+        body = ["Wr[1] = T.float32(\"-inf\")",
+                       f"for j in range({BK // 2}):", f"    Wr[1] = T.max(Wr[1], S[rw, hf * {BK // 2} + j])",
+                       "PM[hf, rw] = Wr[1]"]
+        L += phase(ind2, rowwise(body))
+        body = ["Wr[0] = Mx[rw]", "Wr[1] = T.max(Wr[0], T.max(PM[0, rw], PM[1, rw]))",
+                       f"mu = T.if_then_else(Wr[1] == {ninf}, T.float32(0), Wr[1])",
+                       "alpha = T.exp(Wr[0] - mu)",
+                       # both threads of the row compute and store the same bits
+                       "Al[rw] = alpha", "MN[rw] = Wr[1]",
+                       "Wr[2] = T.float32(0)",
+                       f"for hw in range({NH // 2}):",
+                       f"    hwi = hf * {NH // 2} + hw",
+                       "    Mw[0] = T.uint32(0)",
+                       "    for q4 in range(4):",
+                       "        c4 = hwi * 16 + q4 * 4",
+                       "        Ir[0] = 3", "        Ir[1] = 0"]
         for p in range(4):
             # a barrier analysis refuses shared reads in statement conditions: select, not branch
             body += [f"        kp{p} = {kept(p)}",
                      f"        Ir[0] = T.if_then_else(kp{p}, T.min(Ir[0], {p}), Ir[0])",
                      f"        Ir[1] = T.if_then_else(kp{p}, T.max(Ir[1], {p}), Ir[1])"]
-        body += ["        p0 = T.exp(S[tx, c4 + Ir[0]] - mu)", "        p1 = T.exp(S[tx, c4 + Ir[1]] - mu)",
-                 f"        Pc[tx, 2 * q4] = {self.to_operand('p0')}", f"        Pc[tx, 2 * q4 + 1] = {self.to_operand('p1')}",
+        body += ["        p0 = T.exp(S[rw, c4 + Ir[0]] - mu)", "        p1 = T.exp(S[rw, c4 + Ir[1]] - mu)",
+                 f"        Pc[rw, c4 // 2] = {self.to_operand('p0')}", f"        Pc[rw, c4 // 2 + 1] = {self.to_operand('p1')}",
                  "        Wr[2] = Wr[2] + p0 + p1",
-                 "        Mw[q4 // 8] = T.bitwise_or(Mw[q4 // 8], T.shift_left("
-                 "T.Cast(\"uint32\", Ir[0] + Ir[1] * 4), T.Cast(\"uint32\", 4 * (q4 % 8))))",
-                 f"    for kb in range({BK // 32}):", "        MD[tx, kb] = Mw[kb]",
-                 "    Ls[tx] = Ls[tx] * alpha + Wr[2]", "    Mx[tx] = Wr[1]"]
-        L += phase(ind2, body)
+                 "        Mw[0] = T.bitwise_or(Mw[0], T.shift_left(T.Cast(\"uint32\", Ir[0] + Ir[1] * 4), "
+                 "T.Cast(\"uint32\", 4 * q4)))",
+                 "    MDH[rw, hwi] = Mw[0]",
+                 "PS[hf, rw] = Wr[2]"]
+        L += phase(ind2, rowwise(body))
         # 4. rescale, P V on sparse tensor cores
-        body = [f"for i in {self.U(self.nacc)}:",
+        # (the row state moves on here: every thread has read Mx in step 3)
+        body = [f"if tx < {BQ}:",
+                "    Ls[tx] = Ls[tx] * Al[tx] + PS[0, tx] + PS[1, tx]", "    Mx[tx] = MN[tx]",
+                f"for i in {self.U(self.nacc)}:",
                 f"    {self.acc('i')} = {self.acc('i')} * Al[16 * w + g + 8 * (i % 4 // 2)]",
                 f"for kb in {self.U(BK // 32)}:"]
         if not self.cpu:
@@ -405,7 +424,7 @@ def sp_forward_source(v: Variant, target: str = "cuda") -> str:
 def register_probe_source() -> str:
     """TVMScript of a small CPU function that evaluates, for the 32 lanes of warp 0, the *kernel's*
     register expressions (the ones the CUDA kernel passes to ``mma.sp``): the metadata register from
-    16 row words ``MD (16, 1)``, the packed A fragment of a compressed float16 tile ``Pc (16, 16)`` and
+    the metadata half-words ``MDH (16, 2)`` of 16 rows, the packed A fragment of a compressed float16 tile ``Pc (16, 16)`` and
     the packed B fragment of a value tile ``Vs (32, 8)``; tests compare them with PTX's layouts."""
     g = _Gen(Variant(head_dim=16, head_dim_v=8, policy="dfss", nm_n=2, nm_m=4, block_q=SP_BLOCK_Q, block_k=64,
                      mma="sp", operand_dtype="float16"), "llvm")
@@ -413,7 +432,7 @@ def register_probe_source() -> str:
         "@T.prim_func",
         "def probe(md: T.handle, pc: T.handle, vs: T.handle, e: T.handle, a: T.handle, bv: T.handle):",
         '    T.func_attr({"global_symbol": "probe", "tir.noalias": True})',
-        '    MD = T.match_buffer(md, (16, 1), "uint32")',
+        '    MDH = T.match_buffer(md, (16, 2), "uint32")',
         '    Pc = T.match_buffer(pc, (16, 16), "float16")',
         '    Vs = T.match_buffer(vs, (32, 8), "float16")',
         '    E = T.match_buffer(e, (32,), "uint32")',
