@@ -777,9 +777,9 @@ def _spion_pattern(q: Tensor, k: Tensor, attn_mask: Optional[Tensor], q_pos: Opt
                    key: str, block_size: int, heads: int) -> Tensor:
     """The block pattern of one SPION site for this call: ``(H or 1, ceil(Nq/Bs), ceil(Nk/Bs))`` bool.
 
-    While the site is in its dense phase: every block (exact dense attention), and the call's
-    statistic is recorded when training or calibrating. After its switch: its pattern, fitted to the
-    call's length. A package loaded without the live state uses ``stored`` (the pattern at export);
+    While the site is in its dense phase, and on every call while calibrating: every block (exact
+    dense attention), the call marked for ``attncomp::spion_record`` after the op when training or
+    calibrating. After its switch: its pattern, fitted to the call's length. A package loaded without the live state uses ``stored`` (the pattern at export);
     ``heads``: 0 for per-head patterns (leading dim ``Hq``), else 1.
     """
     nq, nk = -(-q.shape[2] // block_size), -(-k.shape[2] // block_size)
