@@ -150,9 +150,18 @@ class _GraphCompiler:
         from torch._inductor.compile_fx import compile_fx
 
         patches = dict(torch._inductor.list_mode_options(self.mode)) if self.mode else {}
-        gm, seeds, inputs = _lift_seeds(gm, list(example_inputs))
-        _name_new_constants(gm)
-        compiled = compile_fx(gm, inputs, config_patches=patches or None)
+        lifted, seeds, inputs = _lift_seeds(gm, list(example_inputs))
+        _name_new_constants(lifted)
+        try:
+            compiled = compile_fx(lifted, inputs, config_patches=patches or None)
+        except Exception as e:  # an Inductor failure (e.g. a C++ codegen bug) must not fail the user's model
+            first = (str(e).strip().splitlines() or [""])[0][:200]
+            log.warning("attncomp: Inductor failed on graph %d (%s: %s); it runs without Inductor",
+                        len(self.graphs) - 1, type(e).__name__, first)
+            ctx.notes.append(f"graph {len(self.graphs) - 1}: Inductor failed ({type(e).__name__}: {first}); "
+                             "this graph runs with the attncomp op but without Inductor")
+            counters["capture"]["inductor_failed"] += 1
+            return gm.forward
         if not seeds:
             return compiled
 

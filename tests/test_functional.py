@@ -18,13 +18,10 @@ from attncomp.codegen import reference as R
 from attncomp.functional import attention
 from attncomp.policy import DFSS, ET, SPION, Dense, Drop, Hash, lsh_buckets
 from attncomp.spec import AttentionSpec
-from tests.utils import assert_close
+from tests.utils import assert_close, fresh_seed
 
 F64 = torch.float64
 
-
-def fresh_seed() -> int:
-    return int(torch.randint(0, 2**31 - 1, (1,)).item())
 
 
 def gen(seed):

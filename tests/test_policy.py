@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import attncomp
+from tests.utils import fresh_seed
 from attncomp import policies as P
 from attncomp.policy import POLICIES, get_policy, keep_mask, uniform_hash
 from attncomp.spec import AttentionSpec
@@ -17,9 +18,6 @@ from attncomp.spec import AttentionSpec
 NAMES = ("dense", "dfss", "hash", "drop", "spion", "et")
 CLASSES = {"dense": "Dense", "dfss": "DFSS", "hash": "Hash", "drop": "Drop", "spion": "SPION", "et": "ET"}
 
-
-def fresh_seed() -> int:
-    return int(torch.randint(0, 2**31 - 1, (1,)).item())
 
 
 # ---------------------------------------------------------------------------------------------

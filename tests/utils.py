@@ -13,6 +13,11 @@ TOL = {
 }
 
 
+def fresh_seed() -> int:
+    """A seed drawn per test run: tests see new random inputs each time."""
+    return int(torch.randint(0, 2**31 - 1, (1,)).item())
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()

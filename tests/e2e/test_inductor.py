@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 import attncomp
-from tests.utils import rel_err
+from tests.utils import fresh_seed, rel_err
 
 transformers = pytest.importorskip("transformers")
 
@@ -190,3 +190,24 @@ def test_hash_buckets_derived_inside_the_op(inductor):
     assert "derived inside the op" in rep.sites[0].details.get("buckets", ""), str(rep)
     targets = {str(n.target) for gm in fast.graphs for n in gm.graph.nodes}
     assert "attncomp.attention.default" in targets and not [t for t in targets if "policy_aux" in t], targets
+
+
+def test_inductor_failure_falls_back_to_the_rewritten_graph(monkeypatch):
+    """A graph Inductor cannot compile (torch 2.11's CPU C++ codegen fails on some index checks) runs
+    as attncomp rewrote it, with the failure in the report, instead of failing the user's model."""
+    import torch._inductor.compile_fx as cfx
+
+    def broken(*a, **k):
+        raise RuntimeError("C++ compile error\nmore lines")
+
+    monkeypatch.setattr(cfx, "compile_fx", broken)
+    fam = ZOO["llama"]
+    torch.manual_seed(fresh_seed())
+    model = fam.build()
+    fast = attncomp.compile(model, inductor=True)
+    x = fam.inputs(2, 12)
+    with torch.no_grad():
+        assert_outputs_match(fast(**x), model(**x), "llama/inductor-fallback")
+    rep = attncomp.report(fast)
+    assert rep.rewritten == 2, str(rep)
+    assert any("Inductor failed (RuntimeError: C++ compile error)" in n for n in rep.notes), rep.notes

@@ -14,13 +14,10 @@ from attncomp.functional import attention
 from attncomp.policy import DFSS, ET, Dense, Drop, Hash
 from attncomp.runtime import autotune, dispatch
 from attncomp.spec import AttentionSpec, Predicates
-from tests.utils import assert_close
+from tests.utils import assert_close, fresh_seed
 
 F64 = torch.float64
 
-
-def fresh_seed() -> int:
-    return int(torch.randint(0, 2**31 - 1, (1,)).item())
 
 
 def _inputs(seed, B=2, Hq=4, Hk=2, Nq=13, Nk=21, D=16, dtype=F64):
