@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.attncomp-installed
 JOBS   ?= 2
 
-.PHONY: demo test test-gpu test-gpu-dist test-newest venv clean
+.PHONY: demo test test-gpu test-gpu-dist test-newest test-oldest venv clean
 
 $(STAMP): pyproject.toml requirements.lock
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,7 +35,7 @@ test-gpu-dist:
 	python3 -m pytest -q -m gpu tests/distributed/test_context_parallel_gpu.py tests/distributed/test_thread_ring.py
 
 clean:
-	rm -rf $(VENV) $(NEWEST) .pytest_cache
+	rm -rf $(VENV) $(NEWEST) $(OLDEST) .pytest_cache
 
 # The newest releases that pyproject.toml admits (torch <2.14 is the pinned 2.13.0; triton and
 # transformers unpinned): the kernel interpreter tests and a set of Hugging Face families, in a second venv.
@@ -52,3 +52,21 @@ test-newest: $(NEWEST)/.stamp
 	$(NEWEST)/bin/python -c "import torch, triton, transformers; print('newest admitted:', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 	$(NEWEST)/bin/python -m pytest -q -n $(JOBS) tests/codegen/test_template_layout.py tests/codegen/test_template_sorted.py \
 		tests/codegen/test_template_bench_smoke.py tests/e2e/test_hf_families.py -k "not generate or llama or gpt2"
+
+# The oldest releases that pyproject.toml admits (torch 2.11 with the triton it requires, transformers
+# 5.0, numpy 1.26, networkx 3.2, safetensors 0.4; torch 2.11 on PyPI is a CUDA build, a larger download):
+# the op, the functional API, Inductor around the op, packages, the kernel interpreter and a set of
+# Hugging Face families, in a third venv. The GPU machines run torch 2.11 too.
+OLDEST := .venv-oldest
+$(OLDEST)/.stamp: pyproject.toml
+	@test -x $(OLDEST)/bin/python || $(PYTHON) -m venv $(OLDEST)
+	$(OLDEST)/bin/python -m pip install -q --disable-pip-version-check torch==2.11.0 "transformers==5.0.0" \
+		"numpy==1.26.4" "networkx==3.2.1" "safetensors==0.4.5" pytest pytest-xdist
+	$(OLDEST)/bin/python -m pip install -q --disable-pip-version-check --no-deps -e .
+	@touch $@
+
+test-oldest: $(OLDEST)/.stamp
+	$(OLDEST)/bin/python -c "import torch, triton, transformers, numpy; print('oldest admitted:', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'numpy', numpy.__version__)"
+	$(OLDEST)/bin/python -m pytest -q -n $(JOBS) tests/test_ops.py tests/test_functional.py tests/e2e/test_inductor.py \
+		tests/runtime/test_package.py tests/codegen/test_template_layout.py tests/e2e/test_hf_families.py \
+		-k "not generate or llama or gpt2"
