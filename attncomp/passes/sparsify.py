@@ -11,13 +11,13 @@ derives them itself, forward and backward alike (fused with the sort in the Trit
 :func:`attncomp.ops.materialize_aux` on every other backend). ``drop`` sites without caller-given
 masks get an ``attncomp::policy_aux`` node drawing the keep masks from a fresh seed per training
 call (:func:`attncomp.ops.next_seed`), so that forward and backward see the same draw. ``dense``
-and ``et`` keep every allowed entry: those sites compute exactly what the model computed. ``spion`` sites without a caller-given pattern get
-an ``attncomp::spion_pattern`` node (:mod:`attncomp.spion`) that feeds the op every block while the
-site is in its dense phase and its calibrated pattern after it switches (Alg. 2), and an
-``attncomp::spion_record`` node after the op that records the call's pooled attention statistic
-from q, k, the masks and the op's ``lse`` when the pattern node ran it dense for recording (its zero
-scalar is added to the op's output, so it stays in the data flow); the pattern also lives in a graph
-buffer, so exported packages keep it.
+and ``et`` keep every allowed entry: those sites compute exactly what the model computed. ``spion``
+sites without a caller-given pattern get an ``attncomp::spion_pattern`` node (:mod:`attncomp.spion`)
+that feeds the op every block while the site is in its dense phase and its calibrated pattern after
+it switches (Alg. 2), and an ``attncomp::spion_record`` node after the op that records the call's
+pooled attention statistic from q, k, the masks and the op's ``lse`` when the pattern node ran it
+dense for recording (its zero scalar is added to the op's output, so it stays in the data flow); the
+pattern also lives in a graph buffer, so exported packages keep it.
 """
 
 from __future__ import annotations
