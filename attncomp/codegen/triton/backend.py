@@ -218,11 +218,11 @@ class Site:
 
     # -- configuration keys ----------------------------------------------------------------------
     def signature(self) -> tuple:
-        """What the choice of launch configuration depends on (a dict key)."""
+        """What the choice of launch configuration depends on (a key of this process's memo: the
+        meta-parameters in :meth:`meta`'s fixed order, no sorting or device string per call)."""
         m = self.meta(16, 16)
-        m.pop("CHECK_Q")
-        m.pop("CHECK_K")
-        return (self.dtype, _next_pow2(self.Nq), _next_pow2(self.Nk), str(self.device)) + tuple(sorted(m.items()))
+        del m["CHECK_Q"], m["CHECK_K"]
+        return (self.dtype, _next_pow2(self.Nq), _next_pow2(self.Nk), self.device, *m.values())
 
     def tune_key(self) -> dict:
         arch = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None
