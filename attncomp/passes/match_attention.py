@@ -43,8 +43,8 @@ from ..policy import Dense
 from ..spec import AttentionSpec, dtype_name
 from .base import SITE_META, CompileContext, PassResult, SiteReport
 from .canonicalize import ADD, DIV, DROPOUT, MATMUL, MUL, SDPA, SOFTMAX, TRANSPOSE, WHERE, is_cast
-from .node_info import (UNKNOWN, get_attr_value, meta_dtype, meta_shape, same_dim, scalar_value, site_name,
-                          static_int, to_networkx)
+from .node_info import (UNKNOWN, get_attr_value, is_symbolic_number, meta_dtype, meta_shape, same_dim, scalar_value,
+                          site_name, static_int, to_networkx)
 
 log = logging.getLogger(__name__)
 
@@ -386,6 +386,8 @@ def _is_scalar(gm, x) -> bool:
         return False
     if scalar_value(gm, x) is not UNKNOWN:
         return True
+    if is_symbolic_number(x.meta.get("example_value", x.meta.get("val"))):
+        return True  # a run-time scalar (symbolic sizes): becomes a multiply on q
     shp = meta_shape(x)
     if shp is not None:
         return len(shp) == 0

@@ -115,6 +115,28 @@ _SCALAR_FNS: Dict[Any, Callable] = {
 }
 
 
+def is_symbolic_number(v: Any) -> bool:
+    return isinstance(v, (torch.SymInt, torch.SymFloat))
+
+
+def _sym_constant(v: Any):
+    """The value of a symbolic number (dynamo's graphs: ``math.sqrt(x.size(-1) // h)``) that the shape
+    environment has specialised to a constant (a guard of the graph fixes it), else ``UNKNOWN``."""
+    if not is_symbolic_number(v):
+        return UNKNOWN
+    node = v.node
+    try:
+        expr = node.shape_env.replace(node.expr) if getattr(node, "shape_env", None) is not None else node.expr
+    except Exception:  # an expression the shape env cannot simplify
+        return UNKNOWN
+    if getattr(expr, "is_number", False):
+        try:
+            return float(expr)
+        except (TypeError, ValueError):
+            return UNKNOWN
+    return UNKNOWN
+
+
 def scalar_value(gm: fx.GraphModule, n: Any, leaf: Optional[Callable[[fx.Node], Any]] = None, depth: int = 0):
     """Evaluate ``n`` as a Python number if it is one, or a 0-dim constant tensor, or built from such
     values by scalar arithmetic (``sqrt``, ``**``, ``/``, ``full([], c)``...). ``leaf(node)`` may supply
@@ -129,6 +151,9 @@ def scalar_value(gm: fx.GraphModule, n: Any, leaf: Optional[Callable[[fx.Node], 
         v = leaf(n)
         if v is not UNKNOWN:
             return v
+    sym = _sym_constant(n.meta.get("example_value", n.meta.get("val")))
+    if sym is not UNKNOWN:
+        return sym
     if n.op == "get_attr":
         try:
             t = get_attr_value(gm, n)
