@@ -13,6 +13,7 @@ sorted layouts come from the device (:mod:`.layout`).
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Optional, Tuple
 
 import torch
@@ -149,7 +150,7 @@ class Site:
             if layout is None:
                 if q_aux is None and k_aux is None:
                     # derived on the device, fused with the sort: LSH buckets, or keep draws of the policy's seed
-                    layout = derive_layout(spec, q, k)
+                    layout = _derived_for(spec, q, k)
                 elif q_aux is None or k_aux is None:
                     names = "q_buckets and k_buckets" if pol.name == "hash" else "q_keep and k_keep"
                     raise ValueError(f"policy {pol.name!r} needs {names} (both, or neither to derive them)")
@@ -419,6 +420,22 @@ def _remember(key, entry) -> None:
     _LAYOUT_CACHE[key] = entry
 
 
+def _derived_for(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor) -> Layout:
+    """:func:`.layout.derive_layout` of q and k, remembered for the backward of the same call (which
+    gets the same q and k): keyed by the tensors' identity and version, held by weak reference (the
+    cache keeps no q or k alive)."""
+    try:
+        key = ("derived", spec.policy, _tensor_key(q), _tensor_key(k))
+    except RuntimeError:  # inference tensors: no cache
+        return derive_layout(spec, q, k)
+    hit = _LAYOUT_CACHE.get(key)
+    if hit is not None and hit[0]() is q and hit[1]() is k:
+        return hit[2]
+    lay = derive_layout(spec, q, k)
+    _remember(key, (weakref.ref(q), weakref.ref(k), lay))
+    return lay
+
+
 def drawn_keep_masks(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, seed: Optional[int] = None):
     """The ``drop`` policy's keep masks ``(q_keep, k_keep)`` drawn on the device by the counting-sort
     kernels (:func:`.layout.derive_layout`): bit for bit :func:`attncomp.ops.materialize_aux`'s draw
@@ -440,7 +457,8 @@ class TritonBackend:
 
     name = "triton"
     #: handed no hash buckets (compiled graphs pass none), the kernels derive them fused with the sort
-    #: (:func:`.layout.derive_layout`), forward and backward alike; the op derives them for other backends
+    #: (:func:`.layout.derive_layout`); the backward of the call reuses that layout (or derives it again
+    #: when it is gone); the op derives buckets for other backends
     derives_aux = True
 
     def supports(self, spec: AttentionSpec, q: torch.Tensor, preds=None) -> Optional[str]:
