@@ -264,8 +264,9 @@ def _spec_matches(variant: dict, spec) -> bool:
 
 
 def artefacts_for_specs(specs, store=None) -> Dict[str, bytes]:
-    """``{"<key>/<file>": bytes}`` of every cached cubin whose kernel variant serves one of ``specs``
-    (what a package of those sites carries to a GPU machine)."""
+    """``{"<key>/<file>": bytes}`` of every cached forward cubin whose kernel variant serves one of
+    ``specs`` (what a package of those sites carries to a GPU machine: loaded packages run inference,
+    so backward kernels stay behind)."""
     from .cache import default_cache
 
     store = store or default_cache()
@@ -279,6 +280,8 @@ def artefacts_for_specs(specs, store=None) -> Dict[str, bytes]:
         meta = store.get_json(d.name, "launch.json")
         cubin = store.get(d.name, "kernel.cubin")
         if not isinstance(meta, dict) or cubin is None or not isinstance(meta.get("variant"), dict):
+            continue
+        if meta.get("kind", "fwd") != "fwd":
             continue
         if any(_spec_matches(meta["variant"], sp) for sp in specs):
             out[f"{d.name}/kernel.cubin"] = cubin
