@@ -188,6 +188,7 @@ def main(argv=None) -> int:
                                                      "on a GPU, hash and drop at N >= 4096)")
     ap.add_argument("--only", default=None, help="comma-separated model names")
     ap.add_argument("--modes", default=None, help="comma-separated: infer, train")
+    ap.add_argument("--ns", default=None, help="comma-separated sequence lengths (default: every config's)")
     ap.add_argument("--iters", type=int, default=None, help="timed calls per measurement (default 7 CPU, 20 GPU)")
     ap.add_argument("--json", default=None, help="output path (default benchmarks/results/models_<device>.json; "
                                                   "--smoke writes nothing unless given)")
@@ -213,6 +214,8 @@ def main(argv=None) -> int:
         if args.only and c["model"] not in args.only.split(","):
             continue
         if args.modes and c["mode"] not in args.modes.split(","):
+            continue
+        if args.ns and str(c["N"]) not in args.ns.split(","):
             continue
         pols = args.policies.split(",") if args.policies else (
             ["dense"] if device.type == "cpu" else ["dense", "dfss"] + (["hash", "drop"] if c["N"] >= 4096 else []))
