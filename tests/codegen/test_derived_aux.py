@@ -93,41 +93,6 @@ def test_op_asks_for_both_bucket_tensors():
                                      spec.to_json(), 0.0, 0)
 
 
-@pytest.mark.parametrize("shape", SHAPES + [(1, 3, 3, 20, 20, 8)], ids=lambda s: "x".join(map(str, s)))
-def test_triton_keep_draw_equals_the_torch_draw(shape, monkeypatch):
-    """The CUDA branch of ``attncomp::policy_aux`` for ``drop`` (called directly on CPU tensors under
-    the interpreter): the same keep masks as ``attncomp.policy.keep_mask`` (queries shorter than keys
-    at the last Nq positions), and the attention call they feed reuses the layout built with them."""
-    _backend_ok("triton")
-    from attncomp.codegen import reference as R
-    from attncomp.codegen.triton import backend as TB
-    from attncomp.policy import Drop, keep_mask
-
-    B, Hq, Hk, Nq, Nk, D = shape
-    seed = int(torch.randint(0, 2 ** 31 - 1, (1,)).item())
-    pol = Drop(q_rate=0.3, k_rate=0.4, seed=7)
-    spec = AttentionSpec(policy=pol, backend="triton")
-    gen = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(B, h, n, D, generator=gen) for h, n in ((Hq, Nq), (Hk, Nk), (Hk, Nk)))
-    qk, kk = TB.drawn_keep_masks(spec, q, k, seed)
-    want_q = keep_mask((B, Hq, Nq), pol.q_rate, seed, 0, offset=Nk - Nq if Nq < Nk else 0)
-    want_k = keep_mask((B, Hk, Nk), pol.k_rate, seed, 1)
-    assert qk.dtype == torch.bool and torch.equal(qk, want_q) and torch.equal(kk, want_k)
-    assert not qk.all() and not kk.all()
-    assert torch.equal(TB.drawn_keep_masks(spec, q, k)[1], keep_mask((B, Hk, Nk), pol.k_rate, pol.seed, 1))
-
-    sorts = []
-    real = TB.layout_from_aux
-    monkeypatch.setattr(TB, "layout_from_aux", lambda *a: sorts.append(1) or real(*a))
-    qk, kk = TB.drawn_keep_masks(spec, q, k, seed)
-    out, lse = torch.ops.attncomp.attention(q, k, v, None, qk, kk, None, None, None, None, None, None, None,
-                                            spec.to_json(), 0.0, 0)
-    assert sorts == []                                        # the layout of the draw, not a new sort
-    ref, ref_lse = R.attention(q.double(), k.double(), v.double(), spec=spec, q_aux=want_q, k_aux=want_k)
-    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(lse.double(), ref_lse.double(), atol=1e-5, rtol=1e-5)
-
-
 def test_triton_counting_sort_only_for_buckets_attncomp_derived(monkeypatch):
     """Buckets from ``attncomp.ops.materialize_aux`` lie in ``[0, n_buckets)``: the Triton backend sorts
     them by counting; a caller's ids (any range), a copy, or derived buckets written to since take

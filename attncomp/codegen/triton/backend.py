@@ -30,7 +30,7 @@ from .schedule import tile_lists, tile_summary
 from .template import (MODE_DKDV, MODE_DQ, MODE_FWD, POLICY_DENSE, POLICY_DFSS, POLICY_SORTED, POLICY_SPION,
                        POS_ARANGE, POS_NONE, POS_VECTOR, SCHED_LIST, SCHED_SPAN, _attention_kernel, _bwd_preprocess)
 
-__all__ = ["TritonBackend", "attention_forward", "attention_backward", "Site", "drawn_keep_masks"]
+__all__ = ["TritonBackend", "attention_forward", "attention_backward", "Site"]
 
 _POLICIES = {"dense": POLICY_DENSE, "et": POLICY_DENSE, "dfss": POLICY_DFSS, "hash": POLICY_SORTED,
              "drop": POLICY_SORTED, "spion": POLICY_SPION}
@@ -434,22 +434,6 @@ def _derived_for(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor) -> Layou
     lay = derive_layout(spec, q, k)
     _remember(key, (weakref.ref(q), weakref.ref(k), lay))
     return lay
-
-
-def drawn_keep_masks(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, seed: Optional[int] = None):
-    """The ``drop`` policy's keep masks ``(q_keep, k_keep)`` drawn on the device by the counting-sort
-    kernels (:func:`.layout.derive_layout`): bit for bit :func:`attncomp.ops.materialize_aux`'s draw
-    from ``seed`` (default the policy's), queries shorter than keys at the last ``Nq`` positions.
-    The sorted layout built on the way is remembered for these masks, so the attention call they
-    feed (forward and backward) does not sort again."""
-    lay = derive_layout(spec, q, k, seed)
-    q_keep, k_keep = lay.q_groups == 0, lay.k_groups == 0
-    try:
-        key = (spec.policy.name, _tensor_key(q_keep), _tensor_key(k_keep))
-    except RuntimeError:  # inference tensors: no cache
-        return q_keep, k_keep
-    _remember(key, (q_keep, k_keep, lay))
-    return q_keep, k_keep
 
 
 class TritonBackend:
