@@ -15,7 +15,7 @@ kernels plus their host-side launch code). Sparse policies also report their den
 allowed entries). Ratios are baseline time / attncomp time (> 1: attncomp is faster); for every
 policy the SDPA column is dense attention, the number the policy has to beat.
 
-Output: a table (printed last), JSON (``benchmarks/results/h200.json``, and ``$OUT/h200.json``
+Output: a table (printed last), JSON (``benchmarks/results/attention_<gpu>.json``, and a copy under ``$OUT``
 when ``OUT`` is set; rows of policies not run now are kept) and a plot next to the JSON.
 
 Kernels are compiled ahead in parallel worker processes (Triton's and Inductor's disk caches are
@@ -58,7 +58,7 @@ def parse_args(argv=None):
     ap.add_argument("--tune", action="store_true", help="let the autotune store pick configs (else defaults)")
     ap.add_argument("--sweep", action="store_true", help="time every candidate config of the Triton kernels")
     ap.add_argument("--workers", type=int, default=min(14, os.cpu_count() or 1), help="parallel compile workers")
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "h200.json"))
+    ap.add_argument("--out", default=None, help="JSON path (default results/attention_<gpu>.json: h100, h200...)")
     ap.add_argument("--smoke", action="store_true", help="CPU plumbing check under TRITON_INTERPRET=1")
     ap.add_argument("--table", default="policies", choices=("policies", "structured", "all"),
                     help="policies: the policy table; structured: predicate and spion rows (see run_structured)")
@@ -435,9 +435,12 @@ def write_results(args, rows, policies):
     import triton
 
     doc = {"machine": _machine(args), "torch": torch.__version__, "triton": triton.__version__, "rows": []}
+    if args.out is None:
+        args.out = os.path.join(HERE, "results", f"attention_{_gpu_tag(args)}.json")
     paths = [args.out]
-    if os.environ.get("OUT") and not args.smoke:
-        paths.append(os.path.join(os.environ["OUT"], "h200.json"))
+    if os.environ.get("OUT") and not args.smoke and os.path.dirname(os.path.abspath(args.out)) != \
+            os.path.abspath(os.environ["OUT"]):
+        paths.append(os.path.join(os.environ["OUT"], os.path.basename(args.out)))
     old_rows = []
     if os.path.exists(args.out):
         try:
@@ -457,6 +460,11 @@ def write_results(args, rows, policies):
     except Exception as e:  # the numbers matter more than the picture
         print(f"plot failed: {type(e).__name__}: {e}")
     return doc
+
+
+def _gpu_tag(args) -> str:
+    name = _machine(args).lower()
+    return "cpu" if args.smoke else next((g for g in ("h100", "h200", "a100") if g in name), name.split()[-1])
 
 
 def _machine(args) -> str:
@@ -759,9 +767,7 @@ def _fmt_structured(r) -> str:
 def _write_structured(args, rows) -> None:
     import torch
 
-    name = _machine(args).lower()
-    tag = "cpu" if args.smoke else next((g for g in ("h100", "h200", "a100") if g in name), name.split()[-1])
-    name = f"structured_{tag}.json"
+    name = f"structured_{_gpu_tag(args)}.json"
     paths = [os.path.join(os.environ.get("TMPDIR", "/tmp") if args.smoke else os.path.join(HERE, "results"), name)]
     if os.environ.get("OUT") and not args.smoke:
         paths.append(os.path.join(os.environ["OUT"], name))
