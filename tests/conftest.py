@@ -40,3 +40,18 @@ def tvm_cache_dir(tmp_path_factory):
     d = root / "attncomp-tvm-kernels"
     d.mkdir(exist_ok=True)
     return d
+
+
+@pytest.fixture
+def tvm_poisoned(tvm_cache_dir, monkeypatch):
+    """The session's TVM kernel cache, and the TVM backend's output buffers poisoned (NaN, or -12345 for
+    integers) before its kernels write them."""
+    from attncomp.codegen.tvm import backend as TB
+
+    monkeypatch.setenv("ATTNCOMP_CACHE_DIR", str(tvm_cache_dir))
+
+    def empty(shape, dtype, device):
+        t = torch.empty(shape, dtype=dtype, device=device)
+        return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-12345)
+
+    monkeypatch.setattr(TB, "_empty", empty)

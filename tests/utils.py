@@ -18,6 +18,11 @@ def fresh_seed() -> int:
     return int(torch.randint(0, 2**31 - 1, (1,)).item())
 
 
+def fresh_generator() -> torch.Generator:
+    """A CPU generator seeded per test run."""
+    return torch.Generator().manual_seed(fresh_seed())
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()

@@ -23,28 +23,16 @@ from attncomp.codegen.tvm import build as TVB  # noqa: E402
 from attncomp.codegen.tvm.kernels import Variant  # noqa: E402
 from attncomp.policy import DFSS, ET, Dense, Drop, Hash, SPION, ceil_div  # noqa: E402
 from attncomp.spec import AttentionSpec, Predicates, dtype_name  # noqa: E402
-from tests.utils import TOL, assert_close  # noqa: E402
+from tests.utils import TOL, assert_close, fresh_generator  # noqa: E402
 
 BACKEND = TB.TVMBackend()
 
 
-@pytest.fixture(autouse=True)
-def _shared_kernels_and_poison(tvm_cache_dir, monkeypatch):
-    monkeypatch.setenv("ATTNCOMP_CACHE_DIR", str(tvm_cache_dir))
-
-    def empty(shape, dtype, device):
-        t = torch.empty(shape, dtype=dtype, device=device)
-        return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-12345)
-
-    monkeypatch.setattr(TB, "_empty", empty)
-
-
-def _gen() -> torch.Generator:
-    return torch.Generator().manual_seed(int(torch.randint(0, 2 ** 31 - 1, (1,)).item()))
+pytestmark = pytest.mark.usefixtures("tvm_poisoned")
 
 
 def make_inputs(B, Hq, Nq, D, *, Hk=None, Nk=None, Dv=None, dtype=torch.float32, quantized=False):
-    g = _gen()
+    g = fresh_generator()
     Hk, Nk, Dv = Hk or Hq, Nk or Nq, Dv or D
 
     def qk(*shape):
@@ -56,7 +44,7 @@ def make_inputs(B, Hq, Nq, D, *, Hk=None, Nk=None, Dv=None, dtype=torch.float32,
 
 
 def make_mask(kind, B, Hq, Nq, Nk):
-    g = _gen()
+    g = fresh_generator()
     if kind == "none":
         return None
     if kind == "bool":  # (Nq, Nk), broadcast over batch and heads, some rows fully masked
@@ -77,7 +65,7 @@ def make_mask(kind, B, Hq, Nq, Nk):
 def policy_tensors(policy, q, k):
     B, Hq, Nq = q.shape[:3]
     Hk, Nk = k.shape[1:3]
-    g = _gen()
+    g = fresh_generator()
     if isinstance(policy, Hash):
         return torch.randint(0, 3, (B, Hq, Nq), generator=g), torch.randint(0, 3, (B, Hk, Nk), generator=g), None
     if isinstance(policy, Drop):
@@ -114,7 +102,7 @@ def check(spec, q, k, v, mask=None, aux=(None, None, None), preds=None, *, dropo
     assert_close(lse[fin], rlse[fin].float(), torch.float32 if tol != torch.float64 else tol, "lse")
     if not backward:
         return out, lse, rout
-    go = torch.randn(out.shape, generator=_gen()).to(dtype)
+    go = torch.randn(out.shape, generator=fresh_generator()).to(dtype)
     dq, dk, dv, dm = BACKEND.backward(spec, q, k, v, mask, qa, ka, bp, dropout_p, seed, out, lse, go, preds=preds)
     assert dm is None
     rq, rk, rv, _ = R.attention_backward(q.double(), k.double(), v.double(), m64, go.double(), spec=spec,
@@ -170,7 +158,7 @@ def test_float64_kernels():
     q, k, v = make_inputs(1, 2, 23, 32, Nk=41, dtype=torch.float64)
     spec = spec_for(q, k, policy=DFSS(2, 4), causal=True)
     out, lse, _ = check(spec, q, k, v, backward=False)
-    go = torch.randn(out.shape, generator=_gen(), dtype=torch.float64)
+    go = torch.randn(out.shape, generator=fresh_generator(), dtype=torch.float64)
     got = BACKEND.backward(spec, q, k, v, None, None, None, None, 0.0, 0, out, lse, go)[:3]
     exp = R.attention_backward(q, k, v, None, go, spec=spec)[:3]
     for a, b in zip(got, exp):
@@ -211,7 +199,7 @@ PRED_CASES = ["window", "bottom_right", "positions", "segments", "padding", "all
 def test_predicates(kind):
     B, Hq, Hk, Nq, Nk, D = 2, 2, 1, 67, 131, 32
     q, k, v = make_inputs(B, Hq, Nq, D, Hk=Hk, Nk=Nk)
-    g = _gen()
+    g = fresh_generator()
     preds, kw = None, {}
     pol = Dense()
     if kind == "window":
@@ -253,7 +241,7 @@ def test_predicates_negative_twin():
     ignored it."""
     B, Nq, Nk = 1, 40, 60
     q, k, v = make_inputs(B, 2, Nq, 32, Nk=Nk)
-    g = _gen()
+    g = fresh_generator()
     preds = Predicates(q_seg=torch.sort(_rows(g, B, Nq, 0, 3)).values, k_seg=torch.sort(_rows(g, B, Nk, 0, 3)).values)
     spec = spec_for(q, k)
     out, _ = BACKEND.forward(spec, q, k, v, None, None, None, None, 0.0, 0, preds=preds)

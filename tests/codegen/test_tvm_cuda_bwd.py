@@ -23,26 +23,14 @@ from attncomp.codegen.tvm import cuda_bwd  # noqa: E402
 from attncomp.codegen.tvm.kernels import Variant  # noqa: E402
 from attncomp.policy import DFSS, Dense, Hash, SPION, ceil_div  # noqa: E402
 from attncomp.spec import AttentionSpec, Predicates  # noqa: E402
-from tests.utils import assert_close  # noqa: E402
+from tests.utils import assert_close, fresh_generator  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _shared_kernels_and_poison(tvm_cache_dir, monkeypatch):
-    monkeypatch.setenv("ATTNCOMP_CACHE_DIR", str(tvm_cache_dir))
-
-    def empty(shape, dtype, device):
-        t = torch.empty(shape, dtype=dtype, device=device)
-        return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-12345)
-
-    monkeypatch.setattr(TB, "_empty", empty)
-
-
-def _gen() -> torch.Generator:
-    return torch.Generator().manual_seed(int(torch.randint(0, 2 ** 31 - 1, (1,)).item()))
+pytestmark = pytest.mark.usefixtures("tvm_poisoned")
 
 
 def _check(spec, q, k, v, am=None, qa=None, ka=None, bp=None, drop=0.0, preds=None, dtype=torch.float32):
-    g = _gen()
+    g = fresh_generator()
     seed = int(torch.randint(0, 1000, (1,), generator=g))
     do = torch.randn(q.shape[:-1] + (v.shape[-1],), generator=g).to(q.dtype)
     qd, kd, vd = q.double(), k.double(), v.double()
@@ -71,7 +59,7 @@ CASES = [
                          f"D{c[6]}-{c[8]}{'-drop' if c[9] else ''}")
 def test_cuda_backward_schedule_matches_reference(case):
     pol, causal, Nq, Nk, Hq, Hk, D, Dv, mask, drop = case
-    g = _gen()
+    g = fresh_generator()
     B = 2
     q, k = torch.randn(B, Hq, Nq, D, generator=g), torch.randn(B, Hk, Nk, D, generator=g)
     v = torch.randn(B, Hk, Nk, Dv, generator=g)
@@ -88,7 +76,7 @@ def test_cuda_backward_schedule_matches_reference(case):
 
 def test_cuda_backward_schedule_float16_inputs_and_predicates():
     """Half inputs (computed in float32), segments, key validity and a window (tile summaries)."""
-    g = _gen()
+    g = fresh_generator()
     B, H, N, D = 2, 2, 90, 32
     q, k, v = (torch.randn(B, H, N, D, generator=g).half() for _ in range(3))
     seg = torch.cumsum(torch.rand(B, N, generator=g) < 0.05, -1).to(torch.int32)
@@ -99,7 +87,7 @@ def test_cuda_backward_schedule_float16_inputs_and_predicates():
 
 def test_cuda_backward_schedule_other_policies():
     """The template's other keep rules go through the same kernels (hash, spion)."""
-    g = _gen()
+    g = fresh_generator()
     B, H, N, D = 1, 2, 70, 16
     q, k, v = (torch.randn(B, H, N, D, generator=g) for _ in range(3))
     qa, ka = torch.randint(0, 3, (B, H, N), generator=g), torch.randint(0, 3, (B, H, N), generator=g)
@@ -110,7 +98,7 @@ def test_cuda_backward_schedule_other_policies():
 
 def test_empty_rows_get_zero_gradients():
     """Queries without an allowed key (q_valid false) have lse -inf and zero dq."""
-    g = _gen()
+    g = fresh_generator()
     q, k, v = (torch.randn(1, 1, 40, 16, generator=g) for _ in range(3))
     qv = torch.rand(1, 40, generator=g) > 0.5
     _check(AttentionSpec(policy=DFSS(2, 4)), q, k, v, preds=Predicates(q_valid=qv))
@@ -192,7 +180,7 @@ def test_cuda_host_paths_fill_every_kernel_parameter(policy, dtype, tmp_path, mo
         launched.append((self.meta["symbol"], grid, block, len(args)))
 
     monkeypatch.setattr(CubinKernel, "launch", launch)
-    g = _gen()
+    g = fresh_generator()
     B, Hq, Hk, Nq, Nk, D = 2, 4, 2, 70, 90, 64
     q, k, v = (torch.randn(B, h, n, D, generator=g).to(dtype) for h, n in ((Hq, Nq), (Hk, Nk), (Hk, Nk)))
     seg = torch.cumsum(torch.rand(B, Nk, generator=g) < 0.05, -1).to(torch.int32)

@@ -23,22 +23,10 @@ from attncomp.codegen.tvm import sparse as SP  # noqa: E402
 from attncomp.codegen.tvm.kernels import Variant  # noqa: E402
 from attncomp.policy import DFSS  # noqa: E402
 from attncomp.spec import AttentionSpec, Predicates  # noqa: E402
-from tests.utils import assert_close  # noqa: E402
+from tests.utils import assert_close, fresh_generator  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _shared_kernels_and_poison(tvm_cache_dir, monkeypatch):
-    monkeypatch.setenv("ATTNCOMP_CACHE_DIR", str(tvm_cache_dir))
-
-    def empty(shape, dtype, device):
-        t = torch.empty(shape, dtype=dtype, device=device)
-        return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-12345)
-
-    monkeypatch.setattr(TB, "_empty", empty)
-
-
-def _gen() -> torch.Generator:
-    return torch.Generator().manual_seed(int(torch.randint(0, 2 ** 31 - 1, (1,)).item()))
+pytestmark = pytest.mark.usefixtures("tvm_poisoned")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -112,7 +100,7 @@ def test_kernel_registers_follow_the_documented_layouts():
 
     func = tvm.script.from_source(SP.register_probe_source(), extra_vars={"T": T})
     probe = tvm.compile(tvm.IRModule({"probe": func}), target={"kind": "llvm"})["probe"]
-    g = _gen()
+    g = fresh_generator()
     pairs = [(0, 1), (0, 2), (1, 2), (0, 3), (1, 3), (2, 3)]
     rows = []
     for r in range(16):
@@ -148,7 +136,7 @@ def test_hand_made_tile_keeps_the_documented_entries():
     """Logits chosen by hand (ties included), V the identity: the emulated kernel's output row i is the
     normalised kept probabilities of row i, so it shows exactly which keys the packed P and its
     metadata select."""
-    g = _gen()
+    g = fresh_generator()
     Nq, Nk = 16, 64
     levels = torch.tensor([-1.0, -0.5, 0.0, 0.5, 1.0])
     L = levels[torch.randint(0, 5, (Nq, Nk), generator=g)]  # exact in float16, many ties
@@ -184,7 +172,7 @@ CASES = [
                          f"{'causal' if c[2] else 'full'}-{c[3]}x{c[4]}-D{c[7]}-{c[9]}")
 def test_emulated_sparse_kernel_matches_reference(case):
     dtype, nm, causal, Nq, Nk, Hq, Hk, D, Dv, mask = case
-    g = _gen()
+    g = fresh_generator()
     B = 2
     q = torch.randn(B, Hq, Nq, D, generator=g).to(dtype)
     k = torch.randn(B, Hk, Nk, D, generator=g).to(dtype)
@@ -209,7 +197,7 @@ def test_emulated_sparse_kernel_matches_reference(case):
 
 def test_emulated_sparse_kernel_with_predicates():
     """Segments, key validity and a window through the tile schedule's summaries."""
-    g = _gen()
+    g = fresh_generator()
     B, H, N, D = 2, 2, 90, 32
     q, k, v = (torch.randn(B, H, N, D, generator=g).half() for _ in range(3))
     seg = torch.cumsum(torch.rand(B, N, generator=g) < 0.05, -1).to(torch.int32)
@@ -224,7 +212,7 @@ def test_emulated_sparse_kernel_with_predicates():
 
 def test_selection_is_applied():
     """Negative twin: the emulated sparse kernel differs from dense attention on the same inputs."""
-    g = _gen()
+    g = fresh_generator()
     q, k, v = (torch.randn(1, 1, 64, 32, generator=g).half() for _ in range(3))
     out, _ = TB.sparse_emulated_forward(AttentionSpec(policy=DFSS(2, 4)), q, k, v)
     dense, _ = R.attention(q.double(), k.double(), v.double(), None, spec=AttentionSpec())

@@ -106,12 +106,7 @@ def cuda_forward_source(v: Variant) -> str:
     BQ, BK, D, Dv, dt = v.block_q, v.block_k, v.head_dim, v.head_dim_v, v.dtype
     ninf = K._neg_inf(v)
     L = K._signature("attn_fwd", K.FWD_ARGS, v)
-    L += [f'    Q = T.match_buffer(q, (B, Hq, Nq, {D}), "{dt}")',
-          f'    K = T.match_buffer(k, (B, Hk, Nk, {D}), "{dt}")',
-          f'    V = T.match_buffer(v, (B, Hk, Nk, {Dv}), "{dt}")',
-          f'    O = T.match_buffer(o, (B, Hq, Nq, {Dv}), "{dt}")',
-          '    LSE = T.match_buffer(lse, (B, Hq, Nq), "float32")']
-    L += K._common_buffers(v)
+    L += K._qkv_buffers(v, dt, out=dt) + K._common_buffers(v)
     i1, i2, ind = "        ", "            ", "                "
     L += [f"    for qt in T.thread_binding((Nq + {BQ - 1}) // {BQ}, thread=\"blockIdx.x\"):",
           f"{i1}for bh in T.thread_binding(B * Hq, thread=\"blockIdx.y\"):",

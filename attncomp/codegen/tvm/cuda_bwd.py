@@ -127,12 +127,7 @@ class _Gen:
         name = "attn_bwd_dkdv" if self.kind == "dkdv" else "attn_bwd_dq"
         grads = ("dk", "dv") if self.kind == "dkdv" else ("dq",)
         L = K._signature(name, K.BWD_ARGS + grads, v)
-        L += [f'    Q = T.match_buffer(q, (B, Hq, Nq, {D}), "{dt}")',
-              f'    K = T.match_buffer(k, (B, Hk, Nk, {D}), "{dt}")',
-              f'    V = T.match_buffer(v, (B, Hk, Nk, {Dv}), "{dt}")',
-              f'    DO = T.match_buffer(do, (B, Hq, Nq, {Dv}), "{dt}")',
-              '    LSE = T.match_buffer(lse, (B, Hq, Nq), "float32")',
-              '    DELTA = T.match_buffer(delta, (B, Hq, Nq), "float32")']
+        L += K._qkv_buffers(v, dt, grad_out=True) + ['    DELTA = T.match_buffer(delta, (B, Hq, Nq), "float32")']
         shapes = {"dq": f"(B, Hq, Nq, {D})", "dk": f"(B, Hk, Nk, {D})", "dv": f"(B, Hk, Nk, {Dv})"}
         L += [f'    {g.upper()}_ = T.match_buffer({g}, {shapes[g]}, "{dt}")' for g in grads]
         return L + K._common_buffers(v)

@@ -166,6 +166,19 @@ def _signature(name: str, base: Tuple[str, ...], v: Variant) -> List[str]:
     ]
 
 
+def _qkv_buffers(v: Variant, dt: str, *, out: Optional[str] = None, grad_out: bool = False) -> List[str]:
+    """The CUDA kernels' Q, K, V (in ``dt``), then O (in ``out``) or dO, then LSE buffers."""
+    D, Dv = v.head_dim, v.head_dim_v
+    L = [f'    Q = T.match_buffer(q, (B, Hq, Nq, {D}), "{dt}")',
+         f'    K = T.match_buffer(k, (B, Hk, Nk, {D}), "{dt}")',
+         f'    V = T.match_buffer(v, (B, Hk, Nk, {Dv}), "{dt}")']
+    if out is not None:
+        L.append(f'    O = T.match_buffer(o, (B, Hq, Nq, {Dv}), "{out}")')
+    if grad_out:
+        L.append(f'    DO = T.match_buffer(do, (B, Hq, Nq, {Dv}), "{dt}")')
+    return L + ['    LSE = T.match_buffer(lse, (B, Hq, Nq), "float32")']
+
+
 def _common_buffers(v: Variant) -> List[str]:
     L = []
     if v.mask != "none":

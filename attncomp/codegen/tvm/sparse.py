@@ -251,12 +251,7 @@ class _Gen:
         BQ, NT = SP_BLOCK_Q, SP_THREADS
         ninf = 'T.float32("-inf")'
         L = K._signature("attn_fwd", K.FWD_ARGS, v)
-        L += [f'    Q = T.match_buffer(q, (B, Hq, Nq, {D}), "{od}")',
-              f'    K = T.match_buffer(k, (B, Hk, Nk, {D}), "{od}")',
-              f'    V = T.match_buffer(v, (B, Hk, Nk, {Dv}), "{od}")',
-              f'    O = T.match_buffer(o, (B, Hq, Nq, {Dv}), "float32")',
-              '    LSE = T.match_buffer(lse, (B, Hq, Nq), "float32")']
-        L += K._common_buffers(v)
+        L += K._qkv_buffers(v, od, out="float32") + K._common_buffers(v)
         shared = "shared" if not self.cpu else "global"
         allocs = [("Qs", (BQ, D), od, shared), ("Ks", (BK, D), od, shared), ("Vs", (BK, Dv), od, shared),
                   ("S", (BQ, BK), "float32", shared), ("Pc", (BQ, BK // 2), od, shared),
