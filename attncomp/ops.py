@@ -507,12 +507,14 @@ _LIB = torch.library.Library("attncomp", "IMPL")  # kept: the registration lives
 
 
 def _override(kernel, key: str, **kw) -> bool:
-    """Replace the kernel ``torch.library`` registered for ``key``. torch 2.11 refuses to override a
-    kernel registered from Python (2.13 allows it with a warning): there the op keeps the kernels of
-    ``register_autograd`` / the custom op, which compute the same thing with more host time."""
+    """Register ``kernel`` for the dispatch key ``key`` of the op, ahead of what ``torch.library``
+    registered. Registered for the CPU and CUDA keys (``AutogradCPU`` rather than the ``Autograd``
+    alias that ``register_autograd`` uses: a backend's own key wins over the alias, and torch 2.11
+    refuses to re-register a key that Python already holds). Other devices keep torch.library's
+    kernels, which compute the same thing with more host time. False where torch refuses."""
     try:
         with warnings.catch_warnings():
-            # replacing the kernel that register_autograd / custom_op installed is the intent
+            # replacing the kernel that custom_op installed is the intent
             warnings.filterwarnings("ignore", message="(?s).*Overriding a previously registered kernel")
             _LIB.impl("attention", kernel, key, **kw)
         return True
@@ -522,7 +524,8 @@ def _override(kernel, key: str, **kw) -> bool:
         return False
 
 
-FAST_HOST_PATH = _override(_autograd_kernel, "Autograd", with_keyset=True)
+FAST_HOST_PATH = all([_override(_autograd_kernel, "AutogradCPU", with_keyset=True),
+                      _override(_autograd_kernel, "AutogradCUDA", with_keyset=True)])
 # CPU and CUDA calls that do get here through the dispatcher (inference mode skips autograd; traced
 # calls redispatch) run the implementation without torch.library's alias check in between
 if FAST_HOST_PATH:
