@@ -62,7 +62,7 @@ DENSE_CHOICE = "dense_kernel_choice"
 
 _rule_cache: Dict[tuple, Optional[Dict[str, Any]]] = {}
 _choice_cache: Dict[tuple, Optional[str]] = {}
-_cpu_memo: Dict[tuple, Any] = {}
+_auto_memo: Dict[tuple, Any] = {}
 
 
 @functools.lru_cache(maxsize=None)
@@ -110,7 +110,7 @@ def clear_rule_cache() -> None:
     """Forget this process's copies of stored rules and choices (the store keeps them)."""
     _rule_cache.clear()
     _choice_cache.clear()
-    _cpu_memo.clear()
+    _auto_memo.clear()
     _arch_cache.clear()
 
 
@@ -402,24 +402,27 @@ def select_backend(spec: AttentionSpec, q: torch.Tensor, k: Optional[torch.Tenso
     if preds is not None and not preds.any():
         preds = None
     if name == "auto":
-        if not q.is_cuda and _gpu_arch(q) is None:
-            # CPU: memoised per spec, dtype, sizes and what is present (the choice reads nothing else)
-            p = spec.dropout_p if dropout_p is None else dropout_p
-            qs = q.shape
-            n_keys = qs[-2] if k is None else k.shape[-2]
-            # keyed by the spec's identity (specs come from a parse cache; hashing one costs more than
-            # the rest of the lookup), checked against the spec kept with the entry
-            mk = (id(spec), q.dtype, q.device, qs[-2], n_keys, qs[-1],
-                  None if v is None else v.shape[-1], preds is None, p > 0, id(get_backend), _tvm_auto_env())
-            ent = _cpu_memo.get(mk)
-            if ent is None or ent[0] is not spec or ent[1] is not get_backend:
-                if len(_cpu_memo) > 4096:
-                    _cpu_memo.clear()
-                ent = _cpu_memo[mk] = (spec, get_backend,
-                                       _auto_explained(spec, q, n_keys, v, preds, dropout_p, k, attn_mask)[0])
-            return ent[2]
-        n_keys = (k if k is not None else q).shape[-2]
-        return _auto_explained(spec, q, n_keys, v, preds, dropout_p, k, attn_mask)[0]
+        # memoised per spec, dtype, device, sizes and what is present (the choice reads nothing else;
+        # on CUDA also which predicates, the mask and the head counts, which decide SDPA against Triton)
+        p = spec.dropout_p if dropout_p is None else dropout_p
+        qs = q.shape
+        ks = qs if k is None else k.shape
+        cuda = _gpu_arch(q) is not None
+        # keyed by the spec's identity (specs come from a parse cache; hashing one costs more than
+        # the rest of the lookup), checked against the spec kept with the entry
+        mk = (id(spec), q.dtype, q.device, qs[-2], ks[-2], qs[-1], None if v is None else v.shape[-1],
+              preds is None, p > 0, id(get_backend), _tvm_auto_env(),
+              (qs[1], ks[1], None if attn_mask is None else attn_mask.dtype,
+               None if preds is None else tuple(t is not None for t in preds)) if cuda else None)
+        ent = _auto_memo.get(mk)
+        if ent is None or ent[0] is not spec or ent[1] is not get_backend:
+            be, _, why = _auto_explained(spec, q, ks[-2], v, preds, dropout_p, k, attn_mask)
+            if "not measured" in why:  # a provisional dense choice (timing not allowed now): not kept
+                return be
+            if len(_auto_memo) > 4096:
+                _auto_memo.clear()
+            ent = _auto_memo[mk] = (spec, get_backend, be)
+        return ent[2]
     be = get_backend(name)
     reason = _supports(be, spec, q, preds)
     if reason is None and name == "sdpa":

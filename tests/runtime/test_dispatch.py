@@ -255,3 +255,35 @@ def test_cuda_choice_never_measures_during_capture_or_sync_debug(fake_gpu, monke
     timings.update(sdpa=0.1)
     assert dispatch.select_backend(AttentionSpec(), q, k, k).name == "triton"  # the stored winner
     assert len(calls) == 1
+
+
+def test_cuda_choice_is_memoised_per_call_signature(fake_gpu, monkeypatch):
+    """The per-call choice is computed once per spec, sizes, head counts, mask and predicates present;
+    a provisional choice (timing not allowed now) is not kept."""
+    from attncomp.spec import Predicates
+
+    backends, timings, calls = fake_gpu
+    seen = []
+    real = dispatch._auto_explained
+    monkeypatch.setattr(dispatch, "_auto_explained", lambda *a, **kw: seen.append(1) or real(*a, **kw))
+    spec = AttentionSpec()
+    q, k = _qk(512)
+    for _ in range(3):
+        assert dispatch.select_backend(spec, q, k, k).name == "sdpa"
+    assert len(seen) == 1 and len(calls) == 1
+    m = torch.ones(1, 1, 512, 512, dtype=torch.bool)
+    dispatch.select_backend(spec, q, k, k, attn_mask=m)
+    dispatch.select_backend(spec, q, k, k, attn_mask=m)
+    assert len(seen) == 2
+    kv = torch.ones(1, 512, dtype=torch.bool)
+    dispatch.select_backend(spec, q, k, k, preds=Predicates(k_valid=kv))
+    assert len(seen) == 3
+    k2 = torch.empty(1, 2, 512, 64, dtype=torch.float16)     # GQA: another head count
+    dispatch.select_backend(spec, q, k2, k2)
+    assert len(seen) == 4
+    measured = len(calls)                                    # (a mask or predicates: other buckets)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    q3, k3 = _qk(5000)                                       # a new bucket while capturing: provisional
+    dispatch.select_backend(spec, q3, k3, k3)
+    dispatch.select_backend(spec, q3, k3, k3)
+    assert len(seen) == 6 and len(calls) == measured
