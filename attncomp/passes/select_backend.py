@@ -35,19 +35,14 @@ NAME = "select_backend"
 
 
 def _rule_text(spec, site: fx.Node) -> str:
+    """What ``auto`` runs for the site, per device (the rule dispatch applies per call)."""
     dev = device_of(site.args[0])
     d = head_dim(site, spec)
     dt = dtype_of(site.args[0]) or spec.torch_dtype()
-    where = "on CPU: reference (exact); " if dev is None or dev.type != "cuda" else ""
-    if torch.cuda.is_available() and d is not None and dt is not None:
-        major, minor = torch.cuda.get_device_capability()
-        arch = f"sm_{major}{minor}"
-        rule = dispatch.seq_rule(spec.policy.name, d, dt, arch)
-        return (f"auto, per call: {where}on CUDA with Triton: {dispatch.describe_rule(rule)} "
-                f"[policy={spec.policy.name}, D={d}, {dt}, {arch}]")
-    return (f"auto, per call: {where}on CUDA with Triton: fused kernel when Nk <= the threshold measured for "
-            f"(policy={spec.policy.name}, D={d}, dtype, GPU arch), split form (QK^T, softmax, AV) above it; "
-            f"fused for every Nk when nothing is measured")
+    s = spec.replace(head_dim=d) if spec.head_dim is None and d is not None else spec
+    parts = [] if dev is not None and dev.type == "cuda" else ["on CPU: " + dispatch.describe_choice(s, "cpu", dt)]
+    parts.append("on CUDA: " + dispatch.describe_choice(s, "cuda", dt))
+    return "auto, per call: " + "; ".join(parts)
 
 
 def select_backend(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:

@@ -11,6 +11,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 from attncomp import ops
 from attncomp.passes.base import CompileContext
 from attncomp.passes.select_backend import select_backend as select_pass
+from attncomp.passes.sparsify import sparsify
 from attncomp.policy import DFSS, ET, Dense
 from attncomp.runtime import dispatch
 from attncomp.spec import AttentionSpec
@@ -108,6 +109,7 @@ def test_rule_from_timings_and_named_backends(table, fake_gpu):
     assert dispatch.select_backend(spec, *qk(512, dtype=torch.bfloat16)).name == "sdpa"
     # a split backend that cannot run the spec falls back to the fused kernel (same numerics)
     fake_gpu["sdpa"].ok = False
+    dispatch.clear_rule_cache()  # choices are memoised per call signature: a backend's support is fixed
     assert dispatch.select_backend(spec, *qk(512, dtype=torch.bfloat16)).name == "triton"
 
 
@@ -158,10 +160,22 @@ def test_pass_annotates_auto_rule_on_cpu():
     res = select_pass(gm, ctx)
     assert not res.modified
     text = ctx.sites[0].details["select_backend"]
-    assert text.startswith("auto, per call: on CPU: reference")
-    assert "split form" in text and "fused" in text
+    # et keeps every allowed entry: SDPA's CPU kernel, on a GPU the faster of SDPA and Triton
+    assert text.startswith("auto, per call: on CPU: sdpa"), text
+    assert "on CUDA: the faster of SDPA" in text, text
     assert AttentionSpec.from_json(site(gm).args[ops.ARG_INDEX["spec"]]).backend == "auto"
     assert ctx.counters["select_backend"]["auto"] == 1
+
+
+def test_pass_annotates_sparse_auto_rule_on_cpu():
+    xs = [torch.randn(1, 2, 8, 16) for _ in range(3)]
+    gm = traced(Before(), *xs)
+    ctx = CompileContext(policy=DFSS(1, 2))
+    sparsify(gm, ctx)
+    select_pass(gm, ctx)
+    text = ctx.sites[0].details["select_backend"]
+    assert text.startswith("auto, per call: on CPU: tvm where apache-tvm is installed"), text
+    assert "on CUDA: triton" in text and "split form" in text, text
 
 
 def test_pass_writes_named_backend():
