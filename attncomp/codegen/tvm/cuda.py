@@ -129,13 +129,8 @@ def cuda_forward_source(v: Variant) -> str:
           f"{ind}W[0] = {ninf}", f"{ind}W[1] = T.{dt}(0)",
           f"{ind}for e in range({Dv}):", f"{ind}    ACC[e] = T.{dt}(0)"]
     L += K._ksum_base(v, ind) + K._query_summary(v, ind) + K._tile_range(v, ind)
-    L += [f"{ind}for kt in range(kt_lo, kt_hi):"]
-    ind2 = ind + "    "
-    visit = K._tile_visit(v, "kt")
-    if visit:
-        L += [f"{ind2}if {visit}:"]
-        ind2 += "    "
-    L += [f"{ind2}k0 = kt * {BK}"]
+    loop, ind2 = K._key_tile_loop(v, ind, BK)
+    L += loop
     for buf, src, width in (("Ks", "K", D), ("Vs", "V", Dv)):
         n = BK * width
         L += [f"{ind2}for r in range({-(-n // BQ)}):",

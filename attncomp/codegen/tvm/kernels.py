@@ -378,6 +378,18 @@ def _tile_visit(v: Variant, kt: str) -> str:
     return _and(c) if c else ""
 
 
+
+def _key_tile_loop(v: Variant, ind: str, BK: int) -> Tuple[List[str], str]:
+    """The loop over the call's key tiles (``kt_lo`` .. ``kt_hi``), the tiles the schedule skips left out,
+    ``k0`` set: the lines and the indent of the loop body."""
+    L = [f"{ind}for kt in range(kt_lo, kt_hi):"]
+    ind2 = ind + "    "
+    visit = _tile_visit(v, "kt")
+    if visit:
+        L += [f"{ind2}if {visit}:"]
+        ind2 += "    "
+    return L + [f"{ind2}k0 = kt * {BK}"], ind2
+
 def _scores(v: Variant, ind: str) -> List[str]:
     """S[BQ, BK] = logits of the tile (q0, k0) with disallowed / unkept entries at -inf.
 
@@ -507,13 +519,8 @@ def forward_source(v: Variant) -> str:
           f"{ind}    for e in T.vectorized({Dv}):",
           f"{ind}        ACC[i, e] = T.{dt}(0)"]
     L += _tile_range(v, ind)
-    L += [f"{ind}for kt in range(kt_lo, kt_hi):"]
-    ind2 = ind + "    "
-    visit = _tile_visit(v, "kt")
-    if visit:
-        L += [f"{ind2}if {visit}:"]
-        ind2 += "    "
-    L += [f"{ind2}k0 = kt * {BK}", f"{ind2}kn = T.min({BK}, Nk - k0)"]
+    loop, ind2 = _key_tile_loop(v, ind, BK)
+    L += loop + [f"{ind2}kn = T.min({BK}, Nk - k0)"]
     L += _scores(v, ind2)
     ind3 = ind2 + "    "
     LN = 16 if BK % 16 == 0 else BK
@@ -687,13 +694,8 @@ def dq_source(v: Variant) -> str:
     L += [f'{ind}DQ = T.alloc_buffer(({BQ}, {D}), "{dt}", scope="local")',
           f"{ind}for i, d in T.grid({BQ}, {D}):", f"{ind}    DQ[i, d] = T.{dt}(0)"]
     L += _load_q(v, ind) + _load_rows(v, ind) + _ksum_base(v, ind) + _query_summary(v, ind) + _tile_range(v, ind)
-    L += [f"{ind}for kt in range(kt_lo, kt_hi):"]
-    ind2 = ind + "    "
-    visit = _tile_visit(v, "kt")
-    if visit:
-        L += [f"{ind2}if {visit}:"]
-        ind2 += "    "
-    L += [f"{ind2}k0 = kt * {BK}", f"{ind2}kn = T.min({BK}, Nk - k0)"]
+    loop, ind2 = _key_tile_loop(v, ind, BK)
+    L += loop + [f"{ind2}kn = T.min({BK}, Nk - k0)"]
     L += _scores(v, ind2) + _probs_bwd(v, ind2)
     L += [f"{ind2}for i in range({BQ}):",
           f"{ind2}    for j in range(kn):",

@@ -299,13 +299,8 @@ class _Gen:
         body += [f"if tx < {BQ}:", f"    Mx[tx] = {ninf}", "    Ls[tx] = T.float32(0)",
                  f"for i in {self.U(self.nacc)}:", f"    {self.acc('i')} = T.float32(0)"]
         L += phase(ind, body)
-        L += [f"{ind}for kt in range(kt_lo, kt_hi):"]
-        ind2 = ind + "    "
-        visit = K._tile_visit(v, "kt")
-        if visit:
-            L += [f"{ind2}if {visit}:"]
-            ind2 += "    "
-        L += [f"{ind2}k0 = kt * {BK}"]
+        loop, ind2 = K._key_tile_loop(v, ind, BK)
+        L += loop
         L += phase(ind2, load("Ks", "K", BK, D, "k0", "Nk", "hk") + load("Vs", "V", BK, Dv, "k0", "Nk", "hk"))
         # 2. logits on dense mma, predicate, into S
         qc, kc = "T.min(q0 + ri, Nq - 1)", "T.min(k0 + ci, Nk - 1)"
