@@ -193,15 +193,22 @@ def _no_keys(q, v, lse):
     return _empty(q.shape[:-1] + (v.shape[-1],), q.dtype, q.device).zero_(), lse.fill_(float("-inf"))
 
 
+def _forward_start(q, k, v):
+    """``(compute dtype, lse buffer, result)`` of a forward: the result of an empty problem, else None."""
+    B, Hq, Nq, _ = q.shape
+    lse = _empty((B, Hq, Nq), torch.float32, q.device)
+    empty = _no_keys(q, v, lse) if Nq == 0 or B * Hq == 0 or k.shape[2] == 0 else None
+    return _compute_dtype(q.dtype), lse, empty
+
+
 def attention_forward(spec: AttentionSpec, q, k, v, attn_mask=None, q_aux=None, k_aux=None, block_pattern=None,
                       dropout_p: float = 0.0, seed: int = 0, preds=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of DESIGN.md §4 through the compiled TVM forward kernel."""
-    ct = _compute_dtype(q.dtype)
+    ct, lse, empty = _forward_start(q, k, v)
+    if empty is not None:
+        return empty
     B, Hq, Nq, _ = q.shape
-    Nk, Dv = k.shape[2], v.shape[-1]
-    lse = _empty((B, Hq, Nq), torch.float32, q.device)
-    if Nq == 0 or B * Hq == 0 or Nk == 0:
-        return _no_keys(q, v, lse)
+    Dv = v.shape[-1]
     variant = make_variant(spec, q, v, attn_mask, preds, dropout_p)
     qc, kc, vc = _prep(q, ct), _prep(k, ct), _prep(v, ct)
     out = _empty((B, Hq, Nq, Dv), ct, q.device)
@@ -330,12 +337,11 @@ def build_command(variant: Variant, arch: str) -> str:
 def cuda_forward(spec: AttentionSpec, q, k, v, attn_mask=None, q_aux=None, k_aux=None, block_pattern=None,
                  dropout_p: float = 0.0, seed: int = 0, preds=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """The forward on CUDA tensors through the prebuilt cubin of the call's kernel variant."""
-    ct = _compute_dtype(q.dtype)
+    ct, lse, empty = _forward_start(q, k, v)
+    if empty is not None:
+        return empty
     B, Hq, Nq, _ = q.shape
-    Nk, Dv = k.shape[2], v.shape[-1]
-    lse = _empty((B, Hq, Nq), torch.float32, q.device)
-    if Nq == 0 or B * Hq == 0 or Nk == 0:
-        return _no_keys(q, v, lse)
+    Dv = v.shape[-1]
     variant = cuda_kernel_variant(spec, q, v, attn_mask, preds, dropout_p)
     major, minor = torch.cuda.get_device_capability(q.device)
     kernel = _cuda_kernels(spec, variant, ("fwd",), f"sm_{major}{minor}")["fwd"]
