@@ -18,6 +18,7 @@ import torch  # noqa: E402
 
 from attncomp.policy import Hash, lsh_buckets  # noqa: E402
 from attncomp.spec import AttentionSpec  # noqa: E402
+from tests.utils import fresh_seed  # noqa: E402
 
 SHAPES = [  # B, Hq, Hk, Nq, Nk, D
     (2, 4, 2, 11, 11, 16),
@@ -62,7 +63,7 @@ def test_op_derives_buckets_like_given_ones(backend, shape, monkeypatch):
         monkeypatch.setattr(TB, "derive_layout", lambda *a, **kw: fused.append(1) or real(*a, **kw))
         TB._LAYOUT_CACHE.clear()
     B, Hq, Hk, Nq, Nk, D = shape
-    seed = int(torch.randint(0, 2 ** 31 - 1, (1,)).item())
+    seed = fresh_seed()
     gen = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(B, h, n, D, generator=gen) for h, n in ((Hq, Nq), (Hk, Nk), (Hk, Nk)))
     g = torch.randn(B, Hq, Nq, D, generator=gen)
@@ -103,7 +104,7 @@ def test_triton_counting_sort_only_for_buckets_attncomp_derived(monkeypatch):
     from attncomp.codegen.triton import layout as L
 
     B, Hq, Hk, Nq, Nk, D = 2, 4, 2, 9, 14, 8
-    seed = int(torch.randint(0, 2 ** 31 - 1, (1,)).item())
+    seed = fresh_seed()
     gen = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(B, h, n, D, generator=gen) for h, n in ((Hq, Nq), (Hk, Nk), (Hk, Nk)))
     pol = Hash(n_buckets=6, seed=seed % 1000)
@@ -153,7 +154,7 @@ def test_exported_hash_model_derives_buckets_after_load(tmp_path):
             k, v = self.kv(x).view(B, N, 2, 2, 4).permute(2, 0, 3, 1, 4)
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
-    torch.manual_seed(int(torch.randint(0, 2 ** 31 - 1, (1,)).item()))
+    torch.manual_seed(fresh_seed())
     model = M().eval()
     x = torch.randn(2, 10, 16)
     fast = attncomp.compile(model, policy=Hash(n_buckets=4, seed=3), example_inputs=(x,))

@@ -21,7 +21,7 @@ from attncomp.codegen import reference as R  # noqa: E402
 import attncomp.codegen.triton.backend  # noqa: E402,F401
 from attncomp.policy import DFSS, Dense, Drop, Hash, SPION, ceil_div  # noqa: E402
 from attncomp.spec import AttentionSpec, Predicates, dtype_name  # noqa: E402
-from tests.utils import assert_close  # noqa: E402
+from tests.utils import assert_close, fresh_generator  # noqa: E402
 
 
 
@@ -102,7 +102,7 @@ def _supports(be, spec, q, preds):
 @pytest.mark.parametrize("row", MATRIX, ids=[r[0] for r in MATRIX])
 def test_parity(row):
     name, policy, kw, mask_kind, preds_kind = row
-    g = torch.Generator().manual_seed(int(torch.randint(0, 2 ** 31 - 1, (1,)).item()))
+    g = fresh_generator()
     q, k, v, mask, (qa, ka, bp), preds = _inputs(policy, mask_kind, preds_kind, g)
     mk = "none" if mask is None else ("bool" if mask.dtype == torch.bool else "float")
     spec = AttentionSpec(mask_kind=mk, dtype=dtype_name(q.dtype), head_dim=q.shape[-1],

@@ -20,14 +20,11 @@ import torch
 from attncomp.codegen import reference as R
 from attncomp.policy import DFSS, ET, SPION, Dense, Drop, Hash, Policy, uniform_hash
 from attncomp.spec import AttentionSpec, Predicates
-from tests.utils import assert_close
+from tests.utils import assert_close, fresh_seed
 
 F64 = torch.float64
 DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
-
-def fresh_seed() -> int:
-    return int(torch.randint(0, 2**31 - 1, (1,)).item())
 
 
 def ceil_div(a: int, b: int) -> int:

@@ -27,7 +27,7 @@ from attncomp.codegen.triton import backend as TB  # noqa: E402
 from attncomp.policy import SPION  # noqa: E402
 from attncomp.spec import AttentionSpec, Predicates, dtype_name  # noqa: E402
 from tests.codegen.template_cases import CASES, close, make_mask, make_policy, make_preds  # noqa: E402
-from tests.utils import TOL, poison  # noqa: E402
+from tests.utils import TOL, fresh_seed, poison  # noqa: E402
 
 BACKEND = TB.TritonBackend()
 
@@ -36,9 +36,6 @@ BACKEND = TB.TritonBackend()
 def _poisoned(monkeypatch):
     monkeypatch.setattr(TB, "_empty", lambda shape, dtype, device: poison(torch.empty(shape, dtype=dtype, device=device)))
 
-
-def _seed() -> int:
-    return int(torch.randint(0, 2 ** 31 - 1, (1,)).item())
 
 
 def _ids(c):
@@ -51,7 +48,7 @@ def _close(name, a, b, dtype, scale_by_max=False):
 
 
 def run_case(policy, kinds, mask_kind, B, Hq, Hk, Nq, Nk, D, dtype, *, dropout_p=0.0, backward=True):
-    g = torch.Generator().manual_seed(_seed())
+    g = torch.Generator().manual_seed(fresh_seed())
     q = torch.randn(B, Hq, Nq, D, generator=g).to(dtype)
     k = torch.randn(B, Hk, Nk, D, generator=g).to(dtype)
     v = torch.randn(B, Hk, Nk, D, generator=g).to(dtype)
@@ -62,7 +59,7 @@ def run_case(policy, kinds, mask_kind, B, Hq, Hk, Nq, Nk, D, dtype, *, dropout_p
     mask = make_mask(mask_kind, g, B, Hq, Nq, Nk)
     pol, qa, ka, bp = make_policy(policy, g, B, Hq, Hk, Nq, Nk)
     spec = AttentionSpec(mask_kind=mask_kind, dtype=dtype_name(dtype), policy=pol, **fields)
-    seed = _seed()
+    seed = fresh_seed()
     out, lse = BACKEND.forward(spec, q, k, v, mask, qa, ka, bp, dropout_p, seed, preds=preds)
     m64 = mask if mask is None or mask.dtype == torch.bool else mask.double()
     args = dict(spec=spec, q_aux=qa, k_aux=ka, block_pattern=bp, dropout_p=dropout_p, seed=seed, preds=preds)

@@ -30,7 +30,7 @@ from attncomp.codegen.triton import configs  # noqa: E402
 from attncomp.codegen.triton.common import _uniform_hash  # noqa: E402
 from attncomp.policy import DFSS, Dense, ET, Drop, Hash, SPION, get_policy, uniform_hash  # noqa: E402
 from attncomp.spec import AttentionSpec, dtype_name  # noqa: E402
-from tests.utils import TOL, assert_close  # noqa: E402
+from tests.utils import TOL, assert_close, fresh_seed  # noqa: E402
 
 if not isinstance(_template._attention_kernel, triton.runtime.interpreter.InterpretedFunction):
     # the kernels were imported (compiled mode) before this module set TRITON_INTERPRET
@@ -54,14 +54,11 @@ def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def _fresh_seed() -> int:
-    return int(torch.randint(0, 2 ** 31 - 1, (1,)).item())
-
 
 def make_inputs(B, Hq, Nq, D, *, Hk=None, Nk=None, Dv=None, dtype=torch.float32, quantized=False, seed=None):
     """q, k, v; ``quantized`` draws multiples of 1/2 in [-1.5, 1.5] for q and k, so every logit is
     exact in any precision and equal logits (ties) are frequent."""
-    g = _gen(_fresh_seed() if seed is None else seed)
+    g = _gen(fresh_seed() if seed is None else seed)
     Hk, Nk, Dv = Hk or Hq, Nk or Nq, Dv or D
 
     def qk_values(*shape):
@@ -121,7 +118,7 @@ def check(spec, q, k, v, mask=None, *, dropout_p=0.0, seed=0, backward=True):
     assert_close(lse[fin], ref_lse[fin].float(), torch.float32, "lse")
     if not backward:
         return out, lse
-    go = torch.randn(out.shape, generator=_gen(_fresh_seed())).to(dtype)
+    go = torch.randn(out.shape, generator=_gen(fresh_seed())).to(dtype)
     dq, dk, dv, dm = BACKEND.backward(spec, q, k, v, mask, None, None, None, dropout_p, seed, out, lse, go)
     assert dm is None
     rq, rk, rv, _ = R.attention_backward(q.double(), k.double(), v.double(), m64, go.double(), spec=spec,
@@ -159,7 +156,7 @@ CASES = [
 def test_dense_matches_reference(case):
     B, Hq, Hk, Nq, Nk, D, Dv, dtype, causal, mask_kind = case
     q, k, v = make_inputs(B, Hq, Nq, D, Hk=Hk, Nk=Nk, Dv=Dv, dtype=dtype)
-    mask = make_mask(mask_kind, B, Hq, Nq, Nk, _gen(_fresh_seed()), dtype=dtype)
+    mask = make_mask(mask_kind, B, Hq, Nq, Nk, _gen(fresh_seed()), dtype=dtype)
     check(spec_for(q, causal=causal, mask=mask), q, k, v, mask)
 
 
@@ -232,7 +229,7 @@ def test_dfss_matches_reference(case):
     n, m, Nq, Nk, causal, mask_kind, dtype = case
     pol = DFSS() if n is None else DFSS(n, m)
     q, k, v = make_inputs(1, 2, Nq, 32, Nk=Nk, dtype=dtype, quantized=True)
-    mask = make_mask(mask_kind, 1, 2, Nq, Nk, _gen(_fresh_seed()), dtype=dtype)
+    mask = make_mask(mask_kind, 1, 2, Nq, Nk, _gen(fresh_seed()), dtype=dtype)
     check(spec_for(q, causal=causal, policy=pol, mask=mask), q, k, v, mask)
 
 
@@ -262,7 +259,7 @@ def test_dfss_selection_follows_spec_dtype():
 def test_backward_config_options(natural):
     """A separate dQ tile shape and both orientations of the dK/dV tiles give the same gradients."""
     q, k, v = make_inputs(1, 2, 37, 32, Nk=45, quantized=True)
-    mask = make_mask("bool_full", 1, 2, 37, 45, _gen(_fresh_seed()))
+    mask = make_mask("bool_full", 1, 2, 37, 45, _gen(fresh_seed()))
     spec = spec_for(q, causal=True, policy=DFSS(2, 4), mask=mask)
     out, lse = BACKEND.forward(spec, q, k, v, mask, None, None, None, 0.1, 7)
     go = torch.randn_like(out)
@@ -300,7 +297,7 @@ def test_dropout_keep_pattern_bit_exact(gqa):
     Hk = 1 if gqa else Hq
     q, k, _ = make_inputs(B, Hq, Nq, 32, Hk=Hk, Nk=Nk)
     v = torch.eye(Nk).expand(B, Hk, Nk, Nk).contiguous()
-    p, seed = 0.35, _fresh_seed()
+    p, seed = 0.35, fresh_seed()
     spec = spec_for(q)
     out, _ = check(spec, q, k, v, dropout_p=p, seed=seed)
     expect = R.dropout_keep(seed, p, (B, Hq, Nq, Nk), "cpu")
@@ -311,7 +308,7 @@ def test_dropout_keep_pattern_bit_exact(gqa):
 def test_dropout_forward_backward(policy):
     q, k, v = make_inputs(1, 2, 33, 32, Nk=40, quantized=policy.name == "dfss")
     mask = make_mask("key_padding", 1, 2, 33, 40, _gen(0))
-    check(spec_for(q, causal=True, policy=policy, mask=mask), q, k, v, mask, dropout_p=0.2, seed=_fresh_seed())
+    check(spec_for(q, causal=True, policy=policy, mask=mask), q, k, v, mask, dropout_p=0.2, seed=fresh_seed())
 
 
 # ---------------------------------------------------------------------------------------------

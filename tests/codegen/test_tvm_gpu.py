@@ -22,7 +22,7 @@ from attncomp.policy import DFSS, Dense, Drop, Hash, SPION, ceil_div
 from attncomp.runtime.cubin import import_folder
 from attncomp.runtime.package import read_manifest
 from attncomp.spec import AttentionSpec, dtype_name
-from tests.utils import assert_close
+from tests.utils import assert_close, fresh_seed
 
 pytestmark = pytest.mark.gpu
 
@@ -181,7 +181,7 @@ def test_exported_package_with_tvm_kernels_runs_without_tvm(tmp_path, artefact_c
             p = ((q @ k.transpose(-2, -1)) / math.sqrt(self.dh)).softmax(-1)
             return self.o((p @ v).transpose(1, 2).reshape(B, N, C))
 
-    torch.manual_seed(torch.randint(0, 2**31 - 1, (1,)).item())
+    torch.manual_seed(fresh_seed())
     model = Attn().cuda().half().eval()
     x = torch.randn(2, 150, 256, device="cuda", dtype=torch.float16)
     for policy in ("dense", "dfss"):

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import attncomp
+from tests.utils import fresh_seed
 
 pytestmark = pytest.mark.gpu
 transformers = pytest.importorskip("transformers")
@@ -33,7 +34,7 @@ def _rel(a, b):
 def test_compiled_hf_model_on_gpu(name, impl):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    torch.manual_seed(torch.randint(0, 2**31 - 1, (1,)).item())
+    torch.manual_seed(fresh_seed())
     model = _models()[name](impl).cuda().float()
     ids = torch.randint(0, 1000, (2, 200), device="cuda")
     mask = torch.ones_like(ids)
@@ -86,7 +87,7 @@ def test_generate_llama_default_config_on_gpu(inductor, fresh_dynamo):
         pytest.skip("needs CUDA")
     from tests.e2e.hf_zoo import ZOO, text
 
-    torch.manual_seed(torch.randint(0, 2**31 - 1, (1,)).item())
+    torch.manual_seed(fresh_seed())
     model = ZOO["llama"].build().cuda()
     g = {k: v.cuda() for k, v in text(2, 9, side="left").items()}
     fast = attncomp.compile(model, inductor=inductor)

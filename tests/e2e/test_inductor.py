@@ -167,7 +167,7 @@ def test_hash_buckets_derived_inside_the_op(inductor):
     from attncomp.functional import attention
     from attncomp.policy import Hash, lsh_buckets
 
-    seed = int(torch.randint(0, 2 ** 31 - 1, (1,)).item())
+    seed = fresh_seed()
     torch.manual_seed(seed)
     model = GQAAttn()
     pol = Hash(n_buckets=4, seed=seed % 997)
