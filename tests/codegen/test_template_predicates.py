@@ -27,6 +27,7 @@ from attncomp.codegen.triton import backend as TB  # noqa: E402
 from attncomp.policy import SPION  # noqa: E402
 from attncomp.spec import AttentionSpec, Predicates, dtype_name  # noqa: E402
 from tests.codegen.template_cases import CASES, close, make_mask, make_policy, make_preds  # noqa: E402
+from tests.utils import fresh_seed  # noqa: E402
 from tests.utils import TOL, fresh_seed, poison  # noqa: E402
 
 BACKEND = TB.TritonBackend()
@@ -235,14 +236,18 @@ def test_host_path_is_sync_free(policy, monkeypatch):
 # SPION: block sizes 16-128 against tiles smaller and larger than the blocks
 
 
-@pytest.mark.parametrize("bs,tiles", [(16, (32, 64)), (32, (16, 16)), (64, (32, 16)), (128, (16, 32))])
-def test_spion_block_sizes_and_tiles(bs, tiles):
-    g = torch.Generator().manual_seed(bs)
+@pytest.mark.parametrize("kinds", [("causal", "k_valid"), ()], ids=["preds", "nopreds"])
+@pytest.mark.parametrize("bs,tiles", [(16, (32, 64)), (32, (16, 16)), (64, (32, 16)), (128, (16, 32)),
+                                      (16, (16, 32))])
+def test_spion_block_sizes_and_tiles(bs, tiles, kinds):
+    """Without predicates, tiles inside one block skip the per-logit block test (the schedule marks
+    them whole); tiles spanning several blocks keep it where a block they overlap is dropped."""
+    g = torch.Generator().manual_seed(fresh_seed())
     B, Hq, Hk, N, D = 1, 2, 1, (136 if bs == 128 else 90), 32
     q, k, v = (torch.randn(B, h, N, D, generator=g) for h in (Hq, Hk, Hk))
     nb = -(-N // bs)
     pat = torch.rand(1, nb, nb, generator=g) > 0.5
-    fields, preds = make_preds(("causal", "k_valid"), g, B, N, N)
+    fields, preds = make_preds(kinds, g, B, N, N)
     spec = AttentionSpec(policy=SPION(block_size=bs), **fields)
     bm, bn = tiles
     cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": 1, "num_stages": 1, "DQ": (bm, bn, 1, 1)}
@@ -268,5 +273,11 @@ def test_spion_tile_lists_follow_the_pattern():
     lst, cnt = site.lists(16, 16, True)
     assert cnt.flatten().tolist() == [1, 1, 1, 2]
     assert (lst[0, 0, 3, :2] >> 1).tolist() == [0, 3] and (lst[0, 0, 1, :1] >> 1).tolist() == [1]
+    # tiles of one block each: every listed pair is wholly kept, so the kernels skip the block test
+    assert (lst[0, 0, 3, :2] & 1).tolist() == [1, 1]
+    # 32-query tiles span a kept and a dropped block row: the pair (1, 0) is visited but not whole
+    lst, cnt = site.lists(32, 16, True)
+    assert cnt.flatten().tolist() == [2, 3]
+    assert lst[0, 0, 1, :3].tolist() == [0 * 2, 2 * 2, 3 * 2]
     lst, cnt = site.lists(16, 16, False)  # per key tile
     assert cnt.flatten().tolist() == [2, 1, 1, 1] and (lst[0, 0, 0, :2] >> 1).tolist() == [0, 3]

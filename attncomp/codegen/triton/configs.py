@@ -60,7 +60,8 @@ FWD_CONFIGS_NM: Dict[int, List[Config]] = {
 BWD_CONFIGS: Dict[int, List[Config]] = {
     64: [_cfg(64, 64, 4, 3), _cfg(64, 128, 8, 3), _cfg(32, 64, 4, 2), dict(_cfg(64, 128, 8, 3), DQ=(128, 64, 8, 3))],
     128: [dict(_cfg(64, 128, 8, 2), DQ=(128, 64, 8, 3)), _cfg(64, 128, 8, 2),
-          dict(_cfg(32, 128, 8, 3), DQ=(128, 64, 8, 3)), dict(_cfg(32, 128, 8, 2), DQ=(128, 64, 8, 2))],
+          dict(_cfg(32, 128, 8, 3), DQ=(128, 64, 8, 3)), dict(_cfg(32, 128, 8, 2), DQ=(128, 64, 8, 2)),
+          _cfg(64, 64, 4, 2)],
     256: [_cfg(64, 64, 8, 2), _cfg(32, 64, 4, 2), _cfg(32, 32, 4, 2)],
 }
 BWD_CONFIGS_NM: Dict[int, List[Config]] = {
@@ -94,8 +95,23 @@ def interpret_config(nm_m: int) -> Config:
     return _cfg(b, b, 1, 1)
 
 
-def fwd_candidates(d: int, dv: int, dtype: torch.dtype, nm_m: int) -> List[Config]:
-    """Forward configurations for head dims ``d``/``dv`` and N:M group size ``nm_m`` (1: none)."""
+def _block_first(cands: List[Config], block: int) -> List[Config]:
+    """With a SPION block size, the configurations whose tiles lie inside one block first: a tile
+    pair then sits in one block of the pattern, so the schedule visits only kept blocks and the
+    kernels skip the per-logit membership test (a larger tile visits the union of its blocks)."""
+    if block <= 0:
+        return cands
+
+    def spans(c: Config) -> bool:
+        qm, qn = (c.get("DQ") or (c["BLOCK_M"], c["BLOCK_N"]))[:2]
+        return max(c["BLOCK_M"], c["BLOCK_N"], qm, qn) > block
+
+    return sorted(cands, key=spans)
+
+
+def fwd_candidates(d: int, dv: int, dtype: torch.dtype, nm_m: int, block: int = 0) -> List[Config]:
+    """Forward configurations for head dims ``d``/``dv``, N:M group size ``nm_m`` (1: none) and
+    SPION block size ``block`` (0: none)."""
     if interpret_mode():
         return [interpret_config(nm_m)]
     pool = (FWD_CONFIGS_NM if nm_m > 1 else FWD_CONFIGS)[_tier(d, dv)]
@@ -105,10 +121,10 @@ def fwd_candidates(d: int, dv: int, dtype: torch.dtype, nm_m: int) -> List[Confi
         out = [_cfg(64, max(64, 4 * nm_m), 4, 1)]
     if dtype == torch.float32:  # 4-byte tiles: halve the key tile
         out = [c for c in out if c["BLOCK_N"] <= 64 and c["BLOCK_M"] <= 128] or out
-    return out
+    return _block_first(out, block)
 
 
-def bwd_candidates(d: int, dv: int, dtype: torch.dtype, nm_m: int) -> List[Config]:
+def bwd_candidates(d: int, dv: int, dtype: torch.dtype, nm_m: int, block: int = 0) -> List[Config]:
     if interpret_mode():
         return [interpret_config(nm_m)]
     pool = (BWD_CONFIGS_NM if nm_m > 1 else BWD_CONFIGS)[_tier(d, dv)]
@@ -118,7 +134,7 @@ def bwd_candidates(d: int, dv: int, dtype: torch.dtype, nm_m: int) -> List[Confi
         out = [_cfg(max(64, 4 * nm_m), max(64, 4 * nm_m), 4, 1)]
     if dtype == torch.float32:
         out = [c for c in out if c["BLOCK_N"] <= 64] or out
-    return out
+    return _block_first(out, block)
 
 
 # choices made in this process: a call after the first costs one dict lookup, not a store lookup

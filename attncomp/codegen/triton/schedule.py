@@ -18,8 +18,8 @@ entry predicate (:func:`.template._entry`).
 Summaries are int64 ``(B or 1, H or 1, tiles, 8)``: ``[pmin, pmax, smin, smax, any, rlo, rhi, all]``
 (``any``/``all``: whether any / every token of the tile is valid); lists are int32 ``(B or 1, H or 1,
 outer tiles, inner tiles)`` with counts ``(B or 1, H or 1, outer)``. An entry is ``2 * tile + full``:
-``full`` when the §4.1 predicates (positions, segments, padding) allow every entry of the pair, so
-that the kernels skip their per-logit tests there.
+``full`` when the §4.1 predicates (positions, segments, padding) and a SPION pattern allow every
+entry of the pair, so that the kernels skip their per-logit tests there.
 """
 
 from __future__ import annotations
@@ -71,10 +71,12 @@ def _tile_summary(Sum, Perm, Pos, Seg, Val, Lo, Hi, N, Hs, s_pos, s_seg, s_val, 
 
 
 @triton.jit
-def _pattern_any(Pat, spr, spc, qt, kt, ival, TBq, TBk,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr):
-    """Whether the query tiles ``qt`` x key tiles ``kt`` overlap a kept block of the pattern (or a
-    diagonal block, always kept). Tiles and blocks are powers of two: one divides the other."""
+def _pattern_cover(Pat, spr, spc, qt, kt, ival, TBq, TBk,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr):
+    """``(any, all)``: whether the query tiles ``qt`` x key tiles ``kt`` overlap a kept block of the
+    pattern (a diagonal block is always kept), and whether every block they overlap is kept (then
+    the kernels skip the per-logit membership test). Tiles and blocks are powers of two: one
+    divides the other."""
     PR: tl.constexpr = BLOCK_M // BS if BLOCK_M > BS else 1
     PC: tl.constexpr = BLOCK_N // BS if BLOCK_N > BS else 1
     rb0 = qt * BLOCK_M // BS
@@ -82,6 +84,7 @@ def _pattern_any(Pat, spr, spc, qt, kt, ival, TBq, TBk,
     cb0 = kt * BLOCK_N // BS
     cb1 = tl.minimum((kt * BLOCK_N + BLOCK_N - 1) // BS, TBk - 1)
     hit = tl.maximum(rb0, cb0) <= tl.minimum(rb1, cb1)
+    every = ival
     for r in tl.static_range(PR):
         for c in tl.static_range(PC):
             rr = rb0 + r
@@ -89,7 +92,8 @@ def _pattern_any(Pat, spr, spc, qt, kt, ival, TBq, TBk,
             m = ival & (rr <= rb1) & (cc <= cb1)
             blk = tl.load(Pat + rr.to(tl.int64) * spr + cc.to(tl.int64) * spc, mask=m, other=0)
             hit = hit | (blk != 0)
-    return hit
+            every = every & ((blk != 0) | (rr == cc) | ~m)
+    return hit, every
 
 
 @triton.jit
@@ -103,7 +107,8 @@ def _tile_visit(QS, KS, qt, kt, ival, Pat, spr, spc, TBq, TBk, win_left, win_rig
                 HAS_RIGHT: tl.constexpr, SEG: tl.constexpr, QVAL: tl.constexpr, KVAL: tl.constexpr,
                 RANGE: tl.constexpr, SPION_BS: tl.constexpr):
     """``(visit, full)`` for query tiles ``qt`` and key tiles ``kt`` (equal-shape vectors): whether
-    they may share a kept entry, and whether the §4.1 predicates allow all their entries."""
+    they may share a kept entry, and whether the §4.1 predicates (and a SPION pattern) allow all
+    their entries."""
     qs = QS + qt.to(tl.int64) * 8
     ks = KS + kt.to(tl.int64) * 8
     ok = ival & (_field(qs, 4, ival) != 0) & (_field(ks, 4, ival) != 0)
@@ -127,7 +132,9 @@ def _tile_visit(QS, KS, qt, kt, ival, Pat, spr, spc, TBq, TBk, win_left, win_rig
     if RANGE:
         ok = ok & (_field(qs, 5, ival) < (kt + 1) * BLOCK_N) & (_field(qs, 6, ival) > kt * BLOCK_N)
     if SPION_BS > 0:
-        ok = ok & _pattern_any(Pat, spr, spc, qt, kt, ival, TBq, TBk, BLOCK_M, BLOCK_N, SPION_BS)
+        hit, every = _pattern_cover(Pat, spr, spc, qt, kt, ival, TBq, TBk, BLOCK_M, BLOCK_N, SPION_BS)
+        ok = ok & hit
+        full = full & every
     return ok, full & ok
 
 

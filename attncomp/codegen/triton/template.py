@@ -227,9 +227,9 @@ def _entry(
     ``qk`` is the raw ``q·k`` tile, queries by keys, or keys by queries when ``TRANSPOSED``; the
     ``*2`` arguments are broadcastable to it: row-order indices ``m2``/``n2``, original indices
     ``qi2``/``kj2``, and the per-token values of :func:`_tok_vals` and the sorted ranges.
-    ``pred_check`` (a scalar) is false for tiles that every §4.1 predicate allows entirely (the
-    schedule knows them: their position, segment and padding tests are skipped); ``n_first`` is the
-    tile's first key (row order). With ``PRESCALE`` the result is in log2 units; without it, raw ``q·k``
+    ``pred_check`` (a scalar) is false for tiles that every §4.1 predicate and a SPION pattern allow
+    entirely (the schedule knows them: their position, segment, padding and block tests are
+    skipped); ``n_first`` is the tile's first key (row order). With ``PRESCALE`` the result is in log2 units; without it, raw ``q·k``
     (the caller applies the scale inside its ``exp2`` multiply-add).
     """
     if PRESCALE:
@@ -263,17 +263,18 @@ def _entry(
     if EXCLUDE_SELF:
         s = tl.where(qi2 != kj2, s, _NEG)
     if POLICY == 3:
-        bi = qi2 // SPION_BS
-        if BLOCK_N <= SPION_BS:
-            # the key tile lies in one block column: one pattern read per query row
-            bj = n_first // SPION_BS
-            pptr = Pat + h.to(tl.int64) * sph + bi.to(tl.int64) * spr + bj.to(tl.int64) * spc
-            blk = tl.load(pptr, mask=m2 < Nq, other=0) != 0
-        else:
-            bj = kj2 // SPION_BS
-            pptr = Pat + h.to(tl.int64) * sph + bi.to(tl.int64) * spr + bj.to(tl.int64) * spc
-            blk = tl.load(pptr, mask=(m2 < Nq) & (n2 < Nk), other=0) != 0
-        s = tl.where(blk | (bi == bj), s, _NEG)
+        if pred_check:  # false where every block the tile overlaps is kept (schedule)
+            bi = qi2 // SPION_BS
+            if BLOCK_N <= SPION_BS:
+                # the key tile lies in one block column: one pattern read per query row
+                bj = n_first // SPION_BS
+                pptr = Pat + h.to(tl.int64) * sph + bi.to(tl.int64) * spr + bj.to(tl.int64) * spc
+                blk = tl.load(pptr, mask=m2 < Nq, other=0) != 0
+            else:
+                bj = kj2 // SPION_BS
+                pptr = Pat + h.to(tl.int64) * sph + bi.to(tl.int64) * spr + bj.to(tl.int64) * spc
+                blk = tl.load(pptr, mask=(m2 < Nq) & (n2 < Nk), other=0) != 0
+            s = tl.where(blk | (bi == bj), s, _NEG)
     if POLICY == 1:
         if TRANSPOSED:
             s = tl.trans(_nm_select(tl.trans(s), BLOCK_M, BLOCK_N, NM_N, NM_M))
