@@ -281,3 +281,32 @@ def test_spion_tile_lists_follow_the_pattern():
     assert lst[0, 0, 1, :3].tolist() == [0 * 2, 2 * 2, 3 * 2]
     lst, cnt = site.lists(16, 16, False)  # per key tile
     assert cnt.flatten().tolist() == [2, 1, 1, 1] and (lst[0, 0, 0, :2] >> 1).tolist() == [0, 3]
+
+
+def test_spion_tile_lists_are_reused_until_the_pattern_changes():
+    """Lists that depend only on the pattern are built once per pattern and tile shape; writing the
+    pattern in place (a refresh) builds them again, and the output follows the new pattern."""
+    g = torch.Generator().manual_seed(fresh_seed())
+    N, bs, D = 64, 16, 32
+    q, k, v = (torch.randn(1, 2, N, D, generator=g) for _ in range(3))
+    pat = torch.zeros(1, 4, 4, dtype=torch.bool)
+    pat[0, 3, 0] = True
+    spec = AttentionSpec(policy=SPION(block_size=bs))
+    site = TB.Site(spec, q, k, v, None, 0.0, 0, block_pattern=pat)
+    first = site.lists(16, 16, True)
+    again = TB.Site(spec, q, k, v, None, 0.0, 0, block_pattern=pat).lists(16, 16, True)
+    assert again[0] is first[0] and again[1] is first[1]
+    assert TB.Site(spec, q, k, v, None, 0.0, 0, block_pattern=pat).lists(16, 16, False)[0] is not first[0]
+    pat[0, 2, 0] = True  # in place: the version changes
+    fresh = TB.Site(spec, q, k, v, None, 0.0, 0, block_pattern=pat).lists(16, 16, True)
+    assert fresh[0] is not first[0] and fresh[1].flatten().tolist() == [1, 1, 2, 2]
+    cfg = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 1, "num_stages": 1}
+    out, _ = TB.attention_forward(spec, q, k, v, None, config=cfg, block_pattern=pat)
+    ro, _ = R.attention(q.double(), k.double(), v.double(), spec=spec, block_pattern=pat)
+    _close("out", out, ro, torch.float32)
+    # with token predicates the lists depend on tensors too: never cached
+    fields, preds = make_preds(("k_valid",), g, 1, N, N)
+    ps = AttentionSpec(policy=SPION(block_size=bs), **fields)
+    a = TB.Site(ps, q, k, v, None, 0.0, 0, preds=preds, block_pattern=pat).lists(16, 16, True)
+    b = TB.Site(ps, q, k, v, None, 0.0, 0, preds=preds, block_pattern=pat).lists(16, 16, True)
+    assert a[0] is not b[0]

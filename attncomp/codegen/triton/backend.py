@@ -13,6 +13,7 @@ sorted layouts come from the device (:mod:`.layout`).
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 import weakref
 from typing import Optional, Tuple
 
@@ -201,6 +202,34 @@ class Site:
         span schedule): per query tile when ``outer_q``, else per key tile."""
         if self.sched != SCHED_LIST:
             return None, None
+        key = self._pattern_key(block_m, block_n, outer_q)
+        if key is not None:
+            hit = _LIST_CACHE.get(key)
+            if hit is not None:
+                _LIST_CACHE.move_to_end(key)
+                return hit[1]
+        lists = self._build_lists(block_m, block_n, outer_q)
+        if key is not None:
+            _LIST_CACHE[key] = (self.pattern, lists)  # the entry holds the pattern: its memory stays its own
+            if len(_LIST_CACHE) > _LIST_CACHE_SIZE:
+                _LIST_CACHE.popitem(last=False)
+        return lists
+
+    def _pattern_key(self, block_m: int, block_n: int, outer_q: bool):
+        """A cache key for lists that depend only on a SPION pattern, the sizes and scalar windows
+        (no token tensors, no sorted layout); ``None`` otherwise. A model's pattern is fixed between
+        refreshes, so its lists are built once per layer and tile shape, not on every call."""
+        if not self.spion_bs or self.layout is not None or self.pos == POS_VECTOR or self.seg \
+                or self.q_val is not None or self.k_val is not None:
+            return None
+        try:
+            pat = _tensor_key(self.pattern)
+        except RuntimeError:  # an inference tensor tracks no version: nothing to key a cache on
+            return None
+        return (pat, self.spion_bs, self.Nq, self.Nk, self.Hq, self.pos, self.pos_off, self.win_left,
+                self.win_right, block_m, block_n, outer_q)
+
+    def _build_lists(self, block_m: int, block_n: int, outer_q: bool):
         lay = self.layout
         sorted_ = lay is not None
         qsum = tile_summary(block_m, self.Nq, self.B if sorted_ else self.tok_b, self.Hq if sorted_ else 1,
@@ -376,6 +405,11 @@ def _bencher(launch):
         return float(do_bench(lambda: launch(cfg), warmup=5, rep=20, return_mode="median"))
 
     return bench
+
+
+# Tile lists of recent SPION patterns (see Site._pattern_key), least recently used first.
+_LIST_CACHE: "OrderedDict" = OrderedDict()
+_LIST_CACHE_SIZE = 96
 
 
 # A few recent layouts, so that the backward of a call (which gets the same bucket/keep tensors)
