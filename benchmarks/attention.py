@@ -305,6 +305,15 @@ def candidate_pairs(policy, D, dtype, sweep: bool, tune: bool):
 
 # ---------------------------------------------------------------------------------------------
 
+def _sweep_ms(fn, cfg) -> Optional[float]:
+    """The time of one candidate, or ``None`` (printed) when it does not compile or run here."""
+    try:
+        return bench_ms(fn, False)
+    except Exception as e:
+        print(f"  config {cfg} failed: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
+        return None
+
+
 def sweep(args, policies, dims, causals, passes_list) -> List[dict]:
     """Time every candidate forward and backward configuration at each N."""
     import torch
@@ -330,14 +339,17 @@ def sweep(args, policies, dims, causals, passes_list) -> List[dict]:
                             res.append(dict(policy="sdpa", D=D, N=N, causal=causal, kernel=f"{ps} {be or 'auto'}",
                                             config=None, ms=ms))
                     for cfg in configs.fwd_candidates(D, D, dtype, nm_m):
-                        ms = bench_ms(lambda: TB.attention_forward(spec, q, k, v, config=cfg), False)
-                        res.append(dict(policy=policy, D=D, N=N, causal=causal, kernel="fwd", config=cfg, ms=ms))
+                        ms = _sweep_ms(lambda: TB.attention_forward(spec, q, k, v, config=cfg), cfg)
+                        if ms is not None:
+                            res.append(dict(policy=policy, D=D, N=N, causal=causal, kernel="fwd", config=cfg, ms=ms))
                     if "fwd+bwd" in passes_list:
                         out, lse = TB.attention_forward(spec, q, k, v)
                         for cfg in configs.bwd_candidates(D, D, dtype, nm_m):
-                            ms = bench_ms(lambda: TB.attention_backward(spec, q, k, v, None, out, lse, do, config=cfg),
-                                          False)
-                            res.append(dict(policy=policy, D=D, N=N, causal=causal, kernel="bwd", config=cfg, ms=ms))
+                            ms = _sweep_ms(lambda: TB.attention_backward(spec, q, k, v, None, out, lse, do,
+                                                                         config=cfg), cfg)
+                            if ms is not None:
+                                res.append(dict(policy=policy, D=D, N=N, causal=causal, kernel="bwd", config=cfg,
+                                                ms=ms))
                     del q, k, v, do
                     torch.cuda.empty_cache()
     print("\nconfig sweep (ms; best first per group)")
@@ -352,6 +364,7 @@ def sweep(args, policies, dims, causals, passes_list) -> List[dict]:
         cells = "  ".join(f"{c['config']['BLOCK_M']}x{c['config']['BLOCK_N']}w{c['config']['num_warps']}"
                           f"s{c['config']['num_stages']}{'T' if c['config'].get('NATURAL') == 0 else ''}"
                           f"{'+dq' + 'x'.join(map(str, c['config']['DQ'])) if c['config'].get('DQ') else ''}"
+                          f"{'+tma' if c['config'].get('TMA') else ''}{'+ws' if c['config'].get('WS') else ''}"
                           f"={c['ms']:.3f}" for c in rows)
         print(f"{key[0]:5s} D{key[1]:<3d} N{key[2]:<5d} c{int(key[3])} {key[4]}: {cells}")
     return res

@@ -310,3 +310,50 @@ def test_spion_tile_lists_are_reused_until_the_pattern_changes():
     a = TB.Site(ps, q, k, v, None, 0.0, 0, preds=preds, block_pattern=pat).lists(16, 16, True)
     b = TB.Site(ps, q, k, v, None, 0.0, 0, preds=preds, block_pattern=pat).lists(16, 16, True)
     assert a[0] is not b[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Key/value tiles through TMA descriptors (and the warp-specialised loop) give the same results
+
+
+@pytest.mark.parametrize("policy,kinds,Hq,Hk,N,D", [
+    ("dense", ("causal",), 4, 2, 45, 40),
+    ("dense", ("window", "k_valid"), 2, 2, 37, 64),
+    ("dfss", (), 2, 1, 50, 32),  # 2:4 (a key order inside the tile): TMA is declined, the result the same
+    ("spion", ("causal",), 2, 2, 33, 32),
+    ("hash", ("causal",), 2, 2, 40, 32),  # a sorted layout: TMA is declined
+])
+def test_tma_descriptors_match_the_reference(policy, kinds, Hq, Hk, N, D):
+    g = torch.Generator().manual_seed(fresh_seed())
+    q = torch.randn(1, Hq, N, D, generator=g)
+    k, v = (torch.randn(1, Hk, N, D, generator=g) for _ in range(2))
+    pol, qa, ka, bp = make_policy(policy, g, 1, Hq, Hk, N, N)
+    fields, preds = make_preds(kinds, g, 1, N, N)
+    spec = AttentionSpec(policy=pol, **fields)
+    cfg = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 1, "num_stages": 1, "TMA": 1, "WS": 1}
+    site = TB.Site(spec, q, k, v, None, 0.0, 0, preds=preds, q_aux=qa, k_aux=ka, block_pattern=bp)
+    expect_tma = policy in ("dense", "spion")
+    assert site.kv_descriptors(cfg, 16)[2] == expect_tma
+    kw = dict(preds=preds, q_aux=qa, k_aux=ka, block_pattern=bp)
+    out, lse = TB.attention_forward(spec, q, k, v, None, config=cfg, **kw)
+    args = dict(spec=spec, block_pattern=bp, preds=preds, q_aux=qa, k_aux=ka)
+    ro, _ = R.attention(q.double(), k.double(), v.double(), **args)
+    _close("out", out, ro, torch.float32)
+    go = torch.randn_like(out)
+    got = TB.attention_backward(spec, q, k, v, None, out, lse, go, config=cfg, **kw)
+    ref = R.attention_backward(q.double(), k.double(), v.double(), None, go.double(), **args)
+    for name, a, b in zip(("dq", "dk", "dv"), got, ref[:3]):
+        _close(name, a, b, torch.float32, scale_by_max=True)
+
+
+def test_tma_declined_for_unaligned_rows():
+    """Rows whose stride is not a multiple of 16 bytes cannot be described to TMA: the address path runs."""
+    g = torch.Generator().manual_seed(fresh_seed())
+    base = torch.randn(1, 2, 40, 37, generator=g)
+    q = k = v = base[..., :36]  # a row stride of 37 floats
+    site = TB.Site(AttentionSpec(), q, k, v, None, 0.0, 0)
+    assert not site.tma_ok
+    cfg = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 1, "num_stages": 1, "TMA": 1}
+    out, _ = TB.attention_forward(AttentionSpec(), q, k, v, None, config=cfg)
+    ro, _ = R.attention(q.double(), k.double(), v.double(), spec=AttentionSpec())
+    _close("out", out, ro, torch.float32)

@@ -19,6 +19,7 @@ from typing import Optional, Tuple
 
 import torch
 from triton.runtime.errors import OutOfResources
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ...ops import bucket_range
 from ...policy import DFSS, SPION, Hash
@@ -166,8 +167,22 @@ class Site:
                                     or self.k_val is not None or self.policy in (POLICY_SORTED, POLICY_SPION)) \
             else SCHED_SPAN
         self._dummy = dummy
+        self._kv = (k, v)
+        # key/value tiles through TMA descriptors: rows in order (no sorted layout, no N:M key
+        # order), a Hopper GPU (or the interpreter), 16-byte aligned bases and strides
+        self.tma_ok = (self.policy != POLICY_SORTED and self.nm_m <= 2 and _has_tma(self.device)
+                       and all(_tma_aligned(t) for t in (k, v)))
 
     # -- kernel arguments ------------------------------------------------------------------------
+    def kv_descriptors(self, cfg: dict, block_n: int) -> tuple:
+        """``(KDesc, VDesc, TMA)`` of a launch: descriptors of ``block_n``-key blocks when ``cfg`` asks for
+        TMA and the site allows it, else placeholders the kernel never reads."""
+        if not (cfg.get("TMA") and self.tma_ok):
+            return self._dummy, self._dummy, False
+        k, v = self._kv
+        return (TensorDescriptor(k, list(k.shape), list(k.stride()), [1, 1, block_n, self.block_d]),
+                TensorDescriptor(v, list(v.shape), list(v.stride()), [1, 1, block_n, self.block_dv]), True)
+
     def meta(self, block_m: int, block_n: int) -> dict:
         return dict(
             GROUPS=self.groups, HEAD_D=self.D, HEAD_DV=self.Dv, BLOCK_D=self.block_d, BLOCK_DV=self.block_dv,
@@ -268,6 +283,29 @@ def _strides(*tensors) -> tuple:
     return tuple(x for t in tensors for x in ((0, 0, 0) if t is None else t.stride()[:3]))
 
 
+_TMA_DEVICES: dict = {}
+
+
+def _has_tma(device: torch.device) -> bool:
+    """Whether kernels on ``device`` can read through TMA descriptors: Hopper or newer, or the
+    interpreter (which emulates them)."""
+    if configs.interpret_mode():
+        return True
+    if device.type != "cuda":
+        return False
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    ok = _TMA_DEVICES.get(idx)
+    if ok is None:
+        ok = _TMA_DEVICES[idx] = torch.cuda.get_device_capability(idx)[0] >= 9
+    return ok
+
+
+def _tma_aligned(t: torch.Tensor) -> bool:
+    size = t.element_size()
+    return (t.dim() == 4 and t.stride(3) == 1 and t.data_ptr() % 16 == 0
+            and all((st * size) % 16 == 0 for st in t.stride()[:3]) and min(t.shape) > 0)
+
+
 def _st(t, d) -> int:
     return 0 if t.shape[d] == 1 else t.stride(d)
 
@@ -303,12 +341,13 @@ def attention_forward(spec: AttentionSpec, q, k, v, attn_mask=None, dropout_p: f
     def launch(cfg):
         bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
         lst, cnt = site.lists(bm, bn, True)
+        kd, vd, tma = site.kv_descriptors(cfg, bn)
         _attention_kernel[(_cdiv(Nq, bm), B * Hq)](
-            q, k, v, out, out, lse, lse, out, out, out,
+            q, k, v, out, out, lse, lse, out, out, out, kd, vd,
             *_strides(q, k, v, out, None, None, None, None), *site.pred_args(lst, cnt),
             Hq, Nq, Nk, site.scale * LOG2E, site.scale, site.seed_word, site.dropout_p, site.inv_keep,
             BLOCK_M=bm, BLOCK_N=bn, MODE=MODE_FWD, NATURAL=False, num_warps=cfg["num_warps"],
-            num_stages=cfg["num_stages"], **site.meta(bm, bn),
+            num_stages=cfg["num_stages"], TMA=tma, WS=bool(cfg.get("WS")), **site.meta(bm, bn),
         )
 
     _run_tuned("fwd", site, launch, configs.fwd_candidates, config)
@@ -348,16 +387,18 @@ def attention_backward(spec: AttentionSpec, q, k, v, attn_mask, out, lse, grad_o
         natural = bool(cfg.get("NATURAL", site.policy == POLICY_DFSS))
         lst, cnt = site.lists(bm, bn, False)
         _attention_kernel[(_cdiv(Nk, bn), B * Hk)](
-            *tensors, *strides, *site.pred_args(lst, cnt), *scalars,
+            *tensors, q, q, *strides, *site.pred_args(lst, cnt), *scalars,
             BLOCK_M=bm, BLOCK_N=bn, MODE=MODE_DKDV, NATURAL=natural, num_warps=w, num_stages=st, **site.meta(bm, bn),
         )
         # dQ: its own tiles when the config names them ("DQ": [queries, keys, warps, stages]),
         # else the dK/dV shape transposed (large query tile, small key tile)
         qm, qn, qw, qs = cfg.get("DQ") or (bn, bm, w, st)
         lst, cnt = site.lists(qm, qn, True)
+        kd, vd, tma = site.kv_descriptors(cfg, qn)
         _attention_kernel[(_cdiv(Nq, qm), B * Hq)](
-            *tensors, *strides, *site.pred_args(lst, cnt), *scalars,
-            BLOCK_M=qm, BLOCK_N=qn, MODE=MODE_DQ, NATURAL=False, num_warps=qw, num_stages=qs, **site.meta(qm, qn),
+            *tensors, kd, vd, *strides, *site.pred_args(lst, cnt), *scalars,
+            BLOCK_M=qm, BLOCK_N=qn, MODE=MODE_DQ, NATURAL=False, num_warps=qw, num_stages=qs, TMA=tma,
+            **site.meta(qm, qn),
         )
 
     _run_tuned("bwd", site, launch, configs.bwd_candidates, config)

@@ -47,6 +47,15 @@ FWD_CONFIGS: Dict[int, List[Config]] = {
     128: [_cfg(128, 128, 8, 3), _cfg(128, 64, 8, 3), _cfg(64, 64, 4, 3), _cfg(128, 64, 8, 4), _cfg(128, 128, 8, 2)],
     256: [_cfg(128, 64, 8, 2), _cfg(64, 64, 4, 2), _cfg(128, 32, 8, 2), _cfg(64, 32, 4, 2)],
 }
+# Hopper candidates: key/value tiles through TMA descriptors (``TMA``, where the site allows it, see
+# backend.Site.kv_descriptors) and the warp-specialised key-tile loop (``WS``); timed by the tuning
+# store and ``attention.py --sweep`` next to the address-load candidates above.
+FWD_CONFIGS[64] += [dict(_cfg(128, 64, 8, 3), TMA=1), dict(_cfg(128, 64, 4, 3), TMA=1),
+                    dict(_cfg(128, 128, 8, 3), TMA=1), dict(_cfg(128, 64, 4, 3), TMA=1, WS=1),
+                    dict(_cfg(128, 128, 8, 3), TMA=1, WS=1)]
+FWD_CONFIGS[128] += [dict(_cfg(128, 128, 8, 3), TMA=1), dict(_cfg(128, 64, 8, 3), TMA=1),
+                     dict(_cfg(128, 128, 8, 2), TMA=1), dict(_cfg(128, 128, 4, 2), TMA=1, WS=1),
+                     dict(_cfg(128, 128, 8, 2), TMA=1, WS=1)]
 # With an N:M selection (more registers per logit) smaller query tiles win.
 FWD_CONFIGS_NM: Dict[int, List[Config]] = {
     64: [_cfg(128, 64, 4, 3), _cfg(64, 64, 4, 3), _cfg(128, 64, 8, 3), _cfg(64, 64, 4, 4), _cfg(128, 64, 8, 4)],
@@ -64,6 +73,9 @@ BWD_CONFIGS: Dict[int, List[Config]] = {
           _cfg(64, 64, 4, 2)],
     256: [_cfg(64, 64, 8, 2), _cfg(32, 64, 4, 2), _cfg(32, 32, 4, 2)],
 }
+BWD_CONFIGS[64] += [dict(_cfg(64, 64, 4, 3), TMA=1), dict(_cfg(64, 128, 8, 3), DQ=(128, 64, 8, 3), TMA=1)]
+BWD_CONFIGS[128] += [dict(_cfg(64, 128, 8, 2), DQ=(128, 64, 8, 3), TMA=1),
+                     dict(_cfg(64, 128, 8, 2), DQ=(128, 128, 8, 2), TMA=1)]
 BWD_CONFIGS_NM: Dict[int, List[Config]] = {
     64: [_cfg(64, 64, 4, 3), dict(_cfg(64, 128, 8, 2), DQ=(128, 64, 8, 3)),
          dict(_cfg(128, 64, 8, 2), DQ=(128, 64, 8, 3)), dict(_cfg(64, 64, 4, 3), NATURAL=0),

@@ -303,7 +303,7 @@ def _bk(x, TRANS: tl.constexpr):
 
 @triton.jit(do_not_specialize=["seed", "pos_off", "win_left", "win_right"])
 def _attention_kernel(
-    Q, K, V, O, DO, Lse, Delta, DQ, DK, DV,
+    Q, K, V, O, DO, Lse, Delta, DQ, DK, DV, KDesc, VDesc,
     sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som, sdob, sdoh, sdom, sdqb, sdqh, sdqm,
     sdkb, sdkh, sdkn, sdvb, sdvh, sdvn,
     QPerm, KPerm, Lo, Hi, QPos, KPos, QSeg, KSeg, QVal, KVal, Mask, Pat, List, Cnt,
@@ -315,6 +315,7 @@ def _attention_kernel(
     EXCLUDE_SELF: tl.constexpr, DROPOUT: tl.constexpr, PRESCALE: tl.constexpr, POS: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SEG: tl.constexpr, QVAL: tl.constexpr, KVAL: tl.constexpr,
     SPION_BS: tl.constexpr, SCHED: tl.constexpr, MODE: tl.constexpr, NATURAL: tl.constexpr,
+    TMA: tl.constexpr = False, WS: tl.constexpr = False,
 ):
     """The template's one kernel. ``MODE``: ``MODE_FWD`` (``out``, ``lse``), ``MODE_DQ`` (the
     backward's ``dq`` from ``DO``, ``Lse`` in log2 units and ``Delta``): one program per (query tile,
@@ -324,6 +325,12 @@ def _attention_kernel(
     In the dK/dV mode tiles are keys by queries (``S^T``) so that ``P^T`` and ``dS^T`` feed the tensor
     cores from registers; with ``NATURAL`` they are queries by keys, the orientation in which a
     row-wise selection (DFSS) sees a group's members in one thread.
+
+    With ``TMA`` the forward and dQ modes read key and value tiles through the tensor descriptors
+    ``KDesc``/``VDesc`` (Hopper's TMA unit: ``(B, Hk, Nk, D)`` tensors, blocks of ``(1, 1, BLOCK_N,
+    BLOCK_D)``, zero-filled past ``Nk`` and the head dim) instead of per-thread address loads: only
+    where key tiles are rows in order (no sorted layout, no N:M key order). ``WS`` asks the compiler to
+    warp-specialise the key-tile loop (producer warps load, consumer warps compute).
     """
     PERMUTED: tl.constexpr = POLICY == 2
     if PRESCALE:
@@ -441,13 +448,16 @@ def _attention_kernel(
         n_lo, n_hi = _span(tile * BLOCK_M, tl.minimum(tile * BLOCK_M + BLOCK_M, Nq) - 1, pos_off, win_left, win_right,
                            BLOCK_N, tl.cdiv(Nk, BLOCK_N), POS, HAS_LEFT, HAS_RIGHT)
         lrow, t_lo, t_hi = _inner_tiles(List, Cnt, b, h, tile, slb, slh, slt, scb, sch, n_lo, n_hi, SCHED)
-        for t in range(t_lo, t_hi):
+        for t in tl.range(t_lo, t_hi, warp_specialize=WS):
             start_n, pred_check = _inner_tile(lrow, t, tile * BLOCK_M, pos_off, win_left, win_right, BLOCK_M, BLOCK_N,
                                               True, SCHED, POS, HAS_LEFT, HAS_RIGHT, PERMUTED)
             offs_n = start_n + _key_order(BLOCK_N, NM_M)
             nval = offs_n < Nk
             kj = _orig(kperm, offs_n, nval, PERMUTED)
-            kT = _load_tile(k_base, kj, nval, skn, offs_d, HEAD_D, BLOCK_D, CHECK_K, True)
+            if TMA:
+                kT = tl.trans(tl.reshape(KDesc.load([b, hk, start_n, 0]), (BLOCK_N, BLOCK_D)))
+            else:
+                kT = _load_tile(k_base, kj, nval, skn, offs_d, HEAD_D, BLOCK_D, CHECK_K, True)
             kp, ks, kv = _tok_vals(kj, nval, b, KPos, s_kpos, KSeg, s_kseg, KVal, s_kval, 0, POS, SEG, KVAL)
             s = _entry(_dot(q, kT, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)),
                        offs_m[:, None], offs_n[None, :], qi[:, None], kj[None, :], qp[:, None], qs[:, None], qv[:, None],
@@ -456,7 +466,10 @@ def _attention_kernel(
                        BLOCK_M, BLOCK_N, MASK_KIND, CHECK_K, POLICY, NM_N, NM_M, EXCLUDE_SELF, POS, HAS_LEFT, HAS_RIGHT,
                        SEG, QVAL, KVAL, SPION_BS, False, PRESCALE)
             if MODE == 1:
-                vT = _load_tile(v_base, kj, nval, svn, offs_dv, HEAD_DV, BLOCK_DV, CHECK_K, True)
+                if TMA:
+                    vT = tl.trans(tl.reshape(VDesc.load([b, hk, start_n, 0]), (BLOCK_N, BLOCK_DV)))
+                else:
+                    vT = _load_tile(v_base, kj, nval, svn, offs_dv, HEAD_DV, BLOCK_DV, CHECK_K, True)
                 p = tl.math.exp2(s * sc - lse2[:, None])
                 dp = _dot(do, vT, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32))
                 if DROPOUT:
@@ -473,7 +486,10 @@ def _attention_kernel(
                 acc = acc * alpha[:, None]
                 if DROPOUT:
                     p = p * _dropout_scale(seed, drop_row[:, None], kj[None, :], dropout_p, inv_keep)
-                v = _load_tile(v_base, kj, nval, svn, offs_dv, HEAD_DV, BLOCK_DV, CHECK_K, False)
+                if TMA:
+                    v = tl.reshape(VDesc.load([b, hk, start_n, 0]), (BLOCK_N, BLOCK_DV))
+                else:
+                    v = _load_tile(v_base, kj, nval, svn, offs_dv, HEAD_DV, BLOCK_DV, CHECK_K, False)
                 acc = _dot(p.to(v.dtype), v, acc)
                 m_i = m_new
 
