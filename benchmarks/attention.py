@@ -306,9 +306,12 @@ def candidate_pairs(policy, D, dtype, sweep: bool, tune: bool):
 # ---------------------------------------------------------------------------------------------
 
 def _sweep_ms(fn, cfg) -> Optional[float]:
-    """The time of one candidate, or ``None`` (printed) when it does not compile or run here."""
+    """The time of one candidate (printed as it is measured), or ``None`` (printed) when it does not
+    compile or run here."""
     try:
-        return bench_ms(fn, False)
+        ms = bench_ms(fn, False)
+        print(f"  {cfg}: {ms:.3f} ms", flush=True)
+        return ms
     except Exception as e:
         print(f"  config {cfg} failed: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
         return None
@@ -364,7 +367,7 @@ def sweep(args, policies, dims, causals, passes_list) -> List[dict]:
         cells = "  ".join(f"{c['config']['BLOCK_M']}x{c['config']['BLOCK_N']}w{c['config']['num_warps']}"
                           f"s{c['config']['num_stages']}{'T' if c['config'].get('NATURAL') == 0 else ''}"
                           f"{'+dq' + 'x'.join(map(str, c['config']['DQ'])) if c['config'].get('DQ') else ''}"
-                          f"{'+tma' if c['config'].get('TMA') else ''}{'+ws' if c['config'].get('WS') else ''}"
+                          f"{'+tma' if c['config'].get('TMA') else ''}"
                           f"={c['ms']:.3f}" for c in rows)
         print(f"{key[0]:5s} D{key[1]:<3d} N{key[2]:<5d} c{int(key[3])} {key[4]}: {cells}")
     return res

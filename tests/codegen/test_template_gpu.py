@@ -99,7 +99,7 @@ def test_flash_attention_odd_shapes(_setup, shape_dim, causal):
     _run(_setup, "dense", kinds, "none", 2, 4, 2, nq, nk, d, torch.bfloat16)
 
 
-# every Hopper candidate (TMA descriptors, the warp-specialised loop) of the tuning store, forced
+# every Hopper candidate (TMA descriptors) of the tuning store, forced
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("kinds", [(), ("causal",), ("window", "k_valid")], ids=["full", "causal", "window"])
 def test_hopper_candidates(_setup, monkeypatch, D, kinds):
@@ -111,19 +111,15 @@ def test_hopper_candidates(_setup, monkeypatch, D, kinds):
     cands = [c for c in configs.fwd_candidates(D, D, torch.bfloat16, 1) if c.get("TMA")]
     bwd = [c for c in configs.bwd_candidates(D, D, torch.bfloat16, 1) if c.get("TMA")]
     assert cands and bwd
-    for fwd_cfg in cands:
+    for i, fwd_cfg in enumerate(cands):
         real_fwd = TB.attention_forward
         monkeypatch.setattr(TB, "attention_forward",
                             lambda *a, _f=real_fwd, _c=fwd_cfg, **kw: _f(*a, **{**kw, "config": _c}))
         real_bwd = TB.attention_backward
         monkeypatch.setattr(TB, "attention_backward",
-                            lambda *a, _f=real_bwd, _c=bwd[0], **kw: _f(*a, **{**kw, "config": _c}))
+                            lambda *a, _f=real_bwd, _c=bwd[min(i, len(bwd) - 1)], **kw: _f(*a, **{**kw, "config": _c}))
         try:
             _run(TB, "dense", kinds, "none", 2, 4, 2, 1000, 1000, D, torch.bfloat16, seed=D)
-        except Exception as e:  # a candidate that does not compile is skipped by the tuning store, not wrong
-            if "OutOfResources" in type(e).__name__ or "CompilationError" in type(e).__name__:
-                continue
-            raise
         finally:
             monkeypatch.setattr(TB, "attention_forward", real_fwd)
             monkeypatch.setattr(TB, "attention_backward", real_bwd)

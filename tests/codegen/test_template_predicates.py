@@ -313,7 +313,7 @@ def test_spion_tile_lists_are_reused_until_the_pattern_changes():
 
 
 # ---------------------------------------------------------------------------------------------
-# Key/value tiles through TMA descriptors (and the warp-specialised loop) give the same results
+# Key/value tiles through TMA descriptors give the same results
 
 
 @pytest.mark.parametrize("policy,kinds,Hq,Hk,N,D", [
@@ -330,7 +330,7 @@ def test_tma_descriptors_match_the_reference(policy, kinds, Hq, Hk, N, D):
     pol, qa, ka, bp = make_policy(policy, g, 1, Hq, Hk, N, N)
     fields, preds = make_preds(kinds, g, 1, N, N)
     spec = AttentionSpec(policy=pol, **fields)
-    cfg = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 1, "num_stages": 1, "TMA": 1, "WS": 1}
+    cfg = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 1, "num_stages": 1, "TMA": 1}
     site = TB.Site(spec, q, k, v, None, 0.0, 0, preds=preds, q_aux=qa, k_aux=ka, block_pattern=bp)
     expect_tma = policy in ("dense", "spion")
     assert site.kv_descriptors(cfg, 16)[2] == expect_tma

@@ -347,7 +347,7 @@ def attention_forward(spec: AttentionSpec, q, k, v, attn_mask=None, dropout_p: f
             *_strides(q, k, v, out, None, None, None, None), *site.pred_args(lst, cnt),
             Hq, Nq, Nk, site.scale * LOG2E, site.scale, site.seed_word, site.dropout_p, site.inv_keep,
             BLOCK_M=bm, BLOCK_N=bn, MODE=MODE_FWD, NATURAL=False, num_warps=cfg["num_warps"],
-            num_stages=cfg["num_stages"], TMA=tma, WS=bool(cfg.get("WS")), **site.meta(bm, bn),
+            num_stages=cfg["num_stages"], TMA=tma, **site.meta(bm, bn),
         )
 
     _run_tuned("fwd", site, launch, configs.fwd_candidates, config)

@@ -315,7 +315,7 @@ def _attention_kernel(
     EXCLUDE_SELF: tl.constexpr, DROPOUT: tl.constexpr, PRESCALE: tl.constexpr, POS: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SEG: tl.constexpr, QVAL: tl.constexpr, KVAL: tl.constexpr,
     SPION_BS: tl.constexpr, SCHED: tl.constexpr, MODE: tl.constexpr, NATURAL: tl.constexpr,
-    TMA: tl.constexpr = False, WS: tl.constexpr = False,
+    TMA: tl.constexpr = False,
 ):
     """The template's one kernel. ``MODE``: ``MODE_FWD`` (``out``, ``lse``), ``MODE_DQ`` (the
     backward's ``dq`` from ``DO``, ``Lse`` in log2 units and ``Delta``): one program per (query tile,
@@ -329,8 +329,7 @@ def _attention_kernel(
     With ``TMA`` the forward and dQ modes read key and value tiles through the tensor descriptors
     ``KDesc``/``VDesc`` (Hopper's TMA unit: ``(B, Hk, Nk, D)`` tensors, blocks of ``(1, 1, BLOCK_N,
     BLOCK_D)``, zero-filled past ``Nk`` and the head dim) instead of per-thread address loads: only
-    where key tiles are rows in order (no sorted layout, no N:M key order). ``WS`` asks the compiler to
-    warp-specialise the key-tile loop (producer warps load, consumer warps compute).
+    where key tiles are rows in order (no sorted layout, no N:M key order).
     """
     PERMUTED: tl.constexpr = POLICY == 2
     if PRESCALE:
@@ -448,7 +447,7 @@ def _attention_kernel(
         n_lo, n_hi = _span(tile * BLOCK_M, tl.minimum(tile * BLOCK_M + BLOCK_M, Nq) - 1, pos_off, win_left, win_right,
                            BLOCK_N, tl.cdiv(Nk, BLOCK_N), POS, HAS_LEFT, HAS_RIGHT)
         lrow, t_lo, t_hi = _inner_tiles(List, Cnt, b, h, tile, slb, slh, slt, scb, sch, n_lo, n_hi, SCHED)
-        for t in tl.range(t_lo, t_hi, warp_specialize=WS):
+        for t in range(t_lo, t_hi):
             start_n, pred_check = _inner_tile(lrow, t, tile * BLOCK_M, pos_off, win_left, win_right, BLOCK_M, BLOCK_N,
                                               True, SCHED, POS, HAS_LEFT, HAS_RIGHT, PERMUTED)
             offs_n = start_n + _key_order(BLOCK_N, NM_M)
