@@ -290,13 +290,15 @@ def warm_up(tasks, workers: int) -> None:
 
 def candidate_pairs(policy, D, dtype, sweep: bool, tune: bool):
     """The (fwd, bwd) configurations the run will launch: all candidates, or the defaults."""
+    import torch
     from attncomp.codegen.triton import configs
 
     nm_m = 1
     if policy == "dfss":
         nm_m = make_spec(policy, False, dtype).policy.m
-    fw = configs.fwd_candidates(D, D, dtype, nm_m)
-    bw = configs.bwd_candidates(D, D, dtype, nm_m)
+    gpu = configs.gpu_tag(torch.device("cuda")) if torch.cuda.is_available() else ""
+    fw = configs.fwd_candidates(D, D, dtype, nm_m, gpu=gpu)
+    bw = configs.bwd_candidates(D, D, dtype, nm_m, gpu=gpu)
     if not (sweep or tune):
         fw, bw = fw[:1], bw[:1]
     n = max(len(fw), len(bw))

@@ -352,6 +352,20 @@ def test_config_candidates_hold_whole_groups(m, monkeypatch):
             assert all((c.get("DQ") or (0, c["BLOCK_M"]))[1] % max(8, 4 * m) == 0 for c in bwd)
 
 
+def test_gpu_defaults_and_spion_blocks_order_the_candidates(monkeypatch):
+    """Each GPU's measured default leads its dense lists (same set of candidates); N:M lists keep
+    their own order; SPION sites get tiles inside one block first."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    for (kind, tier), first in configs.GPU_DEFAULTS["h100"].items():
+        fn = configs.fwd_candidates if kind == "fwd" else configs.bwd_candidates
+        plain, h100 = fn(tier, tier, torch.bfloat16, 1), fn(tier, tier, torch.bfloat16, 1, gpu="h100")
+        assert h100[0] == first and sorted(map(str, h100)) == sorted(map(str, plain))
+        assert fn(tier, tier, torch.bfloat16, 4, gpu="h100") == fn(tier, tier, torch.bfloat16, 4)
+        spion = fn(tier, tier, torch.bfloat16, 1, block=64, gpu="h100")
+        inside = [max(c["BLOCK_M"], c["BLOCK_N"], *(c.get("DQ") or (0, 0))[:2]) <= 64 for c in spion]
+        assert inside[0] and inside == sorted(inside, reverse=True)
+
+
 def test_interpreter_never_tunes(monkeypatch):
     calls = []
     cfg = configs.choose("x", {}, [{"a": 1}, {"a": 2}], lambda c: calls.append(c) or 1.0)

@@ -85,6 +85,35 @@ BWD_CONFIGS_NM: Dict[int, List[Config]] = {
 }
 
 
+# Per-GPU defaults: the first candidate of a dense-tile kernel (no N:M selection) where tuning is off.
+# Picked by ``attention.py --sweep`` on an H100 (bf16, B=4, H=16, N=16384, D 64/128, the sum of the
+# causal and non-causal times; results/sweep_h100.json); the lists' own first entries are the H200's.
+GPU_DEFAULTS: Dict[str, Dict[tuple, Config]] = {
+    "h100": {("fwd", 64): _cfg(128, 64, 8, 4), ("fwd", 128): dict(_cfg(128, 128, 8, 3), TMA=1),
+             ("bwd", 64): dict(_cfg(64, 64, 4, 3), TMA=1), ("bwd", 128): _cfg(64, 64, 4, 2)},
+}
+_GPU_TAGS: Dict[int, str] = {}
+
+
+def gpu_tag(device: torch.device) -> str:
+    """``"h100"``, ``"h200"`` or ``""``: the key of :data:`GPU_DEFAULTS` for ``device`` (cached)."""
+    if device.type != "cuda" or interpret_mode():
+        return ""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    tag = _GPU_TAGS.get(idx)
+    if tag is None:
+        name = torch.cuda.get_device_name(idx).lower()
+        tag = _GPU_TAGS[idx] = next((g for g in ("h100", "h200") if g in name), "")
+    return tag
+
+
+def _gpu_first(cands: List[Config], kind: str, tier: int, nm_m: int, gpu: str) -> List[Config]:
+    first = GPU_DEFAULTS.get(gpu, {}).get((kind, tier)) if nm_m <= 1 else None
+    if first is None or first not in cands:
+        return cands
+    return [first] + [c for c in cands if c != first]
+
+
 def _tier(d: int, dv: int) -> int:
     b = max(d, dv)
     return 64 if b <= 64 else (128 if b <= 128 else 256)
@@ -120,9 +149,9 @@ def _block_first(cands: List[Config], block: int) -> List[Config]:
     return sorted(cands, key=spans)
 
 
-def fwd_candidates(d: int, dv: int, dtype: torch.dtype, nm_m: int, block: int = 0) -> List[Config]:
-    """Forward configurations for head dims ``d``/``dv``, N:M group size ``nm_m`` (1: none) and
-    SPION block size ``block`` (0: none)."""
+def fwd_candidates(d: int, dv: int, dtype: torch.dtype, nm_m: int, block: int = 0, gpu: str = "") -> List[Config]:
+    """Forward configurations for head dims ``d``/``dv``, N:M group size ``nm_m`` (1: none), SPION
+    block size ``block`` (0: none) and GPU (:func:`gpu_tag`), the default first."""
     if interpret_mode():
         return [interpret_config(nm_m)]
     pool = (FWD_CONFIGS_NM if nm_m > 1 else FWD_CONFIGS)[_tier(d, dv)]
@@ -132,10 +161,10 @@ def fwd_candidates(d: int, dv: int, dtype: torch.dtype, nm_m: int, block: int = 
         out = [_cfg(64, max(64, 4 * nm_m), 4, 1)]
     if dtype == torch.float32:  # 4-byte tiles: halve the key tile
         out = [c for c in out if c["BLOCK_N"] <= 64 and c["BLOCK_M"] <= 128] or out
-    return _block_first(out, block)
+    return _block_first(_gpu_first(out, "fwd", _tier(d, dv), nm_m, gpu), block)
 
 
-def bwd_candidates(d: int, dv: int, dtype: torch.dtype, nm_m: int, block: int = 0) -> List[Config]:
+def bwd_candidates(d: int, dv: int, dtype: torch.dtype, nm_m: int, block: int = 0, gpu: str = "") -> List[Config]:
     if interpret_mode():
         return [interpret_config(nm_m)]
     pool = (BWD_CONFIGS_NM if nm_m > 1 else BWD_CONFIGS)[_tier(d, dv)]
@@ -145,7 +174,7 @@ def bwd_candidates(d: int, dv: int, dtype: torch.dtype, nm_m: int, block: int = 
         out = [_cfg(max(64, 4 * nm_m), max(64, 4 * nm_m), 4, 1)]
     if dtype == torch.float32:
         out = [c for c in out if c["BLOCK_N"] <= 64] or out
-    return _block_first(out, block)
+    return _block_first(_gpu_first(out, "bwd", _tier(d, dv), nm_m, gpu), block)
 
 
 # choices made in this process: a call after the first costs one dict lookup, not a store lookup
