@@ -85,6 +85,21 @@ def test_policy_x_predicates_matches_reference(case):
     run_case(*case)
 
 
+_PADDED = [c for c in CASES if {"q_valid", "k_valid"} & set(c[1])]
+
+
+@pytest.mark.parametrize("case", _PADDED, ids=[_ids(c) for c in _PADDED])
+def test_padding_through_tile_lists(case, monkeypatch):
+    """Padding alone takes the span schedule at these sizes (validity tested per logit); from
+    ``PAD_LIST_MIN`` it takes tile lists that skip padded tiles: both match the reference."""
+    q = torch.zeros(1, 1, case[7], 32)
+    spec, preds = AttentionSpec(), Predicates(k_valid=torch.ones(1, case[7], dtype=torch.bool))
+    assert TB.Site(spec, q, q, q, None, 0.0, 0, preds).sched == TB.SCHED_SPAN
+    monkeypatch.setattr(TB, "PAD_LIST_MIN", 0)
+    assert TB.Site(spec, q, q, q, None, 0.0, 0, preds).sched == TB.SCHED_LIST
+    run_case(*case)
+
+
 @pytest.mark.parametrize("policy", ["dense", "hash"])
 def test_predicates_with_dropout(policy):
     run_case(policy, ("bottom_right", "segments", "k_valid"), "none", 2, 2, 1, 33, 40, 32, torch.float32,
@@ -114,7 +129,8 @@ def test_negative_twin_predicates_change_the_result():
 @pytest.mark.parametrize("kinds", [("causal", "k_valid"), ("bottom_right", "segments"), ("window",),
                                    ("q_valid", "segments", "causal")], ids="+".join)
 @pytest.mark.parametrize("outer_q", [True, False], ids=["per-query-tile", "per-key-tile"])
-def test_tile_lists_are_the_tiles_with_allowed_entries(kinds, outer_q):
+def test_tile_lists_are_the_tiles_with_allowed_entries(kinds, outer_q, monkeypatch):
+    monkeypatch.setattr(TB, "PAD_LIST_MIN", 0)  # padding alone builds lists at any size
     g = torch.Generator().manual_seed(5)
     B, Nq, Nk, bm, bn = 2, 70, 90, 16, 32
     fields, preds = make_preds(kinds, g, B, Nq, Nk)

@@ -163,9 +163,11 @@ class Site:
                 layout = window_ranges(layout, self.pos_off, self.win_left, self.win_right)
                 self.pos, self.win_left, self.win_right = POS_NONE, None, None
             self.layout = layout
-        self.sched = SCHED_LIST if (self.pos == POS_VECTOR or self.seg or self.q_val is not None
-                                    or self.k_val is not None or self.policy in (POLICY_SORTED, POLICY_SPION)) \
-            else SCHED_SPAN
+        # padding alone: tile lists (which skip padded tiles) only where the kernel is long enough to
+        # hide the three launches that build them; below that the span tests validity per logit
+        padding_lists = (self.q_val is not None or self.k_val is not None) and self.Nq * self.Nk >= PAD_LIST_MIN
+        self.sched = SCHED_LIST if (self.pos == POS_VECTOR or self.seg or padding_lists
+                                    or self.policy in (POLICY_SORTED, POLICY_SPION)) else SCHED_SPAN
         self._dummy = dummy
         self._kv = (k, v)
         # key/value tiles through TMA descriptors: rows in order (no sorted layout, no N:M key
@@ -282,6 +284,10 @@ def _strides(*tensors) -> tuple:
     """Batch, head and row strides of each (B, H, N, D) tensor (zeros for an absent one)."""
     return tuple(x for t in tensors for x in ((0, 0, 0) if t is None else t.stride()[:3]))
 
+
+# Nq * Nk from which a site with padding (q_valid / k_valid) alone builds tile lists: measured on an
+# H100, a GPT-2 step (4 x 2048, all-ones attention_mask) was host-bound on the list launches
+PAD_LIST_MIN = 4096 * 4096
 
 _TMA_DEVICES: dict = {}
 

@@ -173,9 +173,10 @@ def _inner_tiles(List, Cnt, b, h, outer, slb, slh, slt, scb, sch, span_lo, span_
 @triton.jit
 def _inner_tile(lrow, t, outer_first, off, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 INNER_KEYS: tl.constexpr, SCHED: tl.constexpr, POS: tl.constexpr, HAS_LEFT: tl.constexpr,
-                HAS_RIGHT: tl.constexpr, PERMUTED: tl.constexpr):
+                HAS_RIGHT: tl.constexpr, PERMUTED: tl.constexpr, TOKENS: tl.constexpr):
     """The ``t``-th inner tile of an outer tile starting at ``outer_first``: its first token and
-    whether its entries need the §4.1 tests (from the list entry, or the window's span)."""
+    whether its entries need the §4.1 tests (from the list entry, or the window's span; a span
+    with per-token validity, ``TOKENS``, tests every tile)."""
     if SCHED == 1:
         entry = tl.load(lrow + t)
         if INNER_KEYS:
@@ -188,12 +189,15 @@ def _inner_tile(lrow, t, outer_first, off, left, right, BLOCK_M: tl.constexpr, B
             start = t * BLOCK_N
         else:
             start = t * BLOCK_M
-        if INNER_KEYS:
-            check = _pos_partial(outer_first, outer_first + BLOCK_M - 1, start, start + BLOCK_N - 1, off, left, right,
-                                 POS, HAS_LEFT, HAS_RIGHT, PERMUTED)
+        if TOKENS:
+            check = True
         else:
-            check = _pos_partial(start, start + BLOCK_M - 1, outer_first, outer_first + BLOCK_N - 1, off, left, right,
-                                 POS, HAS_LEFT, HAS_RIGHT, PERMUTED)
+            if INNER_KEYS:
+                check = _pos_partial(outer_first, outer_first + BLOCK_M - 1, start, start + BLOCK_N - 1, off, left,
+                                     right, POS, HAS_LEFT, HAS_RIGHT, PERMUTED)
+            else:
+                check = _pos_partial(start, start + BLOCK_M - 1, outer_first, outer_first + BLOCK_N - 1, off, left,
+                                     right, POS, HAS_LEFT, HAS_RIGHT, PERMUTED)
     return start, check
 
 
@@ -368,7 +372,8 @@ def _attention_kernel(
             lrow, t_lo, t_hi = _inner_tiles(List, Cnt, b, h, ktile, slb, slh, slt, scb, sch, m_lo, m_hi, SCHED)
             for t in range(t_lo, t_hi):
                 start_m, pred_check = _inner_tile(lrow, t, ktile * BLOCK_N, pos_off, win_left, win_right, BLOCK_M,
-                                                  BLOCK_N, False, SCHED, POS, HAS_LEFT, HAS_RIGHT, PERMUTED)
+                                                  BLOCK_N, False, SCHED, POS, HAS_LEFT, HAS_RIGHT, PERMUTED,
+                                                  QVAL | KVAL)
                 offs_m = start_m + offs_m0
                 mval = offs_m < Nq
                 qi, qp, qs, qv, lo, hi = _query_side(QPerm, Lo, Hi, row0, offs_m, mval, b, QPos, s_qpos, QSeg, s_qseg,
@@ -449,7 +454,7 @@ def _attention_kernel(
         lrow, t_lo, t_hi = _inner_tiles(List, Cnt, b, h, tile, slb, slh, slt, scb, sch, n_lo, n_hi, SCHED)
         for t in range(t_lo, t_hi):
             start_n, pred_check = _inner_tile(lrow, t, tile * BLOCK_M, pos_off, win_left, win_right, BLOCK_M, BLOCK_N,
-                                              True, SCHED, POS, HAS_LEFT, HAS_RIGHT, PERMUTED)
+                                              True, SCHED, POS, HAS_LEFT, HAS_RIGHT, PERMUTED, QVAL | KVAL)
             offs_n = start_n + _key_order(BLOCK_N, NM_M)
             nval = offs_n < Nk
             kj = _orig(kperm, offs_n, nval, PERMUTED)
