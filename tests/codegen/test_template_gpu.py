@@ -123,3 +123,23 @@ def test_hopper_candidates(_setup, monkeypatch, D, kinds):
         finally:
             monkeypatch.setattr(TB, "attention_forward", real_fwd)
             monkeypatch.setattr(TB, "attention_backward", real_bwd)
+
+
+# every one-launch backward candidate (dQ by float32 atomics in the dK/dV pass) of the tuning store, forced
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("policy,kinds", [("dense", ()), ("dense", ("causal",)), ("dense", ("window", "k_valid")),
+                                          ("hash", ("causal",))], ids=["full", "causal", "window", "hash"])
+def test_atomic_dq_candidates(_setup, monkeypatch, D, policy, kinds):
+    from attncomp.codegen.triton import configs
+
+    TB = _setup
+    bwd = [c for c in configs.bwd_candidates(D, D, torch.bfloat16, 1) if c.get("DQ_ATOMIC")]
+    assert bwd
+    for cfg in bwd:
+        real_bwd = TB.attention_backward
+        monkeypatch.setattr(TB, "attention_backward",
+                            lambda *a, _f=real_bwd, _c=cfg, **kw: _f(*a, **{**kw, "config": _c}))
+        try:
+            _run(TB, policy, kinds, "none", 2, 4, 2, 1000, 1000, D, torch.bfloat16, seed=D)
+        finally:
+            monkeypatch.setattr(TB, "attention_backward", real_bwd)

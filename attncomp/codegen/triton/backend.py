@@ -8,6 +8,10 @@ function (DESIGN.md §4, §4.1) with the kernels of :mod:`.template`: every poli
 The host path never reads the device: no ``.item()``/``.tolist()``, no data-dependent shapes.
 Grids are sized from shapes; tile lists are padded to the number of tiles and carry a count;
 sorted layouts come from the device (:mod:`.layout`).
+
+The backward is deterministic (two launches, no atomics) unless a ``DQ_ATOMIC`` launch configuration
+is chosen (dQ added with float32 atomics in the dK/dV pass); with PyTorch's deterministic algorithms
+enabled such configurations are never candidates and a forced one falls back to the two launches.
 """
 
 from __future__ import annotations
@@ -363,7 +367,13 @@ def attention_forward(spec: AttentionSpec, q, k, v, attn_mask=None, dropout_p: f
 def attention_backward(spec: AttentionSpec, q, k, v, attn_mask, out, lse, grad_out, dropout_p: float = 0.0,
                        seed: int = 0, config: Optional[dict] = None, *, preds=None, q_aux=None, k_aux=None,
                        block_pattern=None, layout: Optional[Layout] = None):
-    """``(dq, dk, dv)`` of :func:`attention_forward`'s ``out`` for ``grad_out``."""
+    """``(dq, dk, dv)`` of :func:`attention_forward`'s ``out`` for ``grad_out``.
+
+    Two launches (dK/dV, then dQ), or with a ``DQ_ATOMIC`` configuration one: the dK/dV pass adds dQ
+    into a float32 buffer with atomics. The atomics' order varies, so while PyTorch's deterministic
+    algorithms are enabled (``torch.use_deterministic_algorithms``) such configurations are not
+    candidates (:func:`.configs.bwd_candidates`) and a forced one runs the two-pass path.
+    """
     q, k, v = _last_contiguous(q), _last_contiguous(k), _last_contiguous(v)
     out, grad_out = _last_contiguous(out), _last_contiguous(grad_out)
     site = Site(spec, q, k, v, attn_mask, dropout_p, seed, preds, q_aux, k_aux, block_pattern, layout)
@@ -392,6 +402,17 @@ def attention_backward(spec: AttentionSpec, q, k, v, attn_mask, out, lse, grad_o
         # orientation of the dK/dV tiles: queries by keys for a row-wise selection, else keys by queries
         natural = bool(cfg.get("NATURAL", site.policy == POLICY_DFSS))
         lst, cnt = site.lists(bm, bn, False)
+        if cfg.get("DQ_ATOMIC") and not torch.are_deterministic_algorithms_enabled():
+            # dQ in the dK/dV pass: float32 atomics into a zeroed buffer (rows no tile visits stay 0)
+            dq32 = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+            _attention_kernel[(_cdiv(Nk, bn), B * Hk)](
+                *tensors[:7], dq32, dk, dv, q, q, *_strides(q, k, v, None, grad_out, dq32, dk, dv),
+                *site.pred_args(lst, cnt), *scalars,
+                BLOCK_M=bm, BLOCK_N=bn, MODE=MODE_DKDV, NATURAL=natural, num_warps=w, num_stages=st, DQ_ATOMIC=True,
+                **site.meta(bm, bn),
+            )
+            dq.copy_(dq32)
+            return
         _attention_kernel[(_cdiv(Nk, bn), B * Hk)](
             *tensors, q, q, *strides, *site.pred_args(lst, cnt), *scalars,
             BLOCK_M=bm, BLOCK_N=bn, MODE=MODE_DKDV, NATURAL=natural, num_warps=w, num_stages=st, **site.meta(bm, bn),
@@ -414,7 +435,8 @@ def attention_backward(spec: AttentionSpec, q, k, v, attn_mask, out, lse, grad_o
 def _run_tuned(kind: str, site: Site, launch, candidates_fn, config: Optional[dict] = None) -> None:
     """Launch with ``config``, or with the remembered/tuned one for this call signature."""
     if config is None:
-        sig = (kind, configs.tuning_enabled()) + site.signature()
+        # deterministic mode changes the backward's candidates (no DQ_ATOMIC): part of the key
+        sig = (kind, configs.tuning_enabled(), torch.are_deterministic_algorithms_enabled()) + site.signature()
         config = _config_memo.get(sig)
         if config is not None:
             launch(config)

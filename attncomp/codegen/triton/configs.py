@@ -6,7 +6,8 @@ of ``4 * M`` keys). On CUDA, when the persistent tuning store ``attncomp.runtime
 installed, it picks among the candidates by timing them once per key and remembers the choice on
 disk; otherwise (and with ``ATTNCOMP_TRITON_TUNE=0``) the first candidate, a default measured on an
 H200, is used. Under ``TRITON_INTERPRET=1`` (CPU tests) one small configuration is used and nothing
-is timed.
+is timed. Backward candidates with ``DQ_ATOMIC`` (dQ by float32 atomics in the dK/dV pass) are left
+out while PyTorch's deterministic algorithms are enabled.
 """
 
 from __future__ import annotations
@@ -75,6 +76,11 @@ BWD_CONFIGS: Dict[int, List[Config]] = {
 BWD_CONFIGS[64] += [dict(_cfg(64, 64, 4, 3), TMA=1), dict(_cfg(64, 128, 8, 3), DQ=(128, 64, 8, 3), TMA=1)]
 BWD_CONFIGS[128] += [dict(_cfg(64, 128, 8, 2), DQ=(128, 64, 8, 3), TMA=1),
                      dict(_cfg(64, 128, 8, 2), DQ=(128, 128, 8, 2), TMA=1)]
+# One backward launch: dQ added with float32 atomics in the dK/dV pass (``DQ_ATOMIC``, see
+# backend.attention_backward); timed next to the two-launch candidates, never the default. Not
+# reproducible bit for bit, so :func:`bwd_candidates` drops them under PyTorch's deterministic mode.
+BWD_CONFIGS[64] += [dict(_cfg(64, 128, 8, 2), DQ_ATOMIC=1), dict(_cfg(64, 64, 4, 3), DQ_ATOMIC=1)]
+BWD_CONFIGS[128] += [dict(_cfg(64, 128, 8, 2), DQ_ATOMIC=1), dict(_cfg(64, 64, 4, 3), DQ_ATOMIC=1)]
 BWD_CONFIGS_NM: Dict[int, List[Config]] = {
     64: [_cfg(64, 64, 4, 3), dict(_cfg(64, 128, 8, 2), DQ=(128, 64, 8, 3)),
          dict(_cfg(128, 64, 8, 2), DQ=(128, 64, 8, 3)), dict(_cfg(64, 64, 4, 3), NATURAL=0),
@@ -165,9 +171,13 @@ def fwd_candidates(d: int, dv: int, dtype: torch.dtype, nm_m: int, block: int = 
 
 
 def bwd_candidates(d: int, dv: int, dtype: torch.dtype, nm_m: int, block: int = 0, gpu: str = "") -> List[Config]:
+    """Backward configurations, as :func:`fwd_candidates`; while PyTorch's deterministic algorithms are
+    enabled, without the ``DQ_ATOMIC`` ones (float32 atomics add dQ in a varying order)."""
     if interpret_mode():
         return [interpret_config(nm_m)]
     pool = (BWD_CONFIGS_NM if nm_m > 1 else BWD_CONFIGS)[_tier(d, dv)]
+    if torch.are_deterministic_algorithms_enabled():
+        pool = [c for c in pool if not c.get("DQ_ATOMIC")]
     # key tiles: BLOCK_N of the dK/dV kernel, and the dQ kernel's (its DQ entry, else BLOCK_M)
     out = [c for c in pool if _keys_ok(c["BLOCK_N"], nm_m) and _keys_ok((c.get("DQ") or (0, c["BLOCK_M"]))[1], nm_m)]
     if not out:

@@ -26,7 +26,10 @@ The softmax runs in log2 units (``exp2``), see :mod:`.common`. Kernels:
 * :func:`_attention_kernel`, in three modes: the forward (one program per (query tile, batch x query
   head) streaming key tiles, online softmax, writes ``out`` and the natural-log ``lse``), the
   backward's dQ (the same programs), and the backward's dK/dV (one program per (key tile, batch x KV
-  head) streaming the query tiles of every query head of its GQA group: no atomics).
+  head) streaming the query tiles of every query head of its GQA group: no atomics). With
+  ``DQ_ATOMIC`` the dK/dV pass also adds each tile's dQ share into a float32 buffer with atomics and
+  the dQ launch is skipped: faster where recomputing ``QK^T``/``dP`` costs more than the atomics, but
+  not bitwise reproducible, so deterministic mode (PyTorch's) never uses it.
 * :func:`_bwd_preprocess`: ``delta = rowsum(dO * O)`` and ``lse`` in log2 units (``+inf`` for rows
   without a kept key, so their recomputed probabilities are 0).
 """
@@ -319,7 +322,7 @@ def _attention_kernel(
     EXCLUDE_SELF: tl.constexpr, DROPOUT: tl.constexpr, PRESCALE: tl.constexpr, POS: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SEG: tl.constexpr, QVAL: tl.constexpr, KVAL: tl.constexpr,
     SPION_BS: tl.constexpr, SCHED: tl.constexpr, MODE: tl.constexpr, NATURAL: tl.constexpr,
-    TMA: tl.constexpr = False,
+    TMA: tl.constexpr = False, DQ_ATOMIC: tl.constexpr = False,
 ):
     """The template's one kernel. ``MODE``: ``MODE_FWD`` (``out``, ``lse``), ``MODE_DQ`` (the
     backward's ``dq`` from ``DO``, ``Lse`` in log2 units and ``Delta``): one program per (query tile,
@@ -334,6 +337,11 @@ def _attention_kernel(
     ``KDesc``/``VDesc`` (Hopper's TMA unit: ``(B, Hk, Nk, D)`` tensors, blocks of ``(1, 1, BLOCK_N,
     BLOCK_D)``, zero-filled past ``Nk`` and the head dim) instead of per-thread address loads: only
     where key tiles are rows in order (no sorted layout, no N:M key order).
+
+    With ``DQ_ATOMIC`` the dK/dV mode also computes dQ: each tile's ``dS^T K * sm_scale`` is added with
+    float32 atomics to the buffer at ``DQ`` (strides ``sdq*``, rows in original query order), so that
+    the backward needs no dQ launch (which would recompute ``QK^T``, ``P`` and ``dP``). The order of
+    the additions varies from run to run: not deterministic (see backend.attention_backward).
     """
     PERMUTED: tl.constexpr = POLICY == 2
     if PRESCALE:
@@ -410,6 +418,16 @@ def _attention_kernel(
                 else:
                     dv = _dot(pd.to(do.dtype), do, dv)
                     dk = _dot(ds.to(q.dtype), tl.trans(q), dk)
+                if DQ_ATOMIC:
+                    # this tile's share of dQ (queries by D), added to the float32 buffer at DQ
+                    if NATURAL:
+                        dq = _dot(ds.to(k.dtype), k, tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32))
+                    else:
+                        dq = _dot(tl.trans(ds.to(k.dtype)), k, tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32))
+                    dq_ptrs = (DQ + b.to(tl.int64) * sdqb + h.to(tl.int64) * sdqh + qi[:, None].to(tl.int64) * sdqm
+                               + offs_d[None, :])
+                    tl.atomic_add(dq_ptrs, dq * sm_scale, mask=mval[:, None] & (offs_d[None, :] < HEAD_D),
+                                  sem="relaxed")
         _store_tile(DK + b.to(tl.int64) * sdkb + hk.to(tl.int64) * sdkh, kj, nval, sdkn, offs_d, dk * sm_scale,
                     HEAD_D, BLOCK_D, CHECK_K)
         _store_tile(DV + b.to(tl.int64) * sdvb + hk.to(tl.int64) * sdvh, kj, nval, sdvn, offs_dv, dv,
