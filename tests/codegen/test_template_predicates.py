@@ -24,7 +24,7 @@ pytest.importorskip("triton")
 
 from attncomp.codegen import reference as R  # noqa: E402
 from attncomp.codegen.triton import backend as TB  # noqa: E402
-from attncomp.policy import SPION  # noqa: E402
+from attncomp.policy import DFSS, SPION  # noqa: E402
 from attncomp.spec import AttentionSpec, Predicates, dtype_name  # noqa: E402
 from tests.codegen.template_cases import CASES, close, make_mask, make_policy, make_preds  # noqa: E402
 from tests.utils import fresh_seed  # noqa: E402
@@ -373,3 +373,40 @@ def test_tma_declined_for_unaligned_rows():
     out, _ = TB.attention_forward(AttentionSpec(), q, k, v, None, config=cfg)
     ro, _ = R.attention(q.double(), k.double(), v.double(), spec=AttentionSpec())
     _close("out", out, ro, torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# 2:4 DFSS with the selection fused into the forward's exponentials (config key NM_EXP)
+
+
+@pytest.mark.parametrize("kinds,mask_kind,dropout_p,dtype", [
+    (("causal",), "none", 0.0, torch.float32),
+    (("window", "k_valid"), "float", 0.0, torch.float32),
+    (("q_valid", "segments"), "bool", 0.2, torch.float32),
+    ((), "none", 0.0, torch.bfloat16),
+])
+def test_dfss_exp_fused_selection_matches_the_reference(kinds, mask_kind, dropout_p, dtype):
+    """Only the two kept logits of each group of four are exponentiated; the outputs and lse are the
+    reference's, and equal (to rounding) to the unfused selection's. Logits on a coarse grid make
+    ties within groups frequent (the lower index wins them)."""
+    g = torch.Generator().manual_seed(fresh_seed())
+    B, Hq, Hk, N, D = 2, 2, 1, 45, 32
+    q = (torch.randint(-3, 4, (B, Hq, N, D), generator=g) / 2).to(dtype)
+    k = (torch.randint(-3, 4, (B, Hk, N, D), generator=g) / 2).to(dtype)
+    v = torch.randn(B, Hk, N, D, generator=g).to(dtype)
+    fields, preds = make_preds(kinds, g, B, N, N)
+    mask = make_mask(mask_kind, g, B, Hq, N, N)
+    spec = AttentionSpec(policy=DFSS(2, 4), mask_kind=mask_kind, **fields)
+    site = TB.Site(spec, q, k, v, mask, dropout_p, 7, preds)
+    assert site.nm_exp_ok
+    base = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 1, "num_stages": 1}
+    kw = dict(preds=preds)
+    fused, lse_f = TB.attention_forward(spec, q, k, v, mask, dropout_p, 7, config=dict(base, NM_EXP=1), **kw)
+    plain, lse_p = TB.attention_forward(spec, q, k, v, mask, dropout_p, 7, config=base, **kw)
+    m64 = mask if mask is None or mask.dtype == torch.bool else mask.double()
+    ro, rl = R.attention(q.double(), k.double(), v.double(), m64, spec=spec, preds=preds, dropout_p=dropout_p, seed=7)
+    _close("out", fused, ro, dtype)
+    torch.testing.assert_close(fused.float(), plain.float(), atol=1e-5 if dtype == torch.float32 else 2e-2,
+                               rtol=1e-5 if dtype == torch.float32 else 2e-2)
+    assert torch.equal(torch.isneginf(lse_f), torch.isneginf(rl))
+    torch.testing.assert_close(lse_f, lse_p, atol=1e-5, rtol=1e-5, equal_nan=True)

@@ -176,6 +176,8 @@ class Site:
         self._kv = (k, v)
         # key/value tiles through TMA descriptors: rows in order (no sorted layout, no N:M key
         # order), a Hopper GPU (or the interpreter), 16-byte aligned bases and strides
+        # a 2:4 selection can be fused with the forward's exponentials (config key NM_EXP)
+        self.nm_exp_ok = self.policy == POLICY_DFSS and self.nm_m == 4 and self.nm_n == 2
         self.tma_ok = (self.policy != POLICY_SORTED and self.nm_m <= 2 and _has_tma(self.device)
                        and all(_tma_aligned(t) for t in (k, v)))
 
@@ -357,7 +359,8 @@ def attention_forward(spec: AttentionSpec, q, k, v, attn_mask=None, dropout_p: f
             *_strides(q, k, v, out, None, None, None, None), *site.pred_args(lst, cnt),
             Hq, Nq, Nk, site.scale * LOG2E, site.scale, site.seed_word, site.dropout_p, site.inv_keep,
             BLOCK_M=bm, BLOCK_N=bn, MODE=MODE_FWD, NATURAL=False, num_warps=cfg["num_warps"],
-            num_stages=cfg["num_stages"], TMA=tma, **site.meta(bm, bn),
+            num_stages=cfg["num_stages"], TMA=tma, NM_EXP=bool(cfg.get("NM_EXP")) and site.nm_exp_ok,
+            **site.meta(bm, bn),
         )
 
     _run_tuned("fwd", site, launch, configs.fwd_candidates, config)

@@ -71,6 +71,67 @@ def _key_order(BLOCK_N: tl.constexpr, NM_M: tl.constexpr):
 
 
 @triton.jit
+def _nm_groups(s, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NM_M: tl.constexpr):
+    """``s`` (``BLOCK_M x BLOCK_N``, columns in :func:`_key_order`) viewed as ``(BLOCK_M, groups, NM_M)``
+    with the member axis in one thread's registers (the view moves no data)."""
+    H: tl.constexpr = NM_M // 2
+    x = tl.reshape(s, (BLOCK_M, BLOCK_N // (4 * NM_M), H, 4, 2))
+    x = tl.permute(x, (0, 1, 3, 2, 4))
+    return tl.reshape(x, (BLOCK_M, BLOCK_N // NM_M, NM_M))
+
+
+@triton.jit
+def _nm_tile(y, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NM_M: tl.constexpr):
+    """The inverse of :func:`_nm_groups`: a ``(BLOCK_M, groups, NM_M)`` view back to the tile."""
+    H: tl.constexpr = NM_M // 2
+    y = tl.reshape(y, (BLOCK_M, BLOCK_N // (4 * NM_M), 4, H, 2))
+    y = tl.permute(y, (0, 1, 3, 2, 4))
+    return tl.reshape(y, (BLOCK_M, BLOCK_N))
+
+
+@triton.jit
+def _split4(x, BLOCK_M: tl.constexpr, G: tl.constexpr):
+    """The four members ``x0..x3`` (each ``(BLOCK_M, G)``) of a ``(BLOCK_M, G, 4)`` group view."""
+    xe0, xe1 = tl.split(tl.reshape(x, (BLOCK_M, G, 2, 2)))
+    x0, x2 = tl.split(xe0)
+    x1, x3 = tl.split(xe1)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _join4(y0, y1, y2, y3, BLOCK_M: tl.constexpr, G: tl.constexpr):
+    """The inverse of :func:`_split4`."""
+    return tl.reshape(tl.join(tl.join(y0, y2), tl.join(y1, y3)), (BLOCK_M, G, 4))
+
+
+@triton.jit
+def _keep4(x0, x1, x2, x3, NM_N: tl.constexpr):
+    """Which of four members are kept: member r is kept iff fewer than ``NM_N`` members beat it (j
+    beats r: x_j > x_r, or x_j == x_r and j < r). Each condition is that count written with min/max
+    of the others, so a group costs a few min/max and compares and no predicate juggling."""
+    hi01 = tl.maximum(x0, x1)
+    lo01 = tl.minimum(x0, x1)
+    hi23 = tl.maximum(x2, x3)
+    lo23 = tl.minimum(x2, x3)
+    if NM_N == 1:  # nobody beats it
+        k0 = tl.maximum(x1, hi23) <= x0
+        k1 = (x0 < x1) & (hi23 <= x1)
+        k2 = (hi01 < x2) & (x3 <= x2)
+        k3 = tl.maximum(hi01, x2) < x3
+    elif NM_N == 2:  # at most one member beats it
+        k0 = tl.maximum(lo23, tl.minimum(x1, hi23)) <= x0  # second largest of x1, x2, x3
+        k1 = tl.where(x0 >= x1, hi23, lo23) <= x1
+        k2 = tl.where(x3 > x2, hi01, lo01) < x2
+        k3 = tl.maximum(lo01, tl.minimum(hi01, x2)) < x3  # second largest of x0, x1, x2
+    else:  # N == 3: not all three beat it
+        k0 = tl.minimum(x1, lo23) <= x0
+        k1 = (x0 < x1) | (lo23 <= x1)
+        k2 = (lo01 < x2) | (x3 <= x2)
+        k3 = tl.minimum(lo01, x2) < x3
+    return k0, k1, k2, k3
+
+
+@triton.jit
 def _nm_select(s, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NM_N: tl.constexpr, NM_M: tl.constexpr):
     """Keep, per row of ``s`` (``BLOCK_M x BLOCK_N``, columns in :func:`_key_order`), the ``NM_N``
     largest logits of every group of ``NM_M`` keys; the others become ``-inf``.
@@ -81,50 +142,21 @@ def _nm_select(s, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NM_N: tl.constex
 
     The tile is viewed as ``(BLOCK_M, groups, NM_M)`` with the member axis in one thread's
     registers, so splitting it into per-member tensors moves no data. ``M = 2`` needs one compare
-    per group and ``M = 4`` a handful of min/max and compares; larger groups count the members
-    that beat each one.
+    per group and ``M = 4`` a handful of min/max and compares (:func:`_keep4`); larger groups count
+    the members that beat each one.
     """
-    H: tl.constexpr = NM_M // 2
     G: tl.constexpr = BLOCK_N // NM_M
     NEG: tl.constexpr = float("-inf")
-    x = tl.reshape(s, (BLOCK_M, BLOCK_N // (4 * NM_M), H, 4, 2))
-    x = tl.permute(x, (0, 1, 3, 2, 4))
-    x = tl.reshape(x, (BLOCK_M, G, NM_M))
+    x = _nm_groups(s, BLOCK_M, BLOCK_N, NM_M)
     if NM_M == 2:
         x0, x1 = tl.split(x)
         c01 = x0 >= x1  # member 0 beats member 1 (ties go to the lower index)
         y = tl.join(tl.where(c01, x0, NEG), tl.where(c01, NEG, x1))
     elif NM_M == 4:
-        xe0, xe1 = tl.split(tl.reshape(x, (BLOCK_M, G, 2, 2)))
-        x0, x2 = tl.split(xe0)
-        x1, x3 = tl.split(xe1)
-        # Member r is kept iff fewer than N members beat it (j beats r: x_j > x_r, or x_j == x_r
-        # and j < r). Each condition below is that count written with min/max of the others, so
-        # a group costs a few min/max and compares and no predicate juggling.
-        hi01 = tl.maximum(x0, x1)
-        lo01 = tl.minimum(x0, x1)
-        hi23 = tl.maximum(x2, x3)
-        lo23 = tl.minimum(x2, x3)
-        if NM_N == 1:  # nobody beats it
-            k0 = tl.maximum(x1, hi23) <= x0
-            k1 = (x0 < x1) & (hi23 <= x1)
-            k2 = (hi01 < x2) & (x3 <= x2)
-            k3 = tl.maximum(hi01, x2) < x3
-        elif NM_N == 2:  # at most one member beats it
-            k0 = tl.maximum(lo23, tl.minimum(x1, hi23)) <= x0  # second largest of x1, x2, x3
-            k1 = tl.where(x0 >= x1, hi23, lo23) <= x1
-            k2 = tl.where(x3 > x2, hi01, lo01) < x2
-            k3 = tl.maximum(lo01, tl.minimum(hi01, x2)) < x3  # second largest of x0, x1, x2
-        else:  # N == 3: not all three beat it
-            k0 = tl.minimum(x1, lo23) <= x0
-            k1 = (x0 < x1) | (lo23 <= x1)
-            k2 = (lo01 < x2) | (x3 <= x2)
-            k3 = tl.minimum(lo01, x2) < x3
-        y0 = tl.where(k0, x0, NEG)
-        y1 = tl.where(k1, x1, NEG)
-        y2 = tl.where(k2, x2, NEG)
-        y3 = tl.where(k3, x3, NEG)
-        y = tl.reshape(tl.join(tl.join(y0, y2), tl.join(y1, y3)), (BLOCK_M, G, NM_M))
+        x0, x1, x2, x3 = _split4(x, BLOCK_M, G)
+        k0, k1, k2, k3 = _keep4(x0, x1, x2, x3, NM_N)
+        y = _join4(tl.where(k0, x0, NEG), tl.where(k1, x1, NEG), tl.where(k2, x2, NEG), tl.where(k3, x3, NEG),
+                   BLOCK_M, G)
     else:
         # count the members that beat each member; the member axis is extracted with a masked
         # sum over registers (x + -0.0 == x exactly, -inf included)
@@ -135,12 +167,31 @@ def _nm_select(s, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NM_N: tl.constex
             beats = (xt > x) | ((xt == x) & (lane > t))
             rank += beats.to(tl.int32)
         y = tl.where(rank < NM_N, x, NEG)
-    y = tl.reshape(y, (BLOCK_M, BLOCK_N // (4 * NM_M), 4, H, 2))
-    y = tl.permute(y, (0, 1, 3, 2, 4))
-    keep = tl.reshape(y, (BLOCK_M, BLOCK_N)) != NEG
+    keep = _nm_tile(y, BLOCK_M, BLOCK_N, NM_M) != NEG
     # apply the decision to the input tile (not the reshaped copy): the result keeps the layout of
     # the matrix product, so nothing downstream is converted or computed twice
     return tl.where(keep, s, NEG)
+
+
+@triton.jit
+def _nm24_exp2(s, sc, m_sub, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``(p, rowsum(p))`` for a 2:4 selection fused with the softmax's exponentials: ``p`` is
+    ``exp2(s * sc - m_sub)`` where :func:`_nm_select` keeps the logit and 0 elsewhere, but only the
+    two kept members of each group are exponentiated (half the ``exp2`` of the tile). ``s`` holds
+    the tile's allowed logits before the selection (``-inf`` where not allowed); exactly two members
+    of every group are kept (ties go to the lower index), so they are the first and the last kept.
+    """
+    G: tl.constexpr = BLOCK_N // 4
+    x0, x1, x2, x3 = _split4(_nm_groups(s, BLOCK_M, BLOCK_N, 4), BLOCK_M, G)
+    k0, k1, k2, k3 = _keep4(x0, x1, x2, x3, 2)
+    first = tl.where(k0, x0, tl.where(k1, x1, x2))
+    last = tl.where(k3, x3, tl.where(k2, x2, x1))
+    m2 = m_sub[:, None]
+    ea = tl.math.exp2(first * sc - m2)
+    eb = tl.math.exp2(last * sc - m2)
+    p = _join4(tl.where(k0, ea, 0.0), tl.where(k1, tl.where(k0, eb, ea), 0.0),
+               tl.where(k2, tl.where(k3, ea, eb), 0.0), tl.where(k3, eb, 0.0), BLOCK_M, G)
+    return _nm_tile(p, BLOCK_M, BLOCK_N, 4), tl.sum(ea, 1) + tl.sum(eb, 1)
 
 
 @triton.jit

@@ -9,7 +9,9 @@ A site is specialised through ``tl.constexpr`` parameters along two axes:
   the transposed direction) a list of tile indices built on the device by :mod:`.schedule` from O(N)
   tile summaries: position bounds (q/k position vectors), segment ranges, padding, the sorted
   bucket/keep ranges of ``hash`` and ``drop`` and a SPION block pattern. Each entry also says whether
-  the §4.1 predicates allow the whole tile (then the kernel skips their per-logit tests).
+  the §4.1 predicates and the pattern allow the whole tile (then the kernel skips their per-logit
+  tests). Padding alone takes the span below ``backend.PAD_LIST_MIN`` entries (validity is then
+  tested per logit): there the lists' launches would cost more host time than the skipped tiles save.
 * **entry predicate** (:func:`_entry`): the §4.1 predicates (position window, segments, ``q_valid`` /
   ``k_valid``), the residual ``attn_mask`` and the policy's keep rule (DFSS N:M selection in registers,
   the bucket/keep range of a sorted layout, ``exclude_self``, SPION block membership), all on the
@@ -39,7 +41,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import _dot, _dropout_scale, _key_order, _nm_select
+from .common import _dot, _dropout_scale, _key_order, _nm24_exp2, _nm_select
 
 __all__ = ["MODE_FWD", "MODE_DQ", "MODE_DKDV", "SCHED_SPAN", "SCHED_LIST", "POLICY_DENSE", "POLICY_DFSS",
            "POLICY_SORTED", "POLICY_SPION",
@@ -322,7 +324,7 @@ def _attention_kernel(
     EXCLUDE_SELF: tl.constexpr, DROPOUT: tl.constexpr, PRESCALE: tl.constexpr, POS: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SEG: tl.constexpr, QVAL: tl.constexpr, KVAL: tl.constexpr,
     SPION_BS: tl.constexpr, SCHED: tl.constexpr, MODE: tl.constexpr, NATURAL: tl.constexpr,
-    TMA: tl.constexpr = False, DQ_ATOMIC: tl.constexpr = False,
+    TMA: tl.constexpr = False, DQ_ATOMIC: tl.constexpr = False, NM_EXP: tl.constexpr = False,
 ):
     """The template's one kernel. ``MODE``: ``MODE_FWD`` (``out``, ``lse``), ``MODE_DQ`` (the
     backward's ``dq`` from ``DO``, ``Lse`` in log2 units and ``Delta``): one program per (query tile,
@@ -336,7 +338,9 @@ def _attention_kernel(
     With ``TMA`` the forward and dQ modes read key and value tiles through the tensor descriptors
     ``KDesc``/``VDesc`` (Hopper's TMA unit: ``(B, Hk, Nk, D)`` tensors, blocks of ``(1, 1, BLOCK_N,
     BLOCK_D)``, zero-filled past ``Nk`` and the head dim) instead of per-thread address loads: only
-    where key tiles are rows in order (no sorted layout, no N:M key order).
+    where key tiles are rows in order (no sorted layout, no N:M key order). With ``NM_EXP`` (forward,
+    2:4 DFSS) the selection runs fused with the exponentials (:func:`.common._nm24_exp2`: only the two
+    kept logits of a group are exponentiated) instead of in :func:`_entry`.
 
     With ``DQ_ATOMIC`` the dK/dV mode also computes dQ: each tile's ``dS^T K * sm_scale`` is added with
     float32 atomics to the buffer at ``DQ`` (strides ``sdq*``, rows in original query order), so that
@@ -344,6 +348,8 @@ def _attention_kernel(
     the additions varies from run to run: not deterministic (see backend.attention_backward).
     """
     PERMUTED: tl.constexpr = POLICY == 2
+    # NM_EXP (forward, 2:4 only): the selection is fused with the exponentials instead of applied in _entry
+    ENTRY_POLICY: tl.constexpr = 0 if NM_EXP else POLICY
     if PRESCALE:
         sc = 1.0
     else:
@@ -485,8 +491,8 @@ def _attention_kernel(
                        offs_m[:, None], offs_n[None, :], qi[:, None], kj[None, :], qp[:, None], qs[:, None], qv[:, None],
                        lo[:, None], hi[:, None], kp[None, :], ks[None, :], kv[None, :], b, h, pred_check, start_n,
                        Mask, smb, smh, smm, smn, Pat, sph, spr, spc, Nq, Nk, win_left, win_right, qk_scale,
-                       BLOCK_M, BLOCK_N, MASK_KIND, CHECK_K, POLICY, NM_N, NM_M, EXCLUDE_SELF, POS, HAS_LEFT, HAS_RIGHT,
-                       SEG, QVAL, KVAL, SPION_BS, False, PRESCALE)
+                       BLOCK_M, BLOCK_N, MASK_KIND, CHECK_K, ENTRY_POLICY, NM_N, NM_M, EXCLUDE_SELF, POS, HAS_LEFT,
+                       HAS_RIGHT, SEG, QVAL, KVAL, SPION_BS, False, PRESCALE)
             if MODE == 1:
                 if TMA:
                     vT = tl.trans(tl.reshape(VDesc.load([b, hk, start_n, 0]), (BLOCK_N, BLOCK_DV)))
@@ -499,12 +505,18 @@ def _attention_kernel(
                 ds = p * (dp - di[:, None])
                 acc = _dot(ds.to(kT.dtype), tl.trans(kT), acc)
             else:
+                # (with NM_EXP ``s`` is not yet selected: a group's largest logit is always kept, so
+                # the row maximum is the same)
                 m_new = tl.maximum(m_i, tl.max(s, 1) * sc)
                 # a row with nothing kept so far keeps m = -inf; subtract 0 instead to avoid inf - inf
                 m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
                 alpha = tl.math.exp2(m_i - m_sub)
-                p = tl.math.exp2(s * sc - m_sub[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
+                if NM_EXP:
+                    p, p_sum = _nm24_exp2(s, sc, m_sub, BLOCK_M, BLOCK_N)
+                else:
+                    p = tl.math.exp2(s * sc - m_sub[:, None])
+                    p_sum = tl.sum(p, 1)
+                l_i = l_i * alpha + p_sum
                 acc = acc * alpha[:, None]
                 if DROPOUT:
                     p = p * _dropout_scale(seed, drop_row[:, None], kj[None, :], dropout_p, inv_keep)
