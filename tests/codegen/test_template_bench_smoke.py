@@ -26,3 +26,20 @@ def test_structured_benchmark_smoke(tmp_path):
     assert {x["predicate"] for x in rows if x["table"] == "spion"} == {"banded", "flood"}
     for x in rows:
         assert x["attncomp_ms"] > 0 and 0 < x["achieved_over_ideal"] < 100
+
+
+def test_hopper_variants_benchmark_smoke(tmp_path):
+    """``benchmarks/hopper.py --smoke``: every variant (TMA, atomic dQ, the DFSS breakdown) runs under
+    the interpreter and lands in the JSON with a timing."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TMPDIR=str(tmp_path), TRITON_INTERPRET="1")
+    env.pop("OUT", None)
+    out = tmp_path / "hopper.json"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "hopper.py"), "--smoke", "--out", str(out)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    rows = json.load(open(out))["rows"]
+    names = {(x["variant"], x["passes"]) for x in rows}
+    assert {("dense atomic dq", "bwd"), ("dfss select+exp fused", "fwd"), ("dense on dfss tiles", "fwd")} <= names
+    assert all(x["ms"] is not None and x["ms"] > 0 for x in rows), [x for x in rows if not x["ms"]]
+    assert {x["causal"] for x in rows} == {False, True}
