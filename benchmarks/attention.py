@@ -369,7 +369,7 @@ def sweep(args, policies, dims, causals, passes_list) -> List[dict]:
         cells = "  ".join(f"{c['config']['BLOCK_M']}x{c['config']['BLOCK_N']}w{c['config']['num_warps']}"
                           f"s{c['config']['num_stages']}{'T' if c['config'].get('NATURAL') == 0 else ''}"
                           f"{'+dq' + 'x'.join(map(str, c['config']['DQ'])) if c['config'].get('DQ') else ''}"
-                          f"{'+tma' if c['config'].get('TMA') else ''}"
+                          f"{'+tma' if c['config'].get('TMA') else ''}{'+tmaq' if c['config'].get('TMA_Q') else ''}"
                           f"{'+atomic' if c['config'].get('DQ_ATOMIC') else ''}"
                           f"={c['ms']:.3f}" for c in rows)
         print(f"{key[0]:5s} D{key[1]:<3d} N{key[2]:<5d} c{int(key[3])} {key[4]}: {cells}")

@@ -7,7 +7,8 @@ same pass measured in the same run, with TFLOP/s and the fraction of the GEMM ce
 * ``dense fwd``: the default configuration for this GPU, and the first TMA candidate (key/value tiles
   through tensor descriptors) when the default does not use TMA;
 * ``dense bwd`` / ``dense fwd+bwd``: the two-pass backward (dK/dV, then dQ; deterministic) against the
-  one-pass backward that adds dQ with float32 atomics (config key ``DQ_ATOMIC``);
+  one-pass backward that adds dQ with float32 atomics (config key ``DQ_ATOMIC``), and the backward
+  with Q and dO streamed through TMA descriptors in the dK/dV pass (``TMA_Q``);
 * the DFSS 2:4 breakdown (forward, one tile configuration for all three): dense on the same tiles (no
   selection), the selection applied to the logits before the softmax (default), and the selection
   fused with the exponentials so that only kept logits are exponentiated (config key ``NM_EXP``). The
@@ -66,6 +67,7 @@ def variants(D: int, dtype, gpu: str):
     atomic = _first(bw, "DQ_ATOMIC") or dict(bw[0], DQ_ATOMIC=1)
     out += [("dense two-pass", "dense", "bwd", fw[0], bw[0]),
             ("dense atomic dq", "dense", "bwd", fw[0], atomic),
+            ("dense tma q/do", "dense", "bwd", fw[0], _first(bw, "TMA_Q") or dict(bw[0], TMA=1, TMA_Q=1)),
             ("dense two-pass", "dense", "fwd+bwd", fw[0], bw[0]),
             ("dense atomic dq", "dense", "fwd+bwd", fw[0], atomic)]
     # the DFSS breakdown: one tile shape (DFSS's default) for all three
@@ -122,7 +124,8 @@ def run(args) -> List[Dict]:
                         fcfg = dict(configs.interpret_config(4 if policy == "dfss" else 1), **{
                             k: fcfg[k] for k in ("TMA", "NM_EXP") if k in fcfg})
                         bcfg = None if bcfg is None else dict(configs.interpret_config(4 if policy == "dfss" else 1),
-                                                              **{k: bcfg[k] for k in ("DQ_ATOMIC",) if k in bcfg})
+                                                              **{k: bcfg[k] for k in ("DQ_ATOMIC", "TMA", "TMA_Q")
+                                                                 if k in bcfg})
                     try:
                         ms = bench_ms(_step(policy, causal, q, k, v, do, passes, fcfg, bcfg), smoke)
                     except Exception as e:  # a variant that does not compile here is a row with its error

@@ -346,10 +346,12 @@ def test_tma_descriptors_match_the_reference(policy, kinds, Hq, Hk, N, D):
     pol, qa, ka, bp = make_policy(policy, g, 1, Hq, Hk, N, N)
     fields, preds = make_preds(kinds, g, 1, N, N)
     spec = AttentionSpec(policy=pol, **fields)
-    cfg = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 1, "num_stages": 1, "TMA": 1}
+    cfg = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 1, "num_stages": 1, "TMA": 1, "TMA_Q": 1}
     site = TB.Site(spec, q, k, v, None, 0.0, 0, preds=preds, q_aux=qa, k_aux=ka, block_pattern=bp)
     expect_tma = policy in ("dense", "spion")
     assert site.kv_descriptors(cfg, 16)[2] == expect_tma
+    # the dK/dV pass streams queries: in row order for every policy but a sorted layout
+    assert site.q_descriptors(cfg, 16, q, q)[2] == (policy != "hash")
     kw = dict(preds=preds, q_aux=qa, k_aux=ka, block_pattern=bp)
     out, lse = TB.attention_forward(spec, q, k, v, None, config=cfg, **kw)
     args = dict(spec=spec, block_pattern=bp, preds=preds, q_aux=qa, k_aux=ka)

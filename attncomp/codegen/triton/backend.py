@@ -183,13 +183,21 @@ class Site:
 
     # -- kernel arguments ------------------------------------------------------------------------
     def kv_descriptors(self, cfg: dict, block_n: int) -> tuple:
-        """``(KDesc, VDesc, TMA)`` of a launch: descriptors of ``block_n``-key blocks when ``cfg`` asks for
-        TMA and the site allows it, else placeholders the kernel never reads."""
+        """``(Desc0, Desc1, TMA)`` of a forward or dQ launch: descriptors of ``block_n``-key blocks of K
+        and V when ``cfg`` asks for TMA and the site allows it, else placeholders the kernel never reads."""
         if not (cfg.get("TMA") and self.tma_ok):
             return self._dummy, self._dummy, False
         k, v = self._kv
-        return (TensorDescriptor(k, list(k.shape), list(k.stride()), [1, 1, block_n, self.block_d]),
-                TensorDescriptor(v, list(v.shape), list(v.stride()), [1, 1, block_n, self.block_dv]), True)
+        return _descriptor(k, block_n, self.block_d), _descriptor(v, block_n, self.block_dv), True
+
+    def q_descriptors(self, cfg: dict, block_m: int, q: torch.Tensor, grad_out: torch.Tensor) -> tuple:
+        """``(Desc0, Desc1, TMA)`` of a dK/dV launch: descriptors of ``block_m``-query blocks of Q and dO
+        when ``cfg`` asks for them (key ``TMA_Q``; ``TMA`` is the dQ launch's K and V) and the query rows
+        are in order: any policy but a sorted layout (an N:M key order leaves queries alone)."""
+        if not (cfg.get("TMA_Q") and self.policy != POLICY_SORTED and _has_tma(self.device)
+                and _tma_aligned(q) and _tma_aligned(grad_out)):
+            return self._dummy, self._dummy, False
+        return _descriptor(q, block_m, self.block_d), _descriptor(grad_out, block_m, self.block_dv), True
 
     def meta(self, block_m: int, block_n: int) -> dict:
         return dict(
@@ -312,6 +320,12 @@ def _has_tma(device: torch.device) -> bool:
     return ok
 
 
+def _descriptor(t: torch.Tensor, rows: int, cols: int) -> TensorDescriptor:
+    """A TMA descriptor of a ``(B, H, N, D)`` tensor in blocks of ``rows`` tokens by ``cols`` features
+    (zero-filled past ``N`` and ``D``)."""
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, cols])
+
+
 def _tma_aligned(t: torch.Tensor) -> bool:
     size = t.element_size()
     return (t.dim() == 4 and t.stride(3) == 1 and t.data_ptr() % 16 == 0
@@ -405,20 +419,22 @@ def attention_backward(spec: AttentionSpec, q, k, v, attn_mask, out, lse, grad_o
         # orientation of the dK/dV tiles: queries by keys for a row-wise selection, else keys by queries
         natural = bool(cfg.get("NATURAL", site.policy == POLICY_DFSS))
         lst, cnt = site.lists(bm, bn, False)
+        qd, dod, tma = site.q_descriptors(cfg, bm, q, grad_out)
         if cfg.get("DQ_ATOMIC") and not torch.are_deterministic_algorithms_enabled():
             # dQ in the dK/dV pass: float32 atomics into a zeroed buffer (rows no tile visits stay 0)
             dq32 = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
             _attention_kernel[(_cdiv(Nk, bn), B * Hk)](
-                *tensors[:7], dq32, dk, dv, q, q, *_strides(q, k, v, None, grad_out, dq32, dk, dv),
+                *tensors[:7], dq32, dk, dv, qd, dod, *_strides(q, k, v, None, grad_out, dq32, dk, dv),
                 *site.pred_args(lst, cnt), *scalars,
                 BLOCK_M=bm, BLOCK_N=bn, MODE=MODE_DKDV, NATURAL=natural, num_warps=w, num_stages=st, DQ_ATOMIC=True,
-                **site.meta(bm, bn),
+                TMA=tma, **site.meta(bm, bn),
             )
             dq.copy_(dq32)
             return
         _attention_kernel[(_cdiv(Nk, bn), B * Hk)](
-            *tensors, q, q, *strides, *site.pred_args(lst, cnt), *scalars,
-            BLOCK_M=bm, BLOCK_N=bn, MODE=MODE_DKDV, NATURAL=natural, num_warps=w, num_stages=st, **site.meta(bm, bn),
+            *tensors, qd, dod, *strides, *site.pred_args(lst, cnt), *scalars,
+            BLOCK_M=bm, BLOCK_N=bn, MODE=MODE_DKDV, NATURAL=natural, num_warps=w, num_stages=st, TMA=tma,
+            **site.meta(bm, bn),
         )
         # dQ: its own tiles when the config names them ("DQ": [queries, keys, warps, stages]),
         # else the dK/dV shape transposed (large query tile, small key tile)

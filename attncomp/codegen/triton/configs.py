@@ -76,6 +76,10 @@ BWD_CONFIGS: Dict[int, List[Config]] = {
 BWD_CONFIGS[64] += [dict(_cfg(64, 64, 4, 3), TMA=1), dict(_cfg(64, 128, 8, 3), DQ=(128, 64, 8, 3), TMA=1)]
 BWD_CONFIGS[128] += [dict(_cfg(64, 128, 8, 2), DQ=(128, 64, 8, 3), TMA=1),
                      dict(_cfg(64, 128, 8, 2), DQ=(128, 128, 8, 2), TMA=1)]
+# ``TMA_Q``: the dK/dV launch streams Q and dO through descriptors too (not yet timed on a GPU)
+BWD_CONFIGS[64] += [dict(_cfg(64, 64, 4, 3), TMA=1, TMA_Q=1)]
+BWD_CONFIGS[128] += [dict(_cfg(64, 64, 4, 2), TMA=1, TMA_Q=1), dict(_cfg(64, 128, 8, 2), DQ=(128, 64, 8, 3), TMA=1,
+                                                                   TMA_Q=1)]
 # One backward launch: dQ added with float32 atomics in the dK/dV pass (``DQ_ATOMIC``, see
 # backend.attention_backward); timed next to the two-launch candidates, never the default. Not
 # reproducible bit for bit, so :func:`bwd_candidates` drops them under PyTorch's deterministic mode.

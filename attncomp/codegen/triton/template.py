@@ -312,7 +312,7 @@ def _bk(x, TRANS: tl.constexpr):
 
 @triton.jit(do_not_specialize=["seed", "pos_off", "win_left", "win_right"])
 def _attention_kernel(
-    Q, K, V, O, DO, Lse, Delta, DQ, DK, DV, KDesc, VDesc,
+    Q, K, V, O, DO, Lse, Delta, DQ, DK, DV, Desc0, Desc1,
     sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som, sdob, sdoh, sdom, sdqb, sdqh, sdqm,
     sdkb, sdkh, sdkn, sdvb, sdvh, sdvn,
     QPerm, KPerm, Lo, Hi, QPos, KPos, QSeg, KSeg, QVal, KVal, Mask, Pat, List, Cnt,
@@ -335,10 +335,10 @@ def _attention_kernel(
     cores from registers; with ``NATURAL`` they are queries by keys, the orientation in which a
     row-wise selection (DFSS) sees a group's members in one thread.
 
-    With ``TMA`` the forward and dQ modes read key and value tiles through the tensor descriptors
-    ``KDesc``/``VDesc`` (Hopper's TMA unit: ``(B, Hk, Nk, D)`` tensors, blocks of ``(1, 1, BLOCK_N,
-    BLOCK_D)``, zero-filled past ``Nk`` and the head dim) instead of per-thread address loads: only
-    where key tiles are rows in order (no sorted layout, no N:M key order). With ``NM_EXP`` (forward,
+    With ``TMA`` the streamed tiles come through the tensor descriptors ``Desc0``/``Desc1`` (Hopper's TMA
+    unit: ``(B, H, N, D)`` tensors, blocks of ``(1, 1, tile, BLOCK_D)``, zero-filled past ``N`` and the
+    head dim) instead of per-thread address loads: K and V in the forward and dQ modes (key tiles in
+    row order: no sorted layout, no N:M key order), Q and dO in the dK/dV mode (no sorted layout). With ``NM_EXP`` (forward,
     2:4 DFSS) the selection runs fused with the exponentials (:func:`.common._nm24_exp2`: only the two
     kept logits of a group are exponentiated) instead of in :func:`_entry`.
 
@@ -392,8 +392,14 @@ def _attention_kernel(
                 mval = offs_m < Nq
                 qi, qp, qs, qv, lo, hi = _query_side(QPerm, Lo, Hi, row0, offs_m, mval, b, QPos, s_qpos, QSeg, s_qseg,
                                                      QVal, s_qval, pos_off, PERMUTED, POS, SEG, QVAL)
-                q = _load_tile(q_base, qi, mval, sqm, offs_d, HEAD_D, BLOCK_D, CHECK_Q, T)
-                do = _load_tile(do_base, qi, mval, sdom, offs_dv, HEAD_DV, BLOCK_DV, CHECK_Q, False)
+                if TMA:
+                    q = tl.reshape(Desc0.load([b, h, start_m, 0]), (BLOCK_M, BLOCK_D))
+                    if T:
+                        q = tl.trans(q)
+                    do = tl.reshape(Desc1.load([b, h, start_m, 0]), (BLOCK_M, BLOCK_DV))
+                else:
+                    q = _load_tile(q_base, qi, mval, sqm, offs_d, HEAD_D, BLOCK_D, CHECK_Q, T)
+                    do = _load_tile(do_base, qi, mval, sdom, offs_dv, HEAD_DV, BLOCK_DV, CHECK_Q, False)
                 lse2 = tl.load(Lse + row0 + qi, mask=mval, other=float("inf"))
                 di = tl.load(Delta + row0 + qi, mask=mval, other=0.0)
                 if NATURAL:
@@ -483,7 +489,7 @@ def _attention_kernel(
             nval = offs_n < Nk
             kj = _orig(kperm, offs_n, nval, PERMUTED)
             if TMA:
-                kT = tl.trans(tl.reshape(KDesc.load([b, hk, start_n, 0]), (BLOCK_N, BLOCK_D)))
+                kT = tl.trans(tl.reshape(Desc0.load([b, hk, start_n, 0]), (BLOCK_N, BLOCK_D)))
             else:
                 kT = _load_tile(k_base, kj, nval, skn, offs_d, HEAD_D, BLOCK_D, CHECK_K, True)
             kp, ks, kv = _tok_vals(kj, nval, b, KPos, s_kpos, KSeg, s_kseg, KVal, s_kval, 0, POS, SEG, KVAL)
@@ -495,7 +501,7 @@ def _attention_kernel(
                        HAS_RIGHT, SEG, QVAL, KVAL, SPION_BS, False, PRESCALE)
             if MODE == 1:
                 if TMA:
-                    vT = tl.trans(tl.reshape(VDesc.load([b, hk, start_n, 0]), (BLOCK_N, BLOCK_DV)))
+                    vT = tl.trans(tl.reshape(Desc1.load([b, hk, start_n, 0]), (BLOCK_N, BLOCK_DV)))
                 else:
                     vT = _load_tile(v_base, kj, nval, svn, offs_dv, HEAD_DV, BLOCK_DV, CHECK_K, True)
                 p = tl.math.exp2(s * sc - lse2[:, None])
@@ -521,7 +527,7 @@ def _attention_kernel(
                 if DROPOUT:
                     p = p * _dropout_scale(seed, drop_row[:, None], kj[None, :], dropout_p, inv_keep)
                 if TMA:
-                    v = tl.reshape(VDesc.load([b, hk, start_n, 0]), (BLOCK_N, BLOCK_DV))
+                    v = tl.reshape(Desc1.load([b, hk, start_n, 0]), (BLOCK_N, BLOCK_DV))
                 else:
                     v = _load_tile(v_base, kj, nval, svn, offs_dv, HEAD_DV, BLOCK_DV, CHECK_K, False)
                 acc = _dot(p.to(v.dtype), v, acc)
