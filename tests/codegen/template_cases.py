@@ -56,6 +56,18 @@ def make_mask(kind, g, B, Hq, Nq, Nk):
     return m
 
 
+def make_qkv(policy, g, B, Hq, Hk, Nq, Nk, D, dtype):
+    """``(q, k, v)`` drawn from ``g`` in ``dtype``; for ``dfss`` q and k lie on a coarse grid, so that the
+    logits are exact and N:M selections decide the same way in every precision."""
+    q = torch.randn(B, Hq, Nq, D, generator=g)
+    k = torch.randn(B, Hk, Nk, D, generator=g)
+    v = torch.randn(B, Hk, Nk, D, generator=g)
+    if policy == "dfss":
+        q = torch.randint(-3, 4, q.shape, generator=g) / 2
+        k = torch.randint(-3, 4, k.shape, generator=g) / 2
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
 def make_policy(name, g, B, Hq, Hk, Nq, Nk):
     """``(policy, q_aux, k_aux, block_pattern)``."""
     if name == "dense":

@@ -26,7 +26,7 @@ from attncomp.codegen.triton import backend as TB  # noqa: E402
 from attncomp.codegen.triton import configs  # noqa: E402
 from attncomp.codegen.triton.template import MODE_DKDV, MODE_DQ, MODE_FWD  # noqa: E402
 from attncomp.spec import AttentionSpec  # noqa: E402
-from tests.codegen.template_cases import close, make_policy, make_preds  # noqa: E402
+from tests.codegen.template_cases import close, make_policy, make_preds, make_qkv  # noqa: E402
 from tests.utils import TOL, fresh_seed, poison  # noqa: E402
 
 ATOMIC = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 1, "num_stages": 1, "DQ_ATOMIC": 1}
@@ -61,12 +61,7 @@ def launches(monkeypatch):
 
 
 def _case(policy, kinds, B, Hq, Hk, N, D, dtype, g):
-    q = torch.randn(B, Hq, N, D, generator=g).to(dtype)
-    k = torch.randn(B, Hk, N, D, generator=g).to(dtype)
-    v = torch.randn(B, Hk, N, D, generator=g).to(dtype)
-    if policy == "dfss":  # exact logits: selections decide the same way in every precision
-        q = (torch.randint(-3, 4, q.shape, generator=g) / 2).to(dtype)
-        k = (torch.randint(-3, 4, k.shape, generator=g) / 2).to(dtype)
+    q, k, v = make_qkv(policy, g, B, Hq, Hk, N, N, D, dtype)
     fields, preds = make_preds(kinds, g, B, N, N)
     pol, qa, ka, bp = make_policy(policy, g, B, Hq, Hk, N, N)
     spec = AttentionSpec(policy=pol, **fields)

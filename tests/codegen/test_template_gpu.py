@@ -14,7 +14,7 @@ import torch
 
 from attncomp.codegen import reference as R
 from attncomp.spec import AttentionSpec, dtype_name
-from tests.codegen.template_cases import CASES, close, make_mask, make_policy, make_preds
+from tests.codegen.template_cases import CASES, close, make_mask, make_policy, make_preds, make_qkv
 from tests.utils import poison
 
 pytestmark = pytest.mark.gpu
@@ -43,12 +43,7 @@ def _close(name, a, b, dtype, grad=False):
 
 def _run(TB, policy, kinds, mask_kind, B, Hq, Hk, Nq, Nk, D, dtype, dropout_p=0.0, seed=0):
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, Hq, Nq, D, generator=g)
-    k = torch.randn(B, Hk, Nk, D, generator=g)
-    v = torch.randn(B, Hk, Nk, D, generator=g)
-    if policy == "dfss":  # exact logits: N:M selections decide alike in every precision
-        q = torch.randint(-3, 4, q.shape, generator=g) / 2
-        k = torch.randint(-3, 4, k.shape, generator=g) / 2
+    q, k, v = make_qkv(policy, g, B, Hq, Hk, Nq, Nk, D, torch.float32)
     fields, preds = make_preds(kinds, g, B, Nq, Nk)
     mask = make_mask(mask_kind, g, B, Hq, Nq, Nk)
     pol, qa, ka, bp = make_policy(policy, g, B, Hq, Hk, Nq, Nk)

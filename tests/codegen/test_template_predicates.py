@@ -26,7 +26,8 @@ from attncomp.codegen import reference as R  # noqa: E402
 from attncomp.codegen.triton import backend as TB  # noqa: E402
 from attncomp.policy import DFSS, SPION  # noqa: E402
 from attncomp.spec import AttentionSpec, Predicates, dtype_name  # noqa: E402
-from tests.codegen.template_cases import CASES, close, make_mask, make_policy, make_preds  # noqa: E402
+from tests.codegen.template_cases import (CASES, close, make_mask, make_policy, make_preds,  # noqa: E402
+                                           make_qkv)
 from tests.utils import fresh_seed  # noqa: E402
 from tests.utils import TOL, fresh_seed, poison  # noqa: E402
 
@@ -50,12 +51,7 @@ def _close(name, a, b, dtype, scale_by_max=False):
 
 def run_case(policy, kinds, mask_kind, B, Hq, Hk, Nq, Nk, D, dtype, *, dropout_p=0.0, backward=True):
     g = torch.Generator().manual_seed(fresh_seed())
-    q = torch.randn(B, Hq, Nq, D, generator=g).to(dtype)
-    k = torch.randn(B, Hk, Nk, D, generator=g).to(dtype)
-    v = torch.randn(B, Hk, Nk, D, generator=g).to(dtype)
-    if policy == "dfss":  # exact logits: selections decide the same way in every precision
-        q = (torch.randint(-3, 4, q.shape, generator=g) / 2).to(dtype)
-        k = (torch.randint(-3, 4, k.shape, generator=g) / 2).to(dtype)
+    q, k, v = make_qkv(policy, g, B, Hq, Hk, Nq, Nk, D, dtype)
     fields, preds = make_preds(kinds, g, B, Nq, Nk)
     mask = make_mask(mask_kind, g, B, Hq, Nq, Nk)
     pol, qa, ka, bp = make_policy(policy, g, B, Hq, Hk, Nq, Nk)

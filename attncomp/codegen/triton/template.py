@@ -237,9 +237,9 @@ def _entry(
     ``*2`` arguments are broadcastable to it: row-order indices ``m2``/``n2``, original indices
     ``qi2``/``kj2``, and the per-token values of :func:`_tok_vals` and the sorted ranges.
     ``pred_check`` (a scalar) is false for tiles that every §4.1 predicate and a SPION pattern allow
-    entirely (the schedule knows them: their position, segment, padding and block tests are
-    skipped); ``n_first`` is the tile's first key (row order). With ``PRESCALE`` the result is in log2 units; without it, raw ``q·k``
-    (the caller applies the scale inside its ``exp2`` multiply-add).
+    entirely (the schedule knows them: their position, segment, padding and block tests are skipped);
+    ``n_first`` is the tile's first key (row order). With ``PRESCALE`` the result is in log2 units; without
+    it, raw ``q·k`` (the caller applies the scale inside its ``exp2`` multiply-add).
     """
     if PRESCALE:
         s = qk * qk_scale
@@ -336,11 +336,11 @@ def _attention_kernel(
     row-wise selection (DFSS) sees a group's members in one thread.
 
     With ``TMA`` the streamed tiles come through the tensor descriptors ``Desc0``/``Desc1`` (Hopper's TMA
-    unit: ``(B, H, N, D)`` tensors, blocks of ``(1, 1, tile, BLOCK_D)``, zero-filled past ``N`` and the
-    head dim) instead of per-thread address loads: K and V in the forward and dQ modes (key tiles in
-    row order: no sorted layout, no N:M key order), Q and dO in the dK/dV mode (no sorted layout). With ``NM_EXP`` (forward,
-    2:4 DFSS) the selection runs fused with the exponentials (:func:`.common._nm24_exp2`: only the two
-    kept logits of a group are exponentiated) instead of in :func:`_entry`.
+    unit: ``(B, H, N, D)`` tensors, blocks of ``(1, 1, tile, BLOCK_D)``, zero-filled past ``N`` and the head
+    dim) instead of per-thread address loads: K and V in the forward and dQ modes (key tiles in row order:
+    no sorted layout, no N:M key order), Q and dO in the dK/dV mode (no sorted layout). With ``NM_EXP``
+    (forward, 2:4 DFSS) the selection runs fused with the exponentials (:func:`.common._nm24_exp2`: only the
+    two kept logits of a group are exponentiated) instead of in :func:`_entry`.
 
     With ``DQ_ATOMIC`` the dK/dV mode also computes dQ: each tile's ``dS^T K * sm_scale`` is added with
     float32 atomics to the buffer at ``DQ`` (strides ``sdq*``, rows in original query order), so that
