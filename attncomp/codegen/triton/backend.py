@@ -17,8 +17,8 @@ enabled such configurations are never candidates and a forced one falls back to 
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 import weakref
+from collections import OrderedDict
 from typing import Optional, Tuple
 
 import torch
@@ -174,10 +174,10 @@ class Site:
                                     or self.policy in (POLICY_SORTED, POLICY_SPION)) else SCHED_SPAN
         self._dummy = dummy
         self._kv = (k, v)
-        # key/value tiles through TMA descriptors: rows in order (no sorted layout, no N:M key
-        # order), a Hopper GPU (or the interpreter), 16-byte aligned bases and strides
         # a 2:4 selection can be fused with the forward's exponentials (config key NM_EXP)
         self.nm_exp_ok = self.policy == POLICY_DFSS and self.nm_m == 4 and self.nm_n == 2
+        # key/value tiles through TMA descriptors: rows in order (no sorted layout, no N:M key
+        # order), a Hopper GPU (or the interpreter), 16-byte aligned bases and strides
         self.tma_ok = (self.policy != POLICY_SORTED and self.nm_m <= 2 and _has_tma(self.device)
                        and all(_tma_aligned(t) for t in (k, v)))
 
