@@ -367,6 +367,10 @@ def test_tma_declined_for_unaligned_rows():
     q = k = v = base[..., :36]  # a row stride of 37 floats
     site = TB.Site(AttentionSpec(), q, k, v, None, 0.0, 0)
     assert not site.tma_ok
+    # a batch broadcast by expand (stride 0) is not described to TMA either
+    kb = torch.randn(1, 2, 40, 32, generator=g).expand(3, 2, 40, 32)
+    assert not TB.Site(AttentionSpec(), torch.randn(3, 2, 40, 32), kb, kb, None, 0.0, 0).tma_ok
+    assert TB.Site(AttentionSpec(), torch.randn(3, 2, 40, 32), kb.contiguous(), kb.contiguous(), None, 0.0, 0).tma_ok
     cfg = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 1, "num_stages": 1, "TMA": 1}
     out, _ = TB.attention_forward(AttentionSpec(), q, k, v, None, config=cfg)
     ro, _ = R.attention(q.double(), k.double(), v.double(), spec=AttentionSpec())

@@ -327,9 +327,11 @@ def _descriptor(t: torch.Tensor, rows: int, cols: int) -> TensorDescriptor:
 
 
 def _tma_aligned(t: torch.Tensor) -> bool:
+    """Whether ``t`` can be described to TMA: 4-D, unit last stride, a 16-byte aligned base, strides of
+    whole 16-byte multiples and no broadcast (stride 0) dimension of more than one element."""
     size = t.element_size()
-    return (t.dim() == 4 and t.stride(3) == 1 and t.data_ptr() % 16 == 0
-            and all((st * size) % 16 == 0 for st in t.stride()[:3]) and min(t.shape) > 0)
+    return (t.dim() == 4 and t.stride(3) == 1 and t.data_ptr() % 16 == 0 and min(t.shape) > 0
+            and all((st * size) % 16 == 0 and (st > 0 or n == 1) for st, n in zip(t.stride()[:3], t.shape[:3])))
 
 
 def _st(t, d) -> int:
