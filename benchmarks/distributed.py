@@ -378,6 +378,11 @@ def _worker(rank: int, world: int, port: int, args, outdir: str) -> None:
             rows += train_rows(args, rank, world, device, dtype)
         if "cp" in parts:
             rows += cp_rows(args, rank, world, device, dtype)
+        # every rank reaches the end before any tears the group down: a peer that closed its gloo
+        # connections while rank 0 still timed its one-device rows aborted rank 0 now and then
+        # ("terminate called without an active exception", CPU smoke run under load). Only on
+        # success: after an error the group is torn down at once, so the error is not a hang.
+        dist.barrier()
     finally:
         if rank == 0:
             with open(os.path.join(outdir, "rows.json"), "w") as f:
