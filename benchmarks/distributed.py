@@ -378,9 +378,9 @@ def _worker(rank: int, world: int, port: int, args, outdir: str) -> None:
             rows += train_rows(args, rank, world, device, dtype)
         if "cp" in parts:
             rows += cp_rows(args, rank, world, device, dtype)
-        # every rank reaches the end before any tears the group down: a peer that closed its gloo
-        # connections while rank 0 still timed its one-device rows aborted rank 0 now and then
-        # ("terminate called without an active exception", CPU smoke run under load). Only on
+        # every rank reaches the end before any tears the group down: rank 0 aborted now and then at
+        # teardown ("terminate called without an active exception", CPU smoke run under load), most
+        # likely because a peer closed its gloo connections while rank 0 still timed its rows. Only on
         # success: after an error the group is torn down at once, so the error is not a hang.
         dist.barrier()
     finally:
