@@ -40,6 +40,17 @@ def poison(t: torch.Tensor) -> torch.Tensor:
     return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-12345)
 
 
+def draw_mask(kind: str, g: torch.Generator, B: int, Nq: int, Nk: int):
+    """A residual mask of ``kind``: ``None``, ``"bool"`` (``(B, 1, Nq, Nk)``, about 30 % masked) or
+    ``"float"`` (a 2-D ``(Nq, Nk)`` bias broadcast over batch and heads, about 20 % ``-inf``)."""
+    if kind == "bool":
+        return torch.rand(B, 1, Nq, Nk, generator=g) > 0.3
+    if kind == "float":
+        return torch.where(torch.rand(Nq, Nk, generator=g) > 0.2, torch.randn(Nq, Nk, generator=g),
+                           torch.tensor(float("-inf")))
+    return None
+
+
 def qkv(B, Hq, Nq, D, *, Hk=None, Nk=None, Dv=None, dtype=torch.float32, device="cpu", requires_grad=False, seed=None):
     """Fresh random q, k, v (never zeros)."""
     g = torch.Generator(device="cpu")

@@ -23,7 +23,7 @@ from attncomp.codegen.tvm import cuda_bwd  # noqa: E402
 from attncomp.codegen.tvm.kernels import Variant  # noqa: E402
 from attncomp.policy import DFSS, Dense, Hash, SPION, ceil_div  # noqa: E402
 from attncomp.spec import AttentionSpec, Predicates  # noqa: E402
-from tests.utils import assert_close, fresh_generator  # noqa: E402
+from tests.utils import assert_close, draw_mask, fresh_generator, qkv  # noqa: E402
 
 
 pytestmark = pytest.mark.usefixtures("tvm_poisoned")
@@ -59,16 +59,9 @@ CASES = [
                          f"D{c[6]}-{c[8]}{'-drop' if c[9] else ''}")
 def test_cuda_backward_schedule_matches_reference(case):
     pol, causal, Nq, Nk, Hq, Hk, D, Dv, mask, drop = case
-    g = fresh_generator()
     B = 2
-    q, k = torch.randn(B, Hq, Nq, D, generator=g), torch.randn(B, Hk, Nk, D, generator=g)
-    v = torch.randn(B, Hk, Nk, Dv, generator=g)
-    am = None
-    if mask == "bool":
-        am = torch.rand(B, 1, Nq, Nk, generator=g) > 0.3
-    elif mask == "float":
-        am = torch.where(torch.rand(Nq, Nk, generator=g) > 0.2, torch.randn(Nq, Nk, generator=g),
-                         torch.tensor(float("-inf")))
+    q, k, v = qkv(B, Hq, Nq, D, Hk=Hk, Nk=Nk, Dv=Dv)
+    am = draw_mask(mask, fresh_generator(), B, Nq, Nk)
     spec = AttentionSpec(causal=causal, policy=pol, mask_kind=mask,
                          causal_align="bottom_right" if causal and Nk > Nq else "top_left")
     _check(spec, q, k, v, am, drop=drop)

@@ -23,7 +23,7 @@ from attncomp.codegen.tvm import sparse as SP  # noqa: E402
 from attncomp.codegen.tvm.kernels import Variant  # noqa: E402
 from attncomp.policy import DFSS  # noqa: E402
 from attncomp.spec import AttentionSpec, Predicates  # noqa: E402
-from tests.utils import assert_close, fresh_generator  # noqa: E402
+from tests.utils import assert_close, draw_mask, fresh_generator, qkv  # noqa: E402
 
 
 pytestmark = pytest.mark.usefixtures("tvm_poisoned")
@@ -172,17 +172,9 @@ CASES = [
                          f"{'causal' if c[2] else 'full'}-{c[3]}x{c[4]}-D{c[7]}-{c[9]}")
 def test_emulated_sparse_kernel_matches_reference(case):
     dtype, nm, causal, Nq, Nk, Hq, Hk, D, Dv, mask = case
-    g = fresh_generator()
     B = 2
-    q = torch.randn(B, Hq, Nq, D, generator=g).to(dtype)
-    k = torch.randn(B, Hk, Nk, D, generator=g).to(dtype)
-    v = torch.randn(B, Hk, Nk, Dv, generator=g).to(dtype)
-    am = None
-    if mask == "bool":
-        am = torch.rand(B, 1, Nq, Nk, generator=g) > 0.3
-    elif mask == "float":
-        am = torch.where(torch.rand(Nq, Nk, generator=g) > 0.2, torch.randn(Nq, Nk, generator=g),
-                         torch.tensor(float("-inf")))
+    q, k, v = qkv(B, Hq, Nq, D, Hk=Hk, Nk=Nk, Dv=Dv, dtype=dtype)
+    am = draw_mask(mask, fresh_generator(), B, Nq, Nk)
     spec = AttentionSpec(causal=causal, policy=DFSS(*nm), causal_align="bottom_right" if causal and Nk > Nq else
                          "top_left", mask_kind=mask)
     out, lse = TB.sparse_emulated_forward(spec, q, k, v, am)

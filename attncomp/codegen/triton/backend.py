@@ -16,6 +16,7 @@ enabled such configurations are never candidates and a forced one falls back to 
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from collections import OrderedDict
@@ -176,10 +177,14 @@ class Site:
         self._kv = (k, v)
         # a 2:4 selection can be fused with the forward's exponentials (config key NM_EXP)
         self.nm_exp_ok = self.policy == POLICY_DFSS and self.nm_m == 4 and self.nm_n == 2
-        # key/value tiles through TMA descriptors: rows in order (no sorted layout, no N:M key
-        # order), a Hopper GPU (or the interpreter), 16-byte aligned bases and strides
-        self.tma_ok = (self.policy != POLICY_SORTED and self.nm_m <= 2 and _has_tma(self.device)
-                       and all(_tma_aligned(t) for t in (k, v)))
+
+    @functools.cached_property
+    def tma_ok(self) -> bool:
+        """Whether key/value tiles can come through TMA descriptors: rows in order (no sorted layout,
+        no N:M key order), a Hopper GPU (or the interpreter), 16-byte aligned bases and strides.
+        Computed on first use: only a launch whose configuration asks for TMA pays for the checks."""
+        return (self.policy != POLICY_SORTED and self.nm_m <= 2 and _has_tma(self.device)
+                and all(_tma_aligned(t) for t in self._kv))
 
     # -- kernel arguments ------------------------------------------------------------------------
     def kv_descriptors(self, cfg: dict, block_n: int) -> tuple:
@@ -299,8 +304,9 @@ def _strides(*tensors) -> tuple:
     return tuple(x for t in tensors for x in ((0, 0, 0) if t is None else t.stride()[:3]))
 
 
-# Nq * Nk from which a site with padding (q_valid / k_valid) alone builds tile lists: measured on an
-# H100, a GPT-2 step (4 x 2048, all-ones attention_mask) was host-bound on the list launches
+# Nq * Nk from which a site with padding (q_valid / k_valid) alone builds tile lists. A GPT-2 step on
+# an H100 (4 x 2048, all-ones attention_mask) was host-bound (benchmarks/model_report.py), the three
+# list launches per call being part of that host path; the bound itself is a choice, not measured
 PAD_LIST_MIN = 4096 * 4096
 
 _TMA_DEVICES: dict = {}

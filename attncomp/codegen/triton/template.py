@@ -11,7 +11,7 @@ A site is specialised through ``tl.constexpr`` parameters along two axes:
   bucket/keep ranges of ``hash`` and ``drop`` and a SPION block pattern. Each entry also says whether
   the §4.1 predicates and the pattern allow the whole tile (then the kernel skips their per-logit
   tests). Padding alone takes the span below ``backend.PAD_LIST_MIN`` entries (validity is then
-  tested per logit): there the lists' launches would cost more host time than the skipped tiles save.
+  tested per logit), so that short kernels do not wait on the lists' launches (a chosen bound).
 * **entry predicate** (:func:`_entry`): the §4.1 predicates (position window, segments, ``q_valid`` /
   ``k_valid``), the residual ``attn_mask`` and the policy's keep rule (DFSS N:M selection in registers,
   the bucket/keep range of a sorted layout, ``exclude_self``, SPION block membership), all on the

@@ -172,17 +172,20 @@ class _Gen:
         return f"T.Cast(\"float32\", T.reinterpret(\"float16\", T.Cast(\"uint16\", {bits})))"
 
     # fragment registers, as expressions of (warp w, quad g, thread-in-quad t)
+    def frag_a(self, buf, w, g, t, kk, r) -> str:
+        """Register ``r`` of a row-major A operand (16 rows of warp ``w``, the 16 columns of step ``kk``)."""
+        row, col = f"(16 * {w} + {g} + 8 * (({r}) % 2))", f"({kk} * 16 + 2 * {t} + 8 * (({r}) // 2))"
+        return self.pack2(f"{buf}[{row}, {col}]", f"{buf}[{row}, {col} + 1]")
+
     def frag_q(self, w, g, t, kd, r) -> str:
-        row, col = f"(16 * {w} + {g} + 8 * (({r}) % 2))", f"({kd} * 16 + 2 * {t} + 8 * (({r}) // 2))"
-        return self.pack2(f"Qs[{row}, {col}]", f"Qs[{row}, {col} + 1]")
+        return self.frag_a("Qs", w, g, t, kd, r)
 
     def frag_k(self, g, t, nb, kd, r) -> str:
         key, d = f"({nb} * 8 + {g})", f"({kd} * 16 + 2 * {t} + 8 * ({r}))"
         return self.pack2(f"Ks[{key}, {d}]", f"Ks[{key}, {d} + 1]")
 
     def frag_p(self, w, g, t, kb, r) -> str:
-        row, col = f"(16 * {w} + {g} + 8 * (({r}) % 2))", f"({kb} * 16 + 2 * {t} + 8 * (({r}) // 2))"
-        return self.pack2(f"Pc[{row}, {col}]", f"Pc[{row}, {col} + 1]")
+        return self.frag_a("Pc", w, g, t, kb, r)
 
     def frag_v(self, g, t, kb, nbv, r) -> str:
         key, col = f"({kb} * 32 + 2 * {t} + 8 * ({r}))", f"({nbv} * 8 + {g})"
