@@ -1,15 +1,23 @@
 """One compiled model of ``models.py`` on this machine: its ``attncomp.report`` (which kernel each site
 ran and why, Inductor or not, graph breaks) and a profile of one step's CUDA kernels, to explain a
-row of the models table.
+row of the models table. With ``--host``, also the host time of one step (the time until the call
+returns, started on an idle device, so that launches are not queued behind kernels) next to its wall
+time, for eager, ``torch.compile`` and attncomp, and a ``cProfile`` of attncomp's steps: where the
+host time goes.
 
-    python benchmarks/model_report.py --model gpt2 --policy dense [--mode infer]
+    python benchmarks/model_report.py --model gpt2 --policy dense [--mode infer] [--host]
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import os
+import pstats
+import statistics
 import sys
+import time
 
 import torch
 
@@ -27,6 +35,8 @@ def main(argv=None) -> int:
     ap.add_argument("--mode", default="infer")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--host", action="store_true", help="host time per step and a cProfile of attncomp's steps")
+    ap.add_argument("--no-profile", action="store_true", help="skip the torch.profiler kernel table")
     args = ap.parse_args(argv)
     import transformers
 
@@ -45,6 +55,10 @@ def main(argv=None) -> int:
             fast(**x)
     print(attncomp.report(fast))
     print("graph breaks:", dict(counters.get("graph_break", {})))
+    if args.host:
+        host_table(model, fast, x, device, args.top)
+    if args.no_profile:
+        return 0
     acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
                                                     if device.type == "cuda" else [])
     with torch.no_grad(), torch.profiler.profile(activities=acts) as prof:
@@ -55,6 +69,53 @@ def main(argv=None) -> int:
     key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     print(prof.key_averages().table(sort_by=key, row_limit=args.top, max_name_column_width=60))
     return 0
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def host_and_wall_ms(fn, device, iters: int = 10):
+    """Median host time (until ``fn`` returns, started on an idle device) and wall time of one call."""
+    host, wall = [], []
+    for _ in range(iters):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        t1 = time.perf_counter()
+        _sync(device)
+        t2 = time.perf_counter()
+        host.append((t1 - t0) * 1e3)
+        wall.append((t2 - t0) * 1e3)
+    return statistics.median(host), statistics.median(wall)
+
+
+def host_table(model, fast, x, device, top: int) -> None:
+    """Host and wall time per step of eager, ``torch.compile`` and attncomp, then attncomp's cProfile."""
+    compiled = torch.compile(model)
+    rows = []
+    with torch.no_grad():
+        for name, fn in (("eager", model), ("torch.compile", compiled), ("attncomp", fast)):
+            for _ in range(3):
+                fn(**x)
+            h, w = host_and_wall_ms(lambda: fn(**x), device)
+            rows.append((name, h, w))
+        prof = cProfile.Profile()
+        _sync(device)
+        prof.enable()
+        for _ in range(5):
+            fast(**x)
+        prof.disable()
+        _sync(device)
+    print(f"{'':14s} {'host ms':>8s} {'wall ms':>8s}")
+    for name, h, w in rows:
+        print(f"{name:14s} {h:8.3f} {w:8.3f}")
+    buf = io.StringIO()
+    st = pstats.Stats(prof, stream=buf)
+    st.sort_stats("cumulative").print_stats(3 * top)
+    st.sort_stats("tottime").print_stats(top)
+    print("cProfile of 5 attncomp steps:\n" + buf.getvalue())
 
 
 if __name__ == "__main__":
