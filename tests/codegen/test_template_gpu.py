@@ -41,7 +41,7 @@ def _close(name, a, b, dtype, grad=False):
     close(name, a, b, _TOL[dtype], grad)
 
 
-def _run(TB, policy, kinds, mask_kind, B, Hq, Hk, Nq, Nk, D, dtype, dropout_p=0.0, seed=0):
+def _inputs(policy, kinds, mask_kind, B, Hq, Hk, Nq, Nk, D, dtype, seed):
     g = torch.Generator().manual_seed(seed)
     q, k, v = make_qkv(policy, g, B, Hq, Hk, Nq, Nk, D, torch.float32)
     fields, preds = make_preds(kinds, g, B, Nq, Nk)
@@ -53,6 +53,12 @@ def _run(TB, policy, kinds, mask_kind, B, Hq, Hk, Nq, Nk, D, dtype, dropout_p=0.
     mask, qa, ka, bp = to(mask), to(qa), to(ka), to(bp)
     preds = preds._replace(**{f: to(getattr(preds, f)) for f in preds._fields})
     spec = AttentionSpec(mask_kind=mask_kind, dtype=dtype_name(dtype), policy=pol, **fields)
+    go = torch.randn(B, Hq, Nq, D, generator=g).to(dev, dtype)
+    return spec, q, k, v, mask, qa, ka, bp, preds, go
+
+
+def _run(TB, policy, kinds, mask_kind, B, Hq, Hk, Nq, Nk, D, dtype, dropout_p=0.0, seed=0):
+    spec, q, k, v, mask, qa, ka, bp, preds, go = _inputs(policy, kinds, mask_kind, B, Hq, Hk, Nq, Nk, D, dtype, seed)
     be = TB.TritonBackend()
     out, lse = be.forward(spec, q, k, v, mask, qa, ka, bp, dropout_p, seed, preds=preds)
     m64 = mask if mask is None or mask.dtype == torch.bool else mask.double()
@@ -60,7 +66,6 @@ def _run(TB, policy, kinds, mask_kind, B, Hq, Hk, Nq, Nk, D, dtype, dropout_p=0.
     ro, rl = R.attention(q.double(), k.double(), v.double(), m64, **args)
     _close("out", out, ro, dtype)
     assert torch.equal(torch.isneginf(lse), torch.isneginf(rl))
-    go = torch.randn_like(out)
     dq, dk, dv, _ = be.backward(spec, q, k, v, mask, qa, ka, bp, dropout_p, seed, out, lse, go, preds=preds)
     rq, rk, rv, _ = R.attention_backward(q.double(), k.double(), v.double(), m64, go.double(), **args)
     for name, a, b in (("dq", dq, rq), ("dk", dk, rk), ("dv", dv, rv)):
@@ -138,3 +143,33 @@ def test_atomic_dq_candidates(_setup, monkeypatch, D, policy, kinds):
             _run(TB, policy, kinds, "none", 2, 4, 2, 1000, 1000, D, torch.bfloat16, seed=D)
         finally:
             monkeypatch.setattr(TB, "attention_backward", real_bwd)
+
+
+# the short launch path (launch.FastLaunch) against Triton's own JITFunction.run: the same kernels, so
+# bit-identical results, for every policy; calls after the first of an argument class take it
+@pytest.mark.parametrize("policy,kinds,mask_kind", [
+    ("dense", ("causal",), "none"), ("dense", ("window", "k_valid"), "bool"), ("dfss", ("causal",), "none"),
+    ("hash", ("causal",), "none"), ("drop", ("segments",), "none"), ("spion", ("causal",), "float")],
+    ids=lambda p: p if isinstance(p, str) else "+".join(p))
+def test_short_launches_equal_jit_launches(_setup, policy, kinds, mask_kind):
+    from attncomp.codegen.triton import launch
+
+    TB = _setup
+    be = TB.TritonBackend()
+    for seed in (1, 2):
+        spec, q, k, v, mask, qa, ka, bp, preds, go = _inputs(policy, kinds, mask_kind, 2, 4, 2, 300, 300, 64,
+                                                             torch.bfloat16, seed)
+        res = []
+        for short in (False, True, True):  # Triton's run; the first call of the class; a repeat
+            launch.enabled(short)
+            try:
+                hits = TB._attention_kernel.hits
+                out, lse = be.forward(spec, q, k, v, mask, qa, ka, bp, 0.1, seed, preds=preds)
+                grads = be.backward(spec, q, k, v, mask, qa, ka, bp, 0.1, seed, out, lse, go, preds=preds)[:3]
+                res.append((out, lse) + tuple(grads))
+            finally:
+                launch.enabled(True)
+        assert TB._attention_kernel.hits > hits, "a repeated call did not take the short path"
+        for r in res[1:]:
+            for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), res[0], r):
+                assert torch.equal(a, b), f"{name} differs between the short and the JIT launch path"

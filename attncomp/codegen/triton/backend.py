@@ -35,13 +35,19 @@ from .common import cdiv as _cdiv, next_pow2 as _next_pow2, pow2_block as _pow2
 from .layout import GK_IDS, Layout, counting_layout, derive_layout, layout_from_aux, window_ranges
 from .schedule import tile_lists, tile_summary
 from .template import (MODE_DKDV, MODE_DQ, MODE_FWD, POLICY_DENSE, POLICY_DFSS, POLICY_SORTED, POLICY_SPION,
-                       POS_ARANGE, POS_NONE, POS_VECTOR, SCHED_LIST, SCHED_SPAN, _attention_kernel, _bwd_preprocess)
+                       POS_ARANGE, POS_NONE, POS_VECTOR, SCHED_LIST, SCHED_SPAN)
+from . import template
+from .launch import FastLaunch
 
 __all__ = ["TritonBackend", "attention_forward", "attention_backward", "Site"]
 
 _POLICIES = {"dense": POLICY_DENSE, "et": POLICY_DENSE, "dfss": POLICY_DFSS, "hash": POLICY_SORTED,
              "drop": POLICY_SORTED, "spion": POLICY_SPION}
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# the template's kernels, launched through the short host path after their first call per argument
+# class (the seed changes from call to call: keyed by its class)
+_attention_kernel = FastLaunch(template._attention_kernel, volatile=("seed",))
+_bwd_preprocess = FastLaunch(template._bwd_preprocess)
 _MAX_HEAD_DIM = 256
 _M32 = 0xFFFFFFFF
 

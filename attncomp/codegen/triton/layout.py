@@ -31,6 +31,7 @@ import triton.language as tl
 
 from ...policy import Drop, Hash, _rotation, _stream_seed
 from .common import _uniform_hash, cdiv, next_pow2
+from .launch import fast_launch
 
 __all__ = ["Layout", "layout_from_aux", "derive_layout", "counting_layout", "sorted_layout", "window_ranges",
            "GK_IDS", "GK_KEEP", "GK_DRAW", "GK_LSH"]
@@ -93,6 +94,7 @@ def _group_ids(Src, Rot, row, h_rot, offs, valid, N, sb, sh, sn, H, g_off, rate,
     return tl.where(valid, g, 0)
 
 
+@fast_launch(volatile=("seed_word",))
 @triton.jit
 def _layout_hist(Src, Rot, Grp, Hist, N, n_chunks, H, G_ROT, sb, sh, sn, g_off, rate, seed_word, pos_off,
                  GK: tl.constexpr, DROP_ID: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -109,6 +111,7 @@ def _layout_hist(Src, Rot, Grp, Hist, N, n_chunks, H, G_ROT, sb, sh, sn, g_off, 
     tl.store(Hist + (row * n_chunks + c) * R_P2 + tl.arange(0, R_P2), hist)
 
 
+@fast_launch
 @triton.jit
 def _layout_scan(Hist, StartPos, Start, Count, n_chunks, CB: tl.constexpr, R_P2: tl.constexpr):
     """Per row: group sizes ``Count``, group starts ``Start`` and ``StartPos[chunk, g]``, the first
@@ -133,6 +136,7 @@ def _layout_scan(Hist, StartPos, Start, Count, n_chunks, CB: tl.constexpr, R_P2:
         carry += tl.sum(h, 0)
 
 
+@fast_launch
 @triton.jit
 def _layout_scatter(Grp, StartPos, Perm, N, n_chunks, KStart, KCount, Lo, Hi, H, GROUPS,
                     RANGES: tl.constexpr, CHUNK: tl.constexpr, R_P2: tl.constexpr):

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from .common import cdiv
+from .launch import fast_launch
 from .template import _tok_vals
 
 __all__ = ["tile_summary", "tile_lists"]
@@ -38,6 +39,7 @@ __all__ = ["tile_summary", "tile_lists"]
 _FIELDS = 8
 
 
+@fast_launch
 @triton.jit
 def _tile_summary(Sum, Perm, Pos, Seg, Val, Lo, Hi, N, Hs, s_pos, s_seg, s_val, off,
                   BLOCK: tl.constexpr, PERMUTED: tl.constexpr, POS: tl.constexpr, SEG: tl.constexpr,
@@ -138,6 +140,7 @@ def _tile_visit(QS, KS, qt, kt, ival, Pat, spr, spc, TBq, TBk, win_left, win_rig
     return ok, full & ok
 
 
+@fast_launch
 @triton.jit
 def _tile_lists(List, Cnt, QSum, KSum, Pat,
                 s_lb, s_lh, s_lt, s_cb, s_ch, s_qb, s_qh, s_kb, s_kh, sph, spr, spc,

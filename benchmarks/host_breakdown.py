@@ -1,0 +1,175 @@
+"""Where the host time of one op call goes, at the shapes of the models table: each stage timed
+inclusively by a thin wrapper (a fraction of a microsecond each), not by a profiler that inflates
+small Python calls.
+
+For each (shape, policy) the op is called as a compiled graph calls it (``torch.ops.attncomp.attention``
+with no buckets or keep draws, the spec as JSON), on an idle device: ``host`` is the time until the
+call returns, ``gpu`` the time the device then needs. Then the stages: the op's implementation, the
+backend choice, the ``Site`` (predicates, layout), the launches (attncomp's part and Triton's
+``JITFunction.run`` inside it, and its compiled launcher inside that).
+
+    python benchmarks/host_breakdown.py [--shapes gpt2,bert,llama,tiny] [--policies dense,dfss,hash,drop]
+                                        [--backward] [--iters 50] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+import attncomp  # noqa: F401  (registers the op)
+from attncomp.ops import ARG_INDEX
+from attncomp.policy import get_policy
+from attncomp.spec import AttentionSpec
+
+# (B, Hq, Hk, N, D, causal, padded): the attention sites of benchmarks/models.py's GPU configs
+SHAPES = {"gpt2": (4, 16, 16, 2048, 64, True, False), "bert": (8, 16, 16, 512, 64, False, True),
+          "llama": (2, 32, 8, 4096, 64, True, False), "tiny": (1, 2, 2, 16, 16, True, False)}
+
+_acc: dict = collections.defaultdict(float)
+_cnt: dict = collections.defaultdict(int)
+
+
+def _wrap(owner, attr: str, name: str) -> None:
+    """Time every call of ``owner.attr`` (inclusive) under ``name``."""
+    fn = getattr(owner, attr)
+    if getattr(fn, "_timed", False):
+        return
+
+    @functools.wraps(fn)
+    def timed(*a, **kw):
+        t0 = time.perf_counter_ns()
+        try:
+            return fn(*a, **kw)
+        finally:
+            _acc[name] += time.perf_counter_ns() - t0
+            _cnt[name] += 1
+
+    timed._timed = True
+    setattr(owner, attr, timed)
+
+
+def instrument() -> list:
+    """Wrap the stages; returns their names in print order."""
+    from attncomp import ops
+    from attncomp.codegen.triton import backend as tb
+    from attncomp.runtime import dispatch
+
+    from attncomp.codegen.sdpa import SdpaBackend
+
+    stages = [(ops, "_attention_backward_impl", "op backward impl"), (dispatch, "select_backend", "select_backend"),
+              (ops, "_derive_buckets", "derive buckets"), (ops, "materialize_aux", "materialize_aux"), (SdpaBackend, "forward", "sdpa fwd"),
+              (SdpaBackend, "backward", "sdpa bwd"), (tb, "attention_forward", "triton fwd"),
+              (tb, "attention_backward", "triton bwd"), (tb.Site, "__init__", "Site()"),
+              (tb.Site, "lists", "Site.lists"), (tb.Site, "kv_descriptors", "kv descriptors"),
+              (tb.Site, "q_descriptors", "q descriptors"), (tb.Site, "pred_args", "Site.pred_args"),
+              (tb.Site, "meta", "Site.meta"), (tb, "_derived_for", "derive layout")]
+    names = []
+    for owner, attr, name in stages:
+        if hasattr(owner, attr):
+            _wrap(owner, attr, name)
+            names.append(name)
+    try:
+        from triton.runtime.jit import JITFunction
+
+        _wrap(JITFunction, "run", "triton JIT run")
+        names.append("triton JIT run")
+        from triton.backends.nvidia.driver import CudaLauncher
+
+        _wrap(CudaLauncher, "__call__", "triton launcher")
+        names.append("triton launcher")
+    except Exception:
+        pass
+    return names
+
+
+def op_args(spec: AttentionSpec, B, Hq, Hk, N, D, padded, device, dtype, grad: bool):
+    q = torch.randn(B, Hq, N, D, device=device, dtype=dtype, requires_grad=grad)
+    k = torch.randn(B, Hk, N, D, device=device, dtype=dtype, requires_grad=grad)
+    v = torch.randn(B, Hk, N, D, device=device, dtype=dtype, requires_grad=grad)
+    args = [None] * len(ARG_INDEX)
+    for name, val in (("q", q), ("k", k), ("v", v), ("spec", spec.to_json()), ("dropout_p", 0.0), ("seed", 0)):
+        args[ARG_INDEX[name]] = val
+    if padded:  # right padding: every other row ends at 3/4
+        kv = torch.ones(B, N, dtype=torch.bool, device=device)
+        kv[1::2, (3 * N) // 4:] = False
+        args[ARG_INDEX["k_valid"]] = kv
+    return args, (q, k, v)
+
+
+def measure(args, tensors, backward: bool, device, iters: int, drop: bool):
+    def call():
+        if drop:  # as compiled graphs call a drop site: keep draws of a fresh seed, then the op
+            aux = torch.ops.attncomp.policy_aux(tensors[0], tensors[1], args[ARG_INDEX["spec"]], 1)
+            args[ARG_INDEX["q_aux"]], args[ARG_INDEX["k_aux"]] = aux
+        out = torch.ops.attncomp.attention(*args)[0]
+        if backward:
+            out.backward(torch.ones_like(out))
+            for t in tensors:
+                t.grad = None
+
+    for _ in range(3):
+        call()
+    _acc.clear()
+    _cnt.clear()
+    host, gpu = [], []
+    for _ in range(iters):
+        torch.cuda.synchronize() if device.type == "cuda" else None
+        t0 = time.perf_counter()
+        call()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize() if device.type == "cuda" else None
+        host.append((t1 - t0) * 1e6)
+        gpu.append((time.perf_counter() - t0) * 1e6)
+    stages = {k: _acc[k] / 1e3 / iters for k in _acc}
+    counts = {k: _cnt[k] / iters for k in _cnt}
+    return statistics.median(host), statistics.median(gpu), stages, counts
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="gpt2,bert,llama,tiny")
+    ap.add_argument("--policies", default="dense,dfss,hash,drop")
+    ap.add_argument("--backend", default="auto", help="auto, triton, sdpa, ...")
+    ap.add_argument("--backward", action="store_true")
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    names = instrument()
+    rows = []
+    for shape in args.shapes.split(","):
+        B, Hq, Hk, N, D, causal, padded = SHAPES[shape]
+        for pol in args.policies.split(","):
+            spec = AttentionSpec(causal=causal, policy=get_policy(pol).resolved(dtype), backend=args.backend,
+                                 head_dim=D, gqa_groups=Hq // Hk, dtype=str(dtype).replace("torch.", ""))
+            try:
+                a, t = op_args(spec, B, Hq, Hk, N, D, padded, device, dtype, args.backward)
+                with torch.set_grad_enabled(args.backward):
+                    host, wall, stages, counts = measure(a, t, args.backward, device, args.iters, pol == "drop")
+            except Exception as e:  # a failing row does not stop the others
+                print(f"{shape:6s} {pol:6s} failed: {type(e).__name__}: {str(e)[:160]}", flush=True)
+                continue
+            rows.append(dict(shape=shape, policy=pol, backward=args.backward, host_us=host, wall_us=wall,
+                             stages=stages, calls=counts))
+            print(f"\n{shape:6s} {pol:6s} host {host:8.1f} us  wall {wall:9.1f} us", flush=True)
+            for n in names:
+                if n in stages:
+                    print(f"    {n:18s} {stages[n]:8.1f} us  ({counts[n]:.0f} calls)", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=str(torch.cuda.get_device_name() if device.type == "cuda" else "cpu"),
+                           torch=torch.__version__, rows=rows), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
