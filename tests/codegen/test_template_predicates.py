@@ -412,3 +412,18 @@ def test_dfss_exp_fused_selection_matches_the_reference(kinds, mask_kind, dropou
                                rtol=1e-5 if dtype == torch.float32 else 2e-2)
     assert torch.equal(torch.isneginf(lse_f), torch.isneginf(rl))
     torch.testing.assert_close(lse_f, lse_p, atol=1e-5, rtol=1e-5, equal_nan=True)
+
+
+def test_descriptors_equal_the_checked_constructors():
+    """``_descriptor`` skips ``TensorDescriptor``'s checks (run once per block shape): the same fields, and a
+    block shape TMA cannot take still raises."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    t = torch.randn(2, 3, 40, 64).transpose(1, 2)[:, :, :2]  # strided, not contiguous
+    for rows, cols in ((64, 64), (16, 64), (64, 64)):
+        d = TB._descriptor(t, rows, cols)
+        ref = TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, cols])
+        assert d.base is t
+        assert (d.shape, d.strides, d.block_shape, d.padding) == (ref.shape, ref.strides, ref.block_shape, ref.padding)
+    with pytest.raises(Exception):
+        TB._descriptor(t, 48, 64)  # not a power of two

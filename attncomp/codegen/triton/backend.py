@@ -332,10 +332,21 @@ def _has_tma(device: torch.device) -> bool:
     return ok
 
 
+_CHECKED_BLOCKS: set = set()
+
+
 def _descriptor(t: torch.Tensor, rows: int, cols: int) -> TensorDescriptor:
     """A TMA descriptor of a ``(B, H, N, D)`` tensor in blocks of ``rows`` tokens by ``cols`` features
-    (zero-filled past ``N`` and ``D``)."""
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, cols])
+    (zero-filled past ``N`` and ``D``). Built without the constructor's checks, which cost more host
+    time than the launch: what they assert of the tensor, :func:`_tma_aligned` checked before any
+    descriptor is asked for; the block shape is checked once per shape."""
+    block = [1, 1, rows, cols]
+    if (rows, cols) not in _CHECKED_BLOCKS:
+        TensorDescriptor(t, list(t.shape), list(t.stride()), block)  # raises on a block shape TMA cannot take
+        _CHECKED_BLOCKS.add((rows, cols))
+    d = object.__new__(TensorDescriptor)
+    d.base, d.shape, d.strides, d.block_shape, d.padding = t, list(t.shape), list(t.stride()), block, "zero"
+    return d
 
 
 def _tma_aligned(t: torch.Tensor) -> bool:
