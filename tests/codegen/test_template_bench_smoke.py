@@ -43,3 +43,20 @@ def test_hopper_variants_benchmark_smoke(tmp_path):
     assert {("dense atomic dq", "bwd"), ("dfss select+exp fused", "fwd"), ("dense on dfss tiles", "fwd")} <= names
     assert all(x["ms"] is not None and x["ms"] > 0 for x in rows), [x for x in rows if not x["ms"]]
     assert {x["causal"] for x in rows} == {False, True}
+
+
+def test_host_breakdown_smoke(tmp_path):
+    """``benchmarks/host_breakdown.py`` at the tiny shape: the op's host time per call and, through the
+    Triton backend (interpreter), the time of each stage it wraps."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TMPDIR=str(tmp_path), TRITON_INTERPRET="1")
+    out = tmp_path / "hb.json"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "host_breakdown.py"), "--shapes", "tiny",
+                        "--policies", "dense,drop", "--backend", "triton", "--iters", "2", "--json", str(out)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    rows = json.load(open(out))["rows"]
+    assert [x["policy"] for x in rows] == ["dense", "drop"]
+    for x in rows:
+        assert x["host_us"] > 0 and x["stages"]["triton fwd"] > 0 and x["stages"]["Site()"] > 0
+    assert rows[1]["stages"]["materialize_aux"] > 0  # drop's keep draws, as compiled graphs call them
