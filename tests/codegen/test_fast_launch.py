@@ -126,3 +126,14 @@ def test_interpreted_functions_pass_through():
     f[(1,)](1, 2, BLOCK=3)
     f[(1,)](1, 2, BLOCK=3)
     assert calls == [((1,), (1, 2), {"BLOCK": 3})] * 2 and f.hits == 0
+
+
+def test_the_kept_classes_are_bounded(monkeypatch):
+    """Sizes are keyed by value (a decode loop grows N by one per step): the cache is cleared when full."""
+    monkeypatch.setattr(L, "_MAX_ENTRIES", 3)
+    h = _Harness(monkeypatch)
+    for n in range(10):
+        h(*_args(n=100 + n))
+        assert len(h.fast._cache) <= 3
+    h(*_args(n=109))
+    assert h.fast.hits == 1

@@ -29,6 +29,7 @@ _OPTIONS = frozenset(("num_warps", "num_stages", "num_ctas", "maxnreg", "num_buf
                       "num_consumer_groups", "reg_dec_producer", "reg_inc_consumer", "launch_cooperative_grid",
                       "launch_pdl", "debug"))
 _ENABLED = [True]
+_MAX_ENTRIES = 4096  # argument classes kept per kernel
 
 
 def enabled(on: Optional[bool] = None) -> bool:
@@ -113,6 +114,8 @@ class FastLaunch:
             kernel = self.fn[grid](*args, **kwargs)
             tail = self._tail(len(args), kwargs)
             if tail is not None and kernel is not None and not hasattr(kernel, "result"):
+                if len(self._cache) >= _MAX_ENTRIES:  # sizes keyed by value (decoding grows N): bounded
+                    self._cache.clear()
                 self._cache[key] = (kernel, tail)
             return kernel
         kernel, tail = ent
