@@ -4,9 +4,11 @@ small Python calls.
 
 For each (shape, policy) the op is called as a compiled graph calls it (``torch.ops.attncomp.attention``
 with no buckets or keep draws, the spec as JSON), on an idle device: ``host`` is the time until the
-call returns, ``gpu`` the time the device then needs. Then the stages: the op's implementation, the
-backend choice, the ``Site`` (predicates, layout), the launches (attncomp's part and Triton's
-``JITFunction.run`` inside it, and its compiled launcher inside that).
+call returns, ``wall`` the time until the device is done too. Then the stages: the backend choice,
+the keep draws of ``drop`` (``materialize_aux``), the backend's forward/backward, the ``Site``
+(predicates, layout), tile lists, TMA descriptors, kernel arguments, and Triton's ``JITFunction.run``
+(taken on a launch's first call only, see ``attncomp/codegen/triton/launch.py``) and its compiled
+launcher.
 
     python benchmarks/host_breakdown.py [--shapes gpt2,bert,llama,tiny] [--policies dense,dfss,hash,drop]
                                         [--backward] [--iters 50] [--json PATH]
@@ -104,6 +106,11 @@ def op_args(spec: AttentionSpec, B, Hq, Hk, N, D, padded, device, dtype, grad: b
     return args, (q, k, v)
 
 
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def measure(args, tensors, backward: bool, device, iters: int, drop: bool):
     def call():
         if drop:  # as compiled graphs call a drop site: keep draws of a fresh seed, then the op
@@ -119,18 +126,18 @@ def measure(args, tensors, backward: bool, device, iters: int, drop: bool):
         call()
     _acc.clear()
     _cnt.clear()
-    host, gpu = [], []
+    host, wall = [], []
     for _ in range(iters):
-        torch.cuda.synchronize() if device.type == "cuda" else None
+        _sync(device)
         t0 = time.perf_counter()
         call()
         t1 = time.perf_counter()
-        torch.cuda.synchronize() if device.type == "cuda" else None
+        _sync(device)
         host.append((t1 - t0) * 1e6)
-        gpu.append((time.perf_counter() - t0) * 1e6)
+        wall.append((time.perf_counter() - t0) * 1e6)
     stages = {k: _acc[k] / 1e3 / iters for k in _acc}
     counts = {k: _cnt[k] / iters for k in _cnt}
-    return statistics.median(host), statistics.median(gpu), stages, counts
+    return statistics.median(host), statistics.median(wall), stages, counts
 
 
 def main(argv=None) -> int:
