@@ -20,16 +20,19 @@ import argparse
 import collections
 import functools
 import json
-import statistics
+import os
 import sys
 import time
 
 import torch
 
-import attncomp  # noqa: F401  (registers the op)
-from attncomp.ops import ARG_INDEX
-from attncomp.policy import get_policy
-from attncomp.spec import AttentionSpec
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import attncomp  # noqa: F401,E402  (registers the op)
+from attncomp.ops import ARG_INDEX  # noqa: E402
+from attncomp.policy import get_policy  # noqa: E402
+from attncomp.spec import AttentionSpec  # noqa: E402
+from models import host_and_wall_ms  # noqa: E402
 
 # (B, Hq, Hk, N, D, causal, padded): the attention sites of benchmarks/models.py's GPU configs
 SHAPES = {"gpt2": (4, 16, 16, 2048, 64, True, False), "bert": (8, 16, 16, 512, 64, False, True),
@@ -106,11 +109,6 @@ def op_args(spec: AttentionSpec, B, Hq, Hk, N, D, padded, device, dtype, grad: b
     return args, (q, k, v)
 
 
-def _sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def measure(args, tensors, backward: bool, device, iters: int, drop: bool):
     def call():
         if drop:  # as compiled graphs call a drop site: keep draws of a fresh seed, then the op
@@ -126,18 +124,10 @@ def measure(args, tensors, backward: bool, device, iters: int, drop: bool):
         call()
     _acc.clear()
     _cnt.clear()
-    host, wall = [], []
-    for _ in range(iters):
-        _sync(device)
-        t0 = time.perf_counter()
-        call()
-        t1 = time.perf_counter()
-        _sync(device)
-        host.append((t1 - t0) * 1e6)
-        wall.append((time.perf_counter() - t0) * 1e6)
+    host, wall = host_and_wall_ms(call, device, iters)
     stages = {k: _acc[k] / 1e3 / iters for k in _acc}
     counts = {k: _cnt[k] / iters for k in _cnt}
-    return statistics.median(host), statistics.median(wall), stages, counts
+    return host * 1e3, wall * 1e3, stages, counts
 
 
 def main(argv=None) -> int:

@@ -15,9 +15,7 @@ import cProfile
 import io
 import os
 import pstats
-import statistics
 import sys
-import time
 
 import torch
 
@@ -25,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import attncomp  # noqa: E402
 import models  # noqa: E402
-from models import build, configs, device_name, inputs  # noqa: E402
+from models import build, configs, device_name, host_and_wall_ms, inputs, sync  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -71,26 +69,6 @@ def main(argv=None) -> int:
     return 0
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def host_and_wall_ms(fn, device, iters: int = 10):
-    """Median host time (until ``fn`` returns, started on an idle device) and wall time of one call."""
-    host, wall = [], []
-    for _ in range(iters):
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        t1 = time.perf_counter()
-        _sync(device)
-        t2 = time.perf_counter()
-        host.append((t1 - t0) * 1e3)
-        wall.append((t2 - t0) * 1e3)
-    return statistics.median(host), statistics.median(wall)
-
-
 def host_table(model, fast, x, device, top: int) -> None:
     """Host and wall time per step of eager, ``torch.compile`` and attncomp, then attncomp's cProfile."""
     compiled = torch.compile(model)
@@ -102,12 +80,12 @@ def host_table(model, fast, x, device, top: int) -> None:
             h, w = host_and_wall_ms(lambda: fn(**x), device)
             rows.append((name, h, w))
         prof = cProfile.Profile()
-        _sync(device)
+        sync(device)
         prof.enable()
         for _ in range(5):
             fast(**x)
         prof.disable()
-        _sync(device)
+        sync(device)
     print(f"{'':14s} {'host ms':>8s} {'wall ms':>8s}")
     for name, h, w in rows:
         print(f"{name:14s} {h:8.3f} {w:8.3f}")

@@ -91,19 +91,30 @@ def inputs(c: Dict[str, Any], device) -> Dict[str, torch.Tensor]:
     return dict(input_ids=ids, attention_mask=am)
 
 
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def timed_ms(fn, iters: int, device) -> float:
     for _ in range(2):
         fn()
-    times = []
+    return host_and_wall_ms(fn, device, iters)[1]
+
+
+def host_and_wall_ms(fn, device, iters: int = 10):
+    """Median host time (until ``fn`` returns, started on an idle device) and wall time of one call, ms."""
+    host, wall = [], []
     for _ in range(iters):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        sync(device)
         t0 = time.perf_counter()
         fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+        t1 = time.perf_counter()
+        sync(device)
+        t2 = time.perf_counter()
+        host.append((t1 - t0) * 1e3)
+        wall.append((t2 - t0) * 1e3)
+    return statistics.median(host), statistics.median(wall)
 
 
 def host_us(fast, device, iters: int = 50) -> float:
