@@ -10,7 +10,9 @@ Schema::
 ``spec`` is the canonical JSON of an :class:`~attncomp.spec.AttentionSpec`. ``q_aux``/``k_aux``
 are the policy's per-token tensors (hash buckets or keep masks). Keep masks are always explicit at
 the op: the Python entry point :func:`attention` and compiled graphs (``attncomp::policy_aux``) draw
-them before calling it, so the forward and backward of one call see the same draw. Hash buckets may
+them before calling it, so the forward and backward of one call see the same draw (a backend with
+``draw_keep``, Triton, draws a compiled site's masks with the kernels of its sort and reuses that
+sort in the site's calls). Hash buckets may
 be left out (compiled graphs do): they depend only on q, k and the policy's fixed seed, so the op
 derives them, forward and backward alike; a backend with ``derives_aux = True`` (Triton: fused with
 its sort) does it itself, for every other one the op calls :func:`materialize_aux` first. ``lse``
@@ -570,9 +572,15 @@ def policy_aux(spec_json: str, q: Tensor, k: Tensor, draw_seed: Optional[int] = 
 @torch.library.custom_op("attncomp::policy_aux", mutates_args=())
 def _policy_aux_op(q: Tensor, k: Tensor, spec: str, seed: int) -> Tuple[Tensor, Tensor]:
     s = _parsed(spec)
-    # drop's keep masks are drawn by torch ops here. Drawing them with the Triton counting sort (and
-    # keeping its layout for the attention call) gave a compiled Llama on the H100 17.7 ms at 1x16384
-    # inference, against 15.9 ms in an earlier run with torch draws (one run each, other changes between)
+    if isinstance(s.policy, Drop):
+        # a backend that draws keep masks with its own kernels (Triton: fused with the sort, whose
+        # layout the site's calls then reuse) draws them; else torch ops below
+        s = _resolved(spec, q.dtype)
+        draw = getattr(_backend_for(s, q, k, k), "draw_keep", None)
+        if draw is not None:
+            with torch.no_grad():
+                a, b = draw(s, q.detach(), k.detach(), None if seed < 0 else seed)
+            return a, b
     with torch.no_grad():
         a, b = materialize_aux(s, q.detach(), k.detach(), None, None, None if seed < 0 else seed)
     if a is None:  # a policy without per-token tensors

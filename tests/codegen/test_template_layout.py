@@ -166,3 +166,41 @@ def test_window_ranges_cut_each_bucket_run(off, left, right):
         cut = L.window_ranges(lay, off, left, right)
         assert torch.equal(_visited(cut, B, Hq, Nq, Nk), expect)
         assert (cut.lo <= cut.hi).all()
+        assert cut.window == (off, left, right)
+        # no bound on either side gives back the groups' ranges
+        whole = L.window_ranges(cut, 0, None, None)
+        assert whole.window is None and torch.equal(whole.lo, lay.lo) and torch.equal(whole.hi, lay.hi)
+
+
+@pytest.mark.parametrize("Nq,Nk,off,left,right", [
+    (37, 50, 0, None, 0), (37, 50, 13, None, 0), (64, 64, 0, None, 0),  # Nk a multiple of the chunk
+    (40, 64, 24, 5, 0), (33, 31, -4, 3, 6), (70, 45, 7, 0, None), (20, 96, 76, 1 << 30, 1 << 30),
+    (50, 50, 0, -3, 2)])
+@pytest.mark.parametrize("kind", ["ids", "keep", "draw"])
+def test_counting_sort_cuts_the_window_in_its_scatter(Nq, Nk, off, left, right, kind):
+    """``counting_layout(window=...)`` computes in its scatter launch exactly the ranges that
+    :func:`window_ranges` computes from the whole groups (torch ops), for every group kind."""
+    g = torch.Generator().manual_seed(Nq * 7 + Nk + (off or 0))
+    B, Hq, Hk = 2, 4, 2
+    shapes = dict(q_shape=(B, Hq, Nq), k_shape=(B, Hk, Nk))
+    if kind == "ids":
+        nb = 5
+        src = (torch.randint(0, nb, (B, Hq, Nq), generator=g, dtype=torch.int32),
+               torch.randint(0, nb, (B, Hk, Nk), generator=g, dtype=torch.int32))
+        args = dict(n_groups=nb, kind=L.GK_IDS)
+    elif kind == "keep":
+        src = (torch.rand(B, Hq, Nq, generator=g) > 0.3, torch.rand(B, Hk, Nk, generator=g) > 0.4)
+        src[1][1, 0] = False  # a head without keys
+        args = dict(n_groups=3, kind=L.GK_KEEP)
+    else:
+        src = (torch.empty(B, Hq, Nq, 16), torch.empty(B, Hk, Nk, 16))
+        args = dict(n_groups=3, kind=L.GK_DRAW, q_rate=0.4, k_rate=0.5, q_seed_word=12345, k_seed_word=678)
+    whole = L.counting_layout(*src, **args, **shapes)
+    cut = L.counting_layout(*src, **args, **shapes, window=(off, left, right))
+    ref = L.window_ranges(whole, off, left, right)
+    assert cut.window == ref.window == (off, left, right)
+    for name in ("q_perm", "k_perm", "q_groups", "k_groups"):
+        assert torch.equal(getattr(cut, name), getattr(whole, name)), name
+    assert torch.equal(cut.lo, ref.lo) and torch.equal(cut.hi, ref.hi)
+    # the window cut something (the comparison is not between two uncut layouts)
+    assert not torch.equal(cut.hi - cut.lo, whole.hi - whole.lo) or left == 1 << 30

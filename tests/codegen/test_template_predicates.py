@@ -24,6 +24,7 @@ pytest.importorskip("triton")
 
 from attncomp.codegen import reference as R  # noqa: E402
 from attncomp.codegen.triton import backend as TB  # noqa: E402
+from attncomp.codegen.triton import schedule as S  # noqa: E402
 from attncomp.policy import DFSS, SPION  # noqa: E402
 from attncomp.spec import AttentionSpec, Predicates, dtype_name  # noqa: E402
 from tests.codegen.template_cases import (CASES, close, make_mask, make_policy, make_preds,  # noqa: E402
@@ -37,6 +38,7 @@ BACKEND = TB.TritonBackend()
 @pytest.fixture(autouse=True)
 def _poisoned(monkeypatch):
     monkeypatch.setattr(TB, "_empty", lambda shape, dtype, device: poison(torch.empty(shape, dtype=dtype, device=device)))
+    monkeypatch.setattr(S, "_empty", lambda shape, dtype, device: poison(torch.empty(shape, dtype=dtype, device=device)))
 
 
 

@@ -19,6 +19,7 @@ pytest.importorskip("triton")
 
 from attncomp.codegen import reference as R  # noqa: E402
 from attncomp.codegen.triton import backend as TB  # noqa: E402
+from attncomp.codegen.triton import schedule as S  # noqa: E402
 from attncomp.policy import Drop, Hash  # noqa: E402
 from attncomp.spec import AttentionSpec  # noqa: E402
 from tests.utils import TOL, assert_close, poison, qkv  # noqa: E402
@@ -30,6 +31,7 @@ def _poisoned_outputs(monkeypatch):
         return poison(torch.empty(shape, dtype=dtype, device=device))
 
     monkeypatch.setattr(TB, "_empty", empty)
+    monkeypatch.setattr(S, "_empty", empty)  # tile summaries and lists
 
 
 def _buckets(g, shape, nb, kind="uniform"):
@@ -253,3 +255,67 @@ def test_policy_tensors_derived_on_the_device(policy):
     qa, ka = materialize_aux(spec, q, k)
     ro, _ = R.attention(q.double(), k.double(), v.double(), spec=spec, q_aux=qa, k_aux=ka)
     assert_close(out, ro, torch.float32)
+
+
+@pytest.mark.parametrize("shape", [(2, 4, 2, 37, 37), (1, 4, 4, 5, 29)], ids=["gqa", "decode"])
+def test_compiled_drop_site_draws_with_the_sort(shape, monkeypatch):
+    """A compiled ``drop`` site gets its keep masks from ``attncomp::policy_aux``: on the Triton
+    backend they are drawn by the counting sort's kernels, bit for bit the torch draws, and the
+    site's forward and backward reuse that sort (window cut in the scatter) instead of sorting the
+    masks again; a site with position tensors (whole groups, no window) and a cleared cache still
+    compute the reference's result."""
+    from attncomp import ops
+    from tests.utils import fresh_seed
+
+    B, Hq, Hk, Nq, Nk = shape
+    seed = fresh_seed()
+    q, k, v = qkv(B, Hq, Nq, 32, Hk=Hk, Nk=Nk, requires_grad=True)
+    spec = AttentionSpec(causal=True, causal_align="bottom_right", policy=Drop(q_rate=0.3, k_rate=0.4, seed=2),
+                         backend="triton")
+    sj = spec.to_json()
+    sorts = []
+    real = TB.derive_layout, TB.layout_from_aux, TB.window_ranges
+    monkeypatch.setattr(TB, "derive_layout", lambda *a, **kw: sorts.append("derive") or real[0](*a, **kw))
+    monkeypatch.setattr(TB, "layout_from_aux", lambda *a, **kw: sorts.append("sort") or real[1](*a, **kw))
+    monkeypatch.setattr(TB, "window_ranges", lambda *a, **kw: sorts.append("window") or real[2](*a, **kw))
+    qa, ka = ops.policy_aux(sj, q, k, seed)
+    assert sorts == ["derive"]
+    tq, tk = ops.materialize_aux(spec, q, k, seed=seed)
+    assert torch.equal(qa, tq) and torch.equal(ka, tk)  # bit for bit the torch draws
+
+    def run(qa, ka, q_pos=None):
+        for t in (q, k, v):
+            t.grad = None
+        out, _ = torch.ops.attncomp.attention(q, k, v, None, qa, ka, None, q_pos, None, None, None, None, None,
+                                              sj, 0.0, 0)
+        go = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed))
+        out.backward(go)
+        return out.detach(), q.grad, k.grad, v.grad, go
+
+    sorts.clear()
+    got = run(qa, ka)
+    assert sorts == []  # forward and backward found the sort of the draws
+    spec_r = AttentionSpec(causal=True, causal_align="bottom_right", policy=Drop())
+    d = torch.float64
+    ro, _ = R.attention(q.detach().to(d), k.detach().to(d), v.detach().to(d), spec=spec_r, q_aux=tq, k_aux=tk)
+    rg = R.attention_backward(q.detach().to(d), k.detach().to(d), v.detach().to(d), None, got[4].to(d),
+                              spec=spec_r, q_aux=tq, k_aux=tk)[:3]
+    for a, b in zip(got[:4], (ro,) + rg):
+        assert_close(a, b, torch.float32)
+    # the same masks sorted afresh (cache cleared) give the same bits
+    TB._LAYOUT_CACHE.clear()
+    again = run(qa, ka)
+    assert sorts == ["sort"]  # once: the backward finds it
+    for a, b in zip(got[:4], again[:4]):
+        assert torch.equal(a, b)
+    # position tensors: the remembered layout's window does not apply, the groups' ranges do
+    qa2, ka2 = ops.policy_aux(sj, q, k, seed)
+    sorts.clear()
+    qp = (torch.arange(Nq) + Nk - Nq)[None]
+    pos = run(qa2, ka2, q_pos=qp)
+    assert sorts == ["window", "window"]  # forward and backward: the remembered sort, whole groups
+    for a, b in zip(pos[:4], (ro,) + rg):
+        assert_close(a, b, torch.float32)
+    # negative twin: another draw seed gives other masks
+    qb, kb = ops.policy_aux(sj, q, k, seed + 1)
+    assert not (torch.equal(qb, qa) and torch.equal(kb, ka))

@@ -31,7 +31,7 @@ from ...policy import DFSS, SPION, Hash
 from ...spec import AttentionSpec
 from . import configs
 from .common import LOG2E, MASK_BOOL, MASK_FLOAT, MASK_NONE
-from .common import cdiv as _cdiv, next_pow2 as _next_pow2, pow2_block as _pow2
+from .common import cdiv as _cdiv, next_pow2 as _next_pow2, pow2_block as _pow2, window_bound as _clamp
 from .layout import GK_IDS, Layout, counting_layout, derive_layout, layout_from_aux, window_ranges
 from .schedule import tile_lists, tile_summary
 from .template import (MODE_DKDV, MODE_DQ, MODE_FWD, POLICY_DENSE, POLICY_DFSS, POLICY_SORTED, POLICY_SPION,
@@ -39,7 +39,7 @@ from .template import (MODE_DKDV, MODE_DQ, MODE_FWD, POLICY_DENSE, POLICY_DFSS, 
 from . import template
 from .launch import FastLaunch
 
-__all__ = ["TritonBackend", "attention_forward", "attention_backward", "Site"]
+__all__ = ["TritonBackend", "attention_forward", "attention_backward", "Site", "draw_keep", "spec_window"]
 
 _POLICIES = {"dense": POLICY_DENSE, "et": POLICY_DENSE, "dfss": POLICY_DFSS, "hash": POLICY_SORTED,
              "drop": POLICY_SORTED, "spion": POLICY_SPION}
@@ -160,18 +160,21 @@ class Site:
             self.pat_strides = (0 if p.shape[0] == 1 else p.stride(0), p.stride(1), p.stride(2))
         self.layout = None
         if self.policy == POLICY_SORTED:
+            # the window around default positions becomes part of each query's key range (computed
+            # by the counting sort's scatter, or by window_ranges for other layouts)
+            window = (self.pos_off, left, right) if self.pos == POS_ARANGE else None
             if layout is None:
                 if q_aux is None and k_aux is None:
                     # derived on the device, fused with the sort: LSH buckets, or keep draws of the policy's seed
-                    layout = _derived_for(spec, q, k)
+                    layout = _derived_for(spec, q, k, window)
                 elif q_aux is None or k_aux is None:
                     names = "q_buckets and k_buckets" if pol.name == "hash" else "q_keep and k_keep"
                     raise ValueError(f"policy {pol.name!r} needs {names} (both, or neither to derive them)")
                 else:
-                    layout = _layout_for(spec, q_aux, k_aux)
-            if self.pos == POS_ARANGE:
-                # the window around default positions becomes part of each query's key range
-                layout = window_ranges(layout, self.pos_off, self.win_left, self.win_right)
+                    layout = _layout_for(spec, q_aux, k_aux, window)
+            if layout.window != window:
+                layout = window_ranges(layout, *(window or (0, None, None)))
+            if window is not None:
                 self.pos, self.win_left, self.win_right = POS_NONE, None, None
             self.layout = layout
         # padding alone: tile lists (which skip padded tiles) only where the kernel is long enough to
@@ -361,14 +364,6 @@ def _st(t, d) -> int:
     return 0 if t.shape[d] == 1 else t.stride(d)
 
 
-def _clamp(w, none=0):
-    """A window side as a kernel integer (``none`` when unbounded); far bounds are clipped to a
-    range that cannot overflow int64 arithmetic on positions."""
-    if w is None:
-        return none
-    return max(-(1 << 30), min(int(w), 1 << 30))
-
-
 def _bounds(spec: AttentionSpec) -> Tuple[Optional[int], Optional[int]]:
     if hasattr(spec, "bounds"):
         return spec.bounds()
@@ -536,27 +531,27 @@ def _tensor_key(t: torch.Tensor):
     return (t.data_ptr(), t._version, tuple(t.shape), tuple(t.stride()), t.dtype, str(t.device))
 
 
-def _sort_aux(spec: AttentionSpec, q_aux, k_aux) -> Layout:
+def _sort_aux(spec: AttentionSpec, q_aux, k_aux, window=None) -> Layout:
     """The layout of given policy tensors: bucket ids that attncomp derived itself lie in a known
     range (:func:`attncomp.ops.bucket_range`), so they take the counting sort; other ids (a caller's,
-    of any range) ``torch.sort``."""
+    of any range) ``torch.sort``. The counting sort cuts the ranges to ``window``."""
     if isinstance(spec.policy, Hash):
         n = bucket_range(q_aux)
         if n is not None and bucket_range(k_aux) == n:
             return counting_layout(q_aux, k_aux, n, kind=GK_IDS, q_shape=tuple(q_aux.shape),
-                                   k_shape=tuple(k_aux.shape))
-    return layout_from_aux(spec, q_aux, k_aux)
+                                   k_shape=tuple(k_aux.shape), window=window)
+    return layout_from_aux(spec, q_aux, k_aux, window)
 
 
-def _layout_for(spec: AttentionSpec, q_aux, k_aux) -> Layout:
+def _layout_for(spec: AttentionSpec, q_aux, k_aux, window=None) -> Layout:
     try:
         key = (spec.policy.name, _tensor_key(q_aux), _tensor_key(k_aux))
     except RuntimeError:  # inference tensors track no version: nothing to key a cache on
-        return _sort_aux(spec, q_aux, k_aux)
+        return _sort_aux(spec, q_aux, k_aux, window)
     hit = _LAYOUT_CACHE.get(key)
-    if hit is not None:
+    if hit is not None and hit[0] is q_aux and hit[1] is k_aux:
         return hit[2]
-    lay = _sort_aux(spec, q_aux, k_aux)
+    lay = _sort_aux(spec, q_aux, k_aux, window)
     _remember(key, (q_aux, k_aux, lay))
     return lay
 
@@ -567,20 +562,45 @@ def _remember(key, entry) -> None:
     _LAYOUT_CACHE[key] = entry
 
 
-def _derived_for(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor) -> Layout:
+def _derived_for(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, window=None) -> Layout:
     """:func:`.layout.derive_layout` of q and k, remembered for the backward of the same call (which
     gets the same q and k): keyed by the tensors' identity and version, held by weak reference (the
-    cache keeps no q or k alive)."""
+    cache keeps no q or k alive). A remembered layout of another window is cut by the caller."""
     try:
         key = ("derived", spec.policy, _tensor_key(q), _tensor_key(k))
     except RuntimeError:  # inference tensors: no cache
-        return derive_layout(spec, q, k)
+        return derive_layout(spec, q, k, window=window)
     hit = _LAYOUT_CACHE.get(key)
     if hit is not None and hit[0]() is q and hit[1]() is k:
         return hit[2]
-    lay = derive_layout(spec, q, k)
+    lay = derive_layout(spec, q, k, window=window)
     _remember(key, (weakref.ref(q), weakref.ref(k), lay))
     return lay
+
+
+def draw_keep(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, seed: Optional[int] = None):
+    """``drop``'s keep masks ``(q_keep, k_keep)`` (bool, as :func:`attncomp.ops.materialize_aux`
+    draws them from ``seed``), drawn by the counting sort's kernels (:func:`.layout.derive_layout`),
+    whose layout is remembered for the attention calls that get these masks: the forward and
+    backward of the site then sort nothing. The layout's ranges are cut to the window of the spec's
+    bounds around default positions, which the site uses unless it has position tensors."""
+    lay = derive_layout(spec, q, k, seed=seed, window=spec_window(spec, q.shape[2], k.shape[2]))
+    q_keep, k_keep = lay.q_groups == 0, lay.k_groups == 0
+    try:
+        key = (spec.policy.name, _tensor_key(q_keep), _tensor_key(k_keep))
+    except RuntimeError:  # inference tensors: the site sorts the masks itself
+        return q_keep, k_keep
+    _remember(key, (q_keep, k_keep, lay))
+    return q_keep, k_keep
+
+
+def spec_window(spec: AttentionSpec, Nq: int, Nk: int):
+    """``(off, left, right)``: the position window of the spec's bounds around default positions
+    (query ``i`` at ``i + off``), ``None`` without bounds."""
+    left, right = _bounds(spec)
+    if left is None and right is None:
+        return None
+    return (Nk - Nq if getattr(spec, "causal_align", "top_left") == "bottom_right" else 0, left, right)
 
 
 class TritonBackend:
@@ -620,6 +640,11 @@ class TritonBackend:
         dq, dk, dv = attention_backward(spec, q, k, v, attn_mask, out, lse, grad_out, dropout_p, seed, preds=preds,
                                         q_aux=q_aux, k_aux=k_aux, block_pattern=block_pattern)
         return dq, dk, dv, None
+
+    def draw_keep(self, spec, q, k, seed=None):
+        """``drop``'s keep masks for a compiled site (``attncomp::policy_aux``), drawn with the sort
+        that the site's calls then reuse (:func:`draw_keep`)."""
+        return draw_keep(spec, q, k, seed)
 
     def _check(self, spec, q, k, v, preds=None) -> None:
         reason = self.supports(spec, q, preds)

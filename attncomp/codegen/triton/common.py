@@ -237,3 +237,11 @@ def cdiv(a: int, b: int) -> int:
 def pow2_block(n: int) -> int:
     """The power-of-two block (at least 16, the smallest tl.dot size) that covers ``n``."""
     return max(16, next_pow2(n))
+
+
+def window_bound(w, none: int = 0) -> int:
+    """A window side as a kernel integer (``none`` when unbounded), clipped to ``+-2**30``: a bound
+    past every position means the same and keeps the position arithmetic of the kernels in range."""
+    if w is None:
+        return none
+    return max(-(1 << 30), min(int(w), 1 << 30))

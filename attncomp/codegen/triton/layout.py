@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from ...policy import Drop, Hash, _rotation, _stream_seed
-from .common import _uniform_hash, cdiv, next_pow2
+from .common import _uniform_hash, cdiv, next_pow2, window_bound
 from .launch import fast_launch
 
 __all__ = ["Layout", "layout_from_aux", "derive_layout", "counting_layout", "sorted_layout", "window_ranges",
@@ -55,6 +55,9 @@ class Layout(NamedTuple):
     hi: torch.Tensor
     q_groups: Optional[torch.Tensor] = None
     k_groups: Optional[torch.Tensor] = None
+    #: ``(off, left, right)`` when the ranges are cut to that position window (:func:`window_ranges`),
+    #: ``None`` when they are whole groups
+    window: Optional[Tuple[int, Optional[int], Optional[int]]] = None
 
 
 @triton.jit
@@ -136,12 +139,29 @@ def _layout_scan(Hist, StartPos, Start, Count, n_chunks, CB: tl.constexpr, R_P2:
         carry += tl.sum(h, 0)
 
 
+@triton.jit
+def _group_rank(KGrp, KStartPos, rk, g, t, valid, Nk, k_nch, end, CHUNK: tl.constexpr, R_P2: tl.constexpr):
+    """Per query: the sorted slot of the first key of group ``g`` at a position ``>= t`` (``t`` in
+    ``[0, Nk]``; ``end`` past the group): the chunk's first slot of the group plus the group's keys
+    of that chunk before ``t``."""
+    c = t // CHUNK
+    inside = valid & (c < k_nch)
+    base = tl.load(KStartPos + (rk * k_nch + c) * R_P2 + g, mask=inside, other=0)
+    j = c[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
+    kg = tl.load(KGrp + rk * Nk + j, mask=inside[:, None] & (j < t[:, None]), other=-1)
+    return tl.where(inside, base + tl.sum((kg == g[:, None]).to(tl.int32), 1), end)
+
+
 @fast_launch
 @triton.jit
 def _layout_scatter(Grp, StartPos, Perm, N, n_chunks, KStart, KCount, Lo, Hi, H, GROUPS,
-                    RANGES: tl.constexpr, CHUNK: tl.constexpr, R_P2: tl.constexpr):
+                    KGrp, KStartPos, Nk, k_nch, win_off, win_left, win_right,
+                    RANGES: tl.constexpr, WIN_L: tl.constexpr, WIN_R: tl.constexpr,
+                    CHUNK: tl.constexpr, R_P2: tl.constexpr):
     """Tokens to their sorted slots (stable: rank among the chunk's earlier tokens of the group);
-    with ``RANGES`` (query side) also each sorted query's range of sorted keys of its group."""
+    with ``RANGES`` (query side) also each sorted query's range of sorted keys of its group, cut to
+    the keys ``i + win_off - win_left <= j <= i + win_off + win_right`` where ``WIN_L``/``WIN_R``
+    (the window of :func:`window_ranges`, computed from the keys' chunk starts)."""
     c = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
     ar = tl.arange(0, CHUNK)
@@ -154,9 +174,18 @@ def _layout_scatter(Grp, StartPos, Perm, N, n_chunks, KStart, KCount, Lo, Hi, H,
     if RANGES:
         rk = (row // H) * (H // GROUPS) + (row % H) // GROUPS
         kst = tl.load(KStart + rk * R_P2 + g, mask=valid, other=0)
-        kct = tl.load(KCount + rk * R_P2 + g, mask=valid, other=0)
-        tl.store(Lo + row * N + pos, kst, mask=valid)
-        tl.store(Hi + row * N + pos, kst + kct, mask=valid)
+        end = kst + tl.load(KCount + rk * R_P2 + g, mask=valid, other=0)
+        lo = kst
+        hi = end
+        p = offs.to(tl.int64) + win_off
+        if WIN_L:
+            t = tl.minimum(tl.maximum(p - win_left, 0), Nk)
+            lo = _group_rank(KGrp, KStartPos, rk, g, t, valid, Nk, k_nch, end, CHUNK, R_P2)
+        if WIN_R:
+            t = tl.minimum(tl.maximum(p + win_right + 1, 0), Nk)
+            hi = tl.maximum(_group_rank(KGrp, KStartPos, rk, g, t, valid, Nk, k_nch, end, CHUNK, R_P2), lo)
+        tl.store(Lo + row * N + pos, lo, mask=valid)
+        tl.store(Hi + row * N + pos, hi, mask=valid)
 
 
 def _side_source(kind: int, src: torch.Tensor):
@@ -172,10 +201,12 @@ def _side_source(kind: int, src: torch.Tensor):
 def counting_layout(q_src: torch.Tensor, k_src: torch.Tensor, n_groups: int, *, kind: int,
                     q_shape: Tuple[int, int, int], k_shape: Tuple[int, int, int], g_off: int = 0,
                     rot: Optional[torch.Tensor] = None, q_rate: float = 0.0, k_rate: float = 0.0,
-                    q_seed_word: int = 0, k_seed_word: int = 0) -> Layout:
+                    q_seed_word: int = 0, k_seed_word: int = 0,
+                    window: Optional[Tuple[int, Optional[int], Optional[int]]] = None) -> Layout:
     """The layout by counting sort; group ids computed on the device per ``kind`` (``GK_*``) from
     ``q_src``/``k_src`` (ids, keep masks, or the q/k tensors for LSH; ignored for draws).
-    Ids must lie in ``[g_off, g_off + n_groups)``."""
+    Ids must lie in ``[g_off, g_off + n_groups)``. With ``window`` the ranges are those of
+    :func:`window_ranges` with it, computed in the same launch."""
     (B, Hq, Nq), (_, Hk, Nk) = q_shape, k_shape
     dev = q_src.device
     i32 = torch.int32
@@ -207,11 +238,18 @@ def counting_layout(q_src: torch.Tensor, k_src: torch.Tensor, n_groups: int, *, 
     q_perm = torch.empty((B, Hq, Nq), dtype=i32, device=dev)
     lo, hi = torch.empty_like(q_perm), torch.empty_like(q_perm)
     k_perm = torch.empty((B, Hk, Nk), dtype=i32, device=dev)
+    w_off, w_left, w_right = window if window is not None else (0, None, None)
+    if w_left is None and w_right is None:
+        window = None
     _layout_scatter[(q_nch, B * Hq)](qg, q_sp, q_perm, Nq, q_nch, k_st, k_ct, lo, hi, Hq, Hq // Hk,
-                                     RANGES=True, CHUNK=_CHUNK, R_P2=R_P2, num_warps=2)
+                                     kg, k_sp, Nk, k_nch, int(w_off), window_bound(w_left), window_bound(w_right),
+                                     RANGES=True, WIN_L=w_left is not None, WIN_R=w_right is not None,
+                                     CHUNK=_CHUNK, R_P2=R_P2, num_warps=2)
     _layout_scatter[(k_nch, B * Hk)](kg, k_sp, k_perm, Nk, k_nch, k_st, k_ct, lo, hi, Hk, 1,
-                                     RANGES=False, CHUNK=_CHUNK, R_P2=R_P2, num_warps=2)
-    return Layout(q_perm, k_perm, lo, hi, qg, kg)
+                                     kg, k_sp, Nk, k_nch, 0, 0, 0,
+                                     RANGES=False, WIN_L=False, WIN_R=False, CHUNK=_CHUNK, R_P2=R_P2, num_warps=2)
+    return Layout(q_perm, k_perm, lo, hi, qg, kg, window)
+
 
 
 def sorted_layout(q_groups: torch.Tensor, k_groups: torch.Tensor) -> Layout:
@@ -233,7 +271,9 @@ def window_ranges(lay: Layout, off: int, left: Optional[int], right: Optional[in
     positions (query ``i`` at ``i + off``, key ``j`` at ``j``): keys of a group are sorted by
     position, so ``i + off - left <= j <= i + off + right`` is a sub-range of the group's run, found
     by ``searchsorted`` on ``group * (Nk + 1) + j``. Causal sites then skip the tiles above each
-    bucket's diagonal (SCFA's first/last tile) and need no position test per logit."""
+    bucket's diagonal (SCFA's first/last tile) and need no position test per logit. Reads only the
+    permutations and groups: with no bound on either side it gives back whole groups' ranges.
+    (:func:`counting_layout` computes the same ranges in its scatter launch.)"""
     Hq, Nk = lay.q_perm.shape[1], lay.k_perm.shape[2]
     M = Nk + 1
     qp, kp = lay.q_perm.long(), lay.k_perm.long()
@@ -248,15 +288,18 @@ def window_ranges(lay: Layout, off: int, left: Optional[int], right: Optional[in
     hi_t = qg * M + (pos + right).clamp(-1, Nk - 1) if right is not None else qg * M + (Nk - 1)
     lo = torch.searchsorted(kc, lo_t, out_int32=True)
     hi = torch.maximum(torch.searchsorted(kc, hi_t, right=True, out_int32=True), lo)
-    return lay._replace(lo=lo, hi=hi)
+    return lay._replace(lo=lo, hi=hi, window=None if left is None and right is None else (off, left, right))
 
 
-def layout_from_aux(spec, q_aux: torch.Tensor, k_aux: torch.Tensor) -> Layout:
-    """The layout of one call from the policy tensors given to the op (buckets or keep masks)."""
+def layout_from_aux(spec, q_aux: torch.Tensor, k_aux: torch.Tensor, window=None) -> Layout:
+    """The layout of one call from the policy tensors given to the op (buckets or keep masks); the
+    counting sort of keep masks cuts its ranges to ``window`` (:func:`window_ranges`), the
+    ``torch.sort`` path leaves that to the caller."""
     B, Hq, Nq = q_aux.shape
     Hk, Nk = k_aux.shape[1], k_aux.shape[2]
     if isinstance(spec.policy, Drop):
-        return counting_layout(q_aux, k_aux, 3, kind=GK_KEEP, q_shape=(B, Hq, Nq), k_shape=(B, Hk, Nk))
+        return counting_layout(q_aux, k_aux, 3, kind=GK_KEEP, q_shape=(B, Hq, Nq), k_shape=(B, Hk, Nk),
+                               window=window)
     return sorted_layout(q_aux, k_aux)
 
 
@@ -275,15 +318,16 @@ def _seed_word(seed: int) -> int:
     return (int(seed) * 0x9E3779B1 + 0x7F4A7C15) & _M32
 
 
-def derive_layout(spec, q: torch.Tensor, k: torch.Tensor, seed: Optional[int] = None) -> Layout:
+def derive_layout(spec, q: torch.Tensor, k: torch.Tensor, seed: Optional[int] = None, window=None) -> Layout:
     """The policy's per-token tensors derived on the device and sorted in the same kernels:
     LSH buckets (``hash``, as :func:`attncomp.policy.lsh_buckets`) or keep draws (``drop``, as
     :func:`attncomp.policy.keep_mask` with streams 0 and 1 of ``seed``, default the policy's).
-    ``layout.q_groups``/``k_groups`` hold the buckets, or 0 (kept) / nonzero (dropped)."""
+    ``layout.q_groups``/``k_groups`` hold the buckets, or 0 (kept) / nonzero (dropped); the ranges
+    are cut to ``window`` (:func:`window_ranges`)."""
     pol = spec.policy
     B, Hq, Nq, D = q.shape
     Hk, Nk = k.shape[1], k.shape[2]
-    shapes = dict(q_shape=(B, Hq, Nq), k_shape=(B, Hk, Nk))
+    shapes = dict(q_shape=(B, Hq, Nq), k_shape=(B, Hk, Nk), window=window)
     if isinstance(pol, Hash):
         rot = _rotation_on(D, pol.n_buckets, Hk, pol.seed, q.device)
         return counting_layout(q, k, pol.n_buckets, kind=GK_LSH, rot=rot, **shapes)

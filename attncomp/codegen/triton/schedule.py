@@ -39,6 +39,12 @@ __all__ = ["tile_summary", "tile_lists"]
 _FIELDS = 8
 
 
+def _empty(shape, dtype, device) -> torch.Tensor:
+    """The summaries and lists come from here (tests swap it for a filling one: nothing may read an
+    element the kernels did not write)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
 @fast_launch
 @triton.jit
 def _tile_summary(Sum, Perm, Pos, Seg, Val, Lo, Hi, N, Hs, s_pos, s_seg, s_val, off,
@@ -187,7 +193,9 @@ def tile_summary(block: int, n: int, rows_b: int, rows_h: int, perm, pos, seg, v
     ``perm``/``lo``/``hi``: ``(rows_b, rows_h, n)`` or ``None``; ``pos``/``seg``/``val``: ``(B or 1, n)``
     or ``None``; ``pos_kind``: 2 when ``pos`` is given, else positions are ``index + off``."""
     nt = cdiv(n, block)
-    out = torch.zeros((rows_b, rows_h, nt, _FIELDS), dtype=torch.int64, device=device)
+    # every field the lists read is written (the range hull only with ``lo``/``hi``, the only case
+    # that reads it): no fill launch
+    out = _empty((rows_b, rows_h, nt, _FIELDS), torch.int64, device)
     dummy = out
     _tile_summary[(nt, rows_b * rows_h)](
         out, dummy if perm is None else perm, dummy if pos is None else pos, dummy if seg is None else seg,
@@ -210,8 +218,8 @@ def tile_lists(qsum: torch.Tensor, ksum: torch.Tensor, *, outer_q: bool, block_m
     tq, tk = qsum.shape[2], ksum.shape[2]
     t_out, t_in = (tq, tk) if outer_q else (tk, tq)
     dev = qsum.device
-    lst = torch.empty((rows_b, rows_h, t_out, t_in), dtype=torch.int32, device=dev)
-    cnt = torch.empty((rows_b, rows_h, t_out), dtype=torch.int32, device=dev)
+    lst = _empty((rows_b, rows_h, t_out, t_in), torch.int32, dev)
+    cnt = _empty((rows_b, rows_h, t_out), torch.int32, dev)
 
     def st(t, d):
         return 0 if t.shape[d] == 1 else t.stride(d)
