@@ -5,8 +5,10 @@ small Python calls.
 For each (shape, policy) the op is called as a compiled graph calls it (``torch.ops.attncomp.attention``
 with no buckets or keep draws, the spec as JSON), on an idle device: ``host`` is the time until the
 call returns, ``wall`` the time until the device is done too. Then the stages: the backend choice,
-the keep draws of ``drop`` (``materialize_aux``), the backend's forward/backward, the ``Site``
-(predicates, layout), tile lists, TMA descriptors, kernel arguments, and Triton's ``JITFunction.run``
+the keep draws of ``drop`` (``materialize_aux`` with torch ops, or the Triton backend's
+``draw_keep`` with its sort), the backend's forward/backward, a forward launch plan's launch, the
+``Site`` (predicates, layout, the layout of given keep masks), tile lists, TMA descriptors, kernel
+arguments, and Triton's ``JITFunction.run``
 (taken on a launch's first call only, see ``attncomp/codegen/triton/launch.py``) and its compiled
 launcher.
 
@@ -75,7 +77,9 @@ def instrument() -> list:
               (tb, "attention_backward", "triton bwd"), (tb.Site, "__init__", "Site()"),
               (tb.Site, "lists", "Site.lists"), (tb.Site, "kv_descriptors", "kv descriptors"),
               (tb.Site, "q_descriptors", "q descriptors"), (tb.Site, "pred_args", "Site.pred_args"),
-              (tb.Site, "meta", "Site.meta"), (tb, "_derived_for", "derive layout")]
+              (tb.Site, "meta", "Site.meta"), (tb, "_derived_for", "derive layout"),
+              (tb, "_layout_for", "layout of aux"), (tb, "draw_keep", "draw keep (sort)"),
+              (tb._ForwardPlan, "run", "forward plan")]
     names = []
     for owner, attr, name in stages:
         if hasattr(owner, attr):

@@ -47,6 +47,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from ..codegen import get_backend
+from . import env
 from ..spec import AttentionSpec, dtype_name
 
 log = logging.getLogger(__name__)
@@ -372,20 +373,9 @@ def keeps_all(spec: AttentionSpec) -> bool:
     return bool(spec.policy.keeps_all())
 
 
-# ``os.environ.get`` encodes the name and decodes the value on every call (a third of the memoised
-# lookup below): read the raw mapping where the platform has one (it is what ``os.environ`` updates)
-_ENV_DATA = getattr(os.environ, "_data", None)
-try:
-    _TVM_AUTO_KEY = os.environ.encodekey("ATTNCOMP_TVM_AUTO")  # type: ignore[attr-defined]
-except (AttributeError, TypeError):
-    _ENV_DATA = None
-
-
 def _tvm_auto_env():
     """The value of ``ATTNCOMP_TVM_AUTO`` (raw; None when unset): part of the CPU choice's memo key."""
-    if _ENV_DATA is not None:
-        return _ENV_DATA.get(_TVM_AUTO_KEY)
-    return os.environ.get("ATTNCOMP_TVM_AUTO")
+    return env.raw("ATTNCOMP_TVM_AUTO")
 
 
 def select_backend(spec: AttentionSpec, q: torch.Tensor, k: Optional[torch.Tensor] = None,

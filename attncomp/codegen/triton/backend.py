@@ -70,6 +70,13 @@ def _bstride(t) -> int:
     return 0 if t is None or t.shape[0] == 1 else t.stride(0)
 
 
+def _mask_view(m: torch.Tensor) -> torch.Tensor:
+    """A residual mask as the kernels read it: 4-D (leading broadcast dimensions added), bool as bytes."""
+    while m.dim() < 4:
+        m = m.unsqueeze(0)
+    return m.view(torch.uint8) if m.dtype == torch.bool else m
+
+
 def _token_tensor(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """A ``(B or 1, N)`` predicate tensor as the kernels read it (bool as bytes, unit last stride)."""
     if t is None:
@@ -114,16 +121,10 @@ class Site:
         if attn_mask is None:
             self.mask_kind, self.mask, self.mask_strides = MASK_NONE, dummy, (0, 0, 0, 0)
         else:
-            m = attn_mask
-            while m.dim() < 4:
-                m = m.unsqueeze(0)
-            if m.dtype == torch.bool:
-                self.mask_kind, m = MASK_BOOL, m.view(torch.uint8)
-            else:
-                self.mask_kind = MASK_FLOAT
+            m = self.mask = _mask_view(attn_mask)
+            self.mask_kind = MASK_BOOL if attn_mask.dtype == torch.bool else MASK_FLOAT
             # broadcast dimensions read the same element: stride 0
             self.mask_strides = tuple(0 if m.shape[i] == 1 else m.stride(i) for i in range(4))
-            self.mask = m
 
         # structured predicates (DESIGN §4.1)
         get = (lambda nm: getattr(preds, nm, None)) if preds is not None else (lambda nm: None)
@@ -375,6 +376,12 @@ def attention_forward(spec: AttentionSpec, q, k, v, attn_mask=None, dropout_p: f
                       layout: Optional[Layout] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of DESIGN.md §4 through the template's forward."""
     q, k, v = _last_contiguous(q), _last_contiguous(k), _last_contiguous(v)
+    plain = config is None and q_aux is None and k_aux is None and block_pattern is None and layout is None
+    if plain and _PLANS:
+        key = _plan_key(spec, q, k, v, attn_mask, preds, dropout_p, seed)
+        plan = _PLANS.get(key)
+        if plan is not None and plan.spec is spec and _attention_kernel.short_path_open():
+            return plan.run(q, k, v, attn_mask, preds, seed)
     site = Site(spec, q, k, v, attn_mask, dropout_p, seed, preds, q_aux, k_aux, block_pattern, layout)
     B, Hq, Nq, Nk = site.B, site.Hq, site.Nq, site.Nk
     out = _empty((B, Hq, Nq, site.Dv), q.dtype, q.device)
@@ -383,22 +390,118 @@ def attention_forward(spec: AttentionSpec, q, k, v, attn_mask=None, dropout_p: f
         return out, lse
     if Nk == 0:
         return out.zero_(), lse.fill_(float("-inf"))
+    launched = []
 
     def launch(cfg):
         bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
         lst, cnt = site.lists(bm, bn, True)
         kd, vd, tma = site.kv_descriptors(cfg, bn)
-        _attention_kernel[(_cdiv(Nq, bm), B * Hq)](
-            q, k, v, out, out, lse, lse, out, out, out, kd, vd,
-            *_strides(q, k, v, out, None, None, None, None), *site.pred_args(lst, cnt),
-            Hq, Nq, Nk, site.scale * LOG2E, site.scale, site.seed_word, site.dropout_p, site.inv_keep,
-            BLOCK_M=bm, BLOCK_N=bn, MODE=MODE_FWD, NATURAL=False, num_warps=cfg["num_warps"],
-            num_stages=cfg["num_stages"], TMA=tma, NM_EXP=bool(cfg.get("NM_EXP")) and site.nm_exp_ok,
-            **site.meta(bm, bn),
-        )
+        grid = (_cdiv(Nq, bm), B * Hq)
+        kw = dict(BLOCK_M=bm, BLOCK_N=bn, MODE=MODE_FWD, NATURAL=False, num_warps=cfg["num_warps"],
+                  num_stages=cfg["num_stages"], TMA=tma, NM_EXP=bool(cfg.get("NM_EXP")) and site.nm_exp_ok,
+                  **site.meta(bm, bn))
+        _attention_kernel[grid](*_fwd_args(site, q, k, v, out, lse, kd, vd, lst, cnt, site.seed_word), **kw)
+        launched.append((cfg, grid, tma))
 
     _run_tuned("fwd", site, launch, configs.fwd_candidates, config)
+    if plain and site.sched == SCHED_SPAN and site.layout is None and not site.spion_bs:
+        entry = _attention_kernel.last_entry
+        plan = entry and _ForwardPlan(spec, site, q, k, v, out, lse, *launched[-1], entry)
+        if plan and plan.slots:
+            _remember_plan(_plan_key(spec, q, k, v, attn_mask, preds, dropout_p, seed), plan)
     return out, lse
+
+
+def _fwd_args(site: Site, q, k, v, out, lse, kd, vd, lst, cnt, seed_word) -> tuple:
+    """The forward launch's positional arguments."""
+    return (q, k, v, out, out, lse, lse, out, out, out, kd, vd,
+            *_strides(q, k, v, out, None, None, None, None), *site.pred_args(lst, cnt),
+            site.Hq, site.Nq, site.Nk, site.scale * LOG2E, site.scale, seed_word, site.dropout_p, site.inv_keep)
+
+
+# -- forward launch plans ------------------------------------------------------------------------
+# A forward whose kernel needs nothing built per call (no sorted layout, no tile lists, no SPION
+# pattern) launches, for the same spec, sizes, strides, dtypes, alignments, mask and predicate
+# shapes, dropout and seed class, the same compiled kernel with the same arguments but the call's
+# tensors and seed. The plan keeps that argument list, with the places of the call's values marked,
+# and launches the kept kernel (launch.FastLaunch's entry) without building a Site again.
+
+_PLANS: dict = {}
+_MAX_PLANS = 1024  # sizes are part of the key (a decode loop adds one per step): bounded
+
+
+class _Slot:
+    """A per-call value in a plan's argument template; reads (shape, stride) delegate to the tensor
+    of the call that built the plan, so the template is built by the same code as a launch."""
+
+    __slots__ = ("name", "t")
+
+    def __init__(self, name: str, t=None):
+        self.name, self.t = name, t
+
+    def __getattr__(self, attr):
+        return getattr(self.t, attr)
+
+
+def _sig(t: Optional[torch.Tensor]):
+    """What a launch specialises on of a tensor argument besides its dtype: shape, strides, alignment."""
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.data_ptr() & 15 == 0)
+
+
+def _plan_key(spec, q, k, v, attn_mask, preds, dropout_p, seed) -> tuple:
+    sw = _seed_word(seed)
+    return (id(spec), q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
+            q.device, q.data_ptr() & 15 == 0, k.data_ptr() & 15 == 0, v.data_ptr() & 15 == 0,
+            None if attn_mask is None else _sig(attn_mask), None if preds is None else tuple(map(_sig, preds)),
+            float(dropout_p), sw == 1, sw & 15 == 0, _attention_kernel._device(), configs.tuning_enabled(),
+            torch.are_deterministic_algorithms_enabled())
+
+
+def _remember_plan(key, plan) -> None:
+    if len(_PLANS) >= _MAX_PLANS:
+        _PLANS.clear()
+    _PLANS[key] = plan
+
+
+class _ForwardPlan:
+    def __init__(self, spec, site: Site, q, k, v, out, lse, cfg: dict, grid: tuple, tma: bool, entry: tuple):
+        self.spec, self.config, self.grid, self.entry = spec, cfg, grid, entry
+        self.out_shape, self.lse_shape = tuple(out.shape), tuple(lse.shape)
+        self.dtype, self.device = q.dtype, q.device
+        marked = object.__new__(Site)  # the site with its tensors marked
+        marked.__dict__.update(site.__dict__)
+        marked._dummy = _Slot("q", q)
+        marked.mask = _Slot("mask", site.mask) if site.mask_kind != MASK_NONE else marked._dummy
+        marked.pattern = marked._dummy
+        marked.q_val = None if site.q_val is None else _Slot("q_val", site.q_val)
+        marked.k_val = None if site.k_val is None else _Slot("k_val", site.k_val)
+        kd = _Slot("kd") if tma else marked._dummy
+        vd = _Slot("vd") if tma else marked._dummy
+        args = _fwd_args(marked, _Slot("q", q), _Slot("k", k), _Slot("v", v), _Slot("out", out), _Slot("lse", lse),
+                         kd, vd, None, None, _Slot("seed"))
+        self.slots = tuple((i, a.name) for i, a in enumerate(args) if type(a) is _Slot)
+        self.args = [None if type(a) is _Slot else a for a in args]
+        if any(isinstance(a, torch.Tensor) for a in args):  # every tensor must be the call's own: no plan
+            self.slots = ()
+        self.tma_blocks = (cfg["BLOCK_N"], site.block_d, site.block_dv) if tma else None
+
+    def run(self, q, k, v, attn_mask, preds, seed):
+        out = _empty(self.out_shape, self.dtype, self.device)
+        lse = _empty(self.lse_shape, torch.float32, self.device)
+        vals = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "seed": _seed_word(seed)}
+        if attn_mask is not None:
+            vals["mask"] = _mask_view(attn_mask)
+        if preds is not None:
+            vals["q_val"], vals["k_val"] = _token_tensor(preds.q_valid), _token_tensor(preds.k_valid)
+        if self.tma_blocks is not None:
+            bn, bd, bdv = self.tma_blocks
+            vals["kd"], vals["vd"] = _descriptor(k, bn, bd), _descriptor(v, bn, bdv)
+        args = self.args.copy()
+        for i, name in self.slots:
+            args[i] = vals[name]
+        _attention_kernel.launch_entry(self.entry, self.grid, args)
+        last_configs["fwd"] = self.config
+        return out, lse
 
 
 def attention_backward(spec: AttentionSpec, q, k, v, attn_mask, out, lse, grad_out, dropout_p: float = 0.0,

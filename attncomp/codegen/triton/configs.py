@@ -19,6 +19,8 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+from ...runtime import env
+
 log = logging.getLogger(__name__)
 
 __all__ = ["fwd_candidates", "bwd_candidates", "choose", "interpret_mode"]
@@ -27,13 +29,13 @@ Config = Dict[str, int]
 
 
 def interpret_mode() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return env.get("TRITON_INTERPRET", "0") == "1"
 
 
-def tuning_enabled() -> bool:
+def tuning_enabled() -> tuple:
     """Whether :func:`choose` may time candidates (``ATTNCOMP_TRITON_TUNE=0`` turns it off), and
-    which tuning store it would use."""
-    return os.environ.get("ATTNCOMP_TRITON_TUNE", "1") != "0", os.environ.get("ATTNCOMP_CACHE_DIR", "")
+    which tuning store it would use (read on every call: part of per-call memo keys)."""
+    return env.get("ATTNCOMP_TRITON_TUNE", "1") != "0", env.raw("ATTNCOMP_CACHE_DIR")
 
 
 def _cfg(bm, bn, warps, stages) -> Config:

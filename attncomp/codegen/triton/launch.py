@@ -84,6 +84,9 @@ class FastLaunch:
             self._runtime = knobs.runtime
             self._driver = driver
         self.hits = 0  # launches that took the short path (tests read it)
+        #: ``(kernel, tail)`` of the latest launch when it was kept for the short path, else None: a
+        #: caller that repeats one argument class may launch it itself (:meth:`launch_entry`)
+        self.last_entry: Optional[tuple] = None
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
@@ -93,8 +96,8 @@ class FastLaunch:
 
     # -- the two paths -------------------------------------------------------------------------
     def run(self, grid, args: tuple, kwargs: dict):
-        rt = self._runtime if self._jit else None
-        if rt is None or not _ENABLED[0] or _hooked(rt.launch_enter_hook) or _hooked(rt.launch_exit_hook):
+        self.last_entry = None
+        if not self.short_path_open():
             return self.fn[grid](*args, **kwargs)
         device = self._device()
         types = tuple(map(type, args))
@@ -116,15 +119,29 @@ class FastLaunch:
             if tail is not None and kernel is not None and not hasattr(kernel, "result"):
                 if len(self._cache) >= _MAX_ENTRIES:  # sizes keyed by value (decoding grows N): bounded
                     self._cache.clear()
-                self._cache[key] = (kernel, tail)
+                self._cache[key] = self.last_entry = (kernel, tail)
             return kernel
-        kernel, tail = ent
+        self.last_entry = ent
+        self.launch_entry(ent, grid, args, device)
+        return ent[0]
+
+    def short_path_open(self) -> bool:
+        """Whether launches may skip ``JITFunction.run`` now: a compiled kernel (not the interpreter),
+        the short path enabled, no launch hook installed."""
+        rt = self._runtime if self._jit else None
+        return not (rt is None or not _ENABLED[0] or _hooked(rt.launch_enter_hook) or _hooked(rt.launch_exit_hook))
+
+    def launch_entry(self, entry: tuple, grid, args, device=None) -> None:
+        """Launch a kept ``(kernel, tail)`` entry with ``args`` of its argument class on the current
+        stream of ``device`` (default: the current device)."""
+        kernel, tail = entry
+        if device is None:
+            device = self._device()
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1
         kernel.run(grid[0], g1, g2, self._stream(device), kernel.function, kernel.packed_metadata, None,
                    None, None, *args, *tail)
         self.hits += 1
-        return kernel
 
     def _layout(self, types: tuple):
         """Getters of one argument-type pattern: ``(plain, tensors, volatile, descriptors)``, where

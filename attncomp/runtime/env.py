@@ -1,0 +1,38 @@
+"""Environment variables read on the per-call host path.
+
+``os.environ.get`` encodes the name and decodes the value on every call (about a microsecond each):
+:func:`raw` reads the raw mapping that ``os.environ`` updates, where the platform has one, with the
+encoded name kept. Values come back as ``os.environ`` stores them (bytes on POSIX); :func:`get`
+decodes, for callers that compare with ``str``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+__all__ = ["raw", "get"]
+
+_DATA = getattr(os.environ, "_data", None)
+_KEYS: dict = {}
+
+
+def raw(name: str):
+    """The raw stored value of ``name`` (None when unset); compare values only with each other."""
+    if _DATA is None:
+        return os.environ.get(name)
+    key = _KEYS.get(name)
+    if key is None:
+        try:
+            key = _KEYS[name] = os.environ.encodekey(name)  # type: ignore[attr-defined]
+        except (AttributeError, TypeError):
+            return os.environ.get(name)
+    return _DATA.get(key)
+
+
+def get(name: str, default: Optional[str] = None) -> Optional[str]:
+    """``os.environ.get(name, default)`` through :func:`raw`."""
+    v = raw(name)
+    if v is None:
+        return default
+    return v.decode(errors="surrogateescape") if isinstance(v, bytes) else v

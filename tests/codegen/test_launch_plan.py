@@ -1,0 +1,217 @@
+"""Forward launch plans (``attncomp.codegen.triton.backend._ForwardPlan``): a repeated forward whose
+kernel needs nothing built per call launches the kept compiled kernel with the plan's argument list,
+the call's tensors and seed put in their places, without building a ``Site`` again.
+
+On the CPU the "compiled" kernel is a stand-in that runs the real template under Triton's interpreter
+with exactly the arguments the launch passes (positional ones, then the kept constexprs), so a wrong
+or stale argument in a plan shows as a wrong result: every call has fresh random inputs, poisoned
+outputs, and is compared with the float64 reference. ``test_template_gpu.py`` runs the real launches.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import gc  # noqa: E402
+import weakref  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("numpy")
+triton = pytest.importorskip("triton")
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+from attncomp.codegen import reference as R  # noqa: E402
+from attncomp.codegen.triton import backend as TB  # noqa: E402
+from attncomp.codegen.triton import configs, launch, template  # noqa: E402
+from attncomp.policy import DFSS  # noqa: E402
+from attncomp.spec import AttentionSpec, Predicates  # noqa: E402
+from tests.utils import assert_close, fresh_seed, poison, qkv  # noqa: E402
+
+_INTERP = template._attention_kernel
+_NAMES = [p.name for p in JITFunction(_INTERP.fn).params]
+
+
+class _Compiled:
+    """Runs the interpreted template with the arguments a launch hands a compiled kernel."""
+
+    function, packed_metadata = "fn", "meta"
+
+    def __init__(self):
+        self.launches = 0
+
+    def run(self, g0, g1, g2, stream, function, meta, launch_meta, enter, exit_, *args):
+        assert (stream, function, meta, launch_meta, enter, exit_) == (0, "fn", "meta", None, None, None)
+        self.launches += 1
+        _INTERP[(g0, g1, g2)](**dict(zip(_NAMES, args, strict=True)))
+
+
+@pytest.fixture
+def kernel(monkeypatch):
+    """The backend's kernel as a FastLaunch over a JITFunction whose first call per argument class
+    runs the interpreter and hands out a :class:`_Compiled`."""
+    jit = JITFunction(_INTERP.fn)
+    slow = []
+
+    def run(*args, grid, warmup, **kwargs):
+        slow.append(1)
+        _INTERP[grid](*args, **{k: v for k, v in kwargs.items() if k in _NAMES})
+        return _Compiled()
+
+    monkeypatch.setattr(jit, "run", run)
+    fl = launch.FastLaunch(jit, volatile=("seed",))
+    monkeypatch.setattr(fl, "_device", lambda: 0)
+    monkeypatch.setattr(fl, "_stream", lambda dev: 0)
+    monkeypatch.setattr(TB, "_attention_kernel", fl)
+    monkeypatch.setattr(TB, "_PLANS", {})
+    monkeypatch.setattr(TB, "_config_memo", {})
+    monkeypatch.setattr(TB, "_empty", lambda shape, dtype, device: poison(torch.empty(shape, dtype=dtype,
+                                                                                          device=device)))
+    fl.slow = slow
+    fl.plan_runs = 0
+    real = TB._ForwardPlan.run
+
+    def counted(self, *a):
+        fl.plan_runs += 1
+        return real(self, *a)
+
+    monkeypatch.setattr(TB._ForwardPlan, "run", counted)
+    return fl
+
+
+def _reference(spec, q, k, v, mask, preds, dropout_p, seed):
+    d = torch.float64
+    return R.attention(q.to(d), k.to(d), v.to(d), mask, spec=spec, dropout_p=dropout_p, seed=seed, preds=preds)
+
+
+def _seed_of_one_class(g) -> int:
+    """A random seed whose kernel seed word Triton specialises like most (not 1, not a multiple of 16):
+    the seed is part of a launch's argument class only through that."""
+    while True:
+        seed = int(torch.randint(0, 2 ** 31, (1,), generator=g))
+        w = TB._seed_word(seed)
+        if w != 1 and w & 15:
+            return seed
+
+
+CASES = {  # spec kwargs, (B, Hq, Hk, Nq, Nk, D), mask kind, padding, dropout
+    "dense-causal": (dict(causal=True), (2, 2, 2, 37, 37, 32), None, False, 0.0),
+    "dense-gqa-cross": (dict(), (1, 4, 2, 21, 45, 48), None, False, 0.0),
+    "dfss-bool-mask": (dict(policy=DFSS(n=2, m=4), mask_kind="bool"), (2, 2, 2, 33, 40, 32), "bool", False, 0.0),
+    "dense-float-mask": (dict(mask_kind="float"), (1, 2, 2, 30, 30, 64), "float", False, 0.0),
+    "dense-padding": (dict(causal=True), (2, 2, 2, 29, 29, 32), None, True, 0.0),
+    "dense-dropout": (dict(), (1, 2, 2, 24, 24, 32), None, False, 0.3),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_repeated_forwards_launch_the_plan(kernel, case):
+    kw, (B, Hq, Hk, Nq, Nk, D), mask_kind, padded, p = CASES[case]
+    spec = AttentionSpec(**kw)
+    g = torch.Generator().manual_seed(fresh_seed())
+    outs = []
+    for call in range(3):
+        q, k, v = qkv(B, Hq, Nq, D, Hk=Hk, Nk=Nk, seed=int(torch.randint(0, 2 ** 30, (1,), generator=g)))
+        mask = None
+        if mask_kind == "bool":
+            mask = torch.rand(B, 1, Nq, Nk, generator=g) > 0.3
+        elif mask_kind == "float":
+            mask = torch.randn(Nq, Nk, generator=g)
+        preds = None
+        if padded:
+            kv = torch.ones(B, Nk, dtype=torch.bool)
+            kv[1, Nk - 7 + call:] = False
+            preds = Predicates(k_valid=kv)
+        seed = _seed_of_one_class(g)
+        out, lse = TB.attention_forward(spec, q, k, v, mask, p, seed, preds=preds)
+        ro, rl = _reference(spec, q, k, v, mask, preds, p, seed)
+        assert_close(out, ro, torch.float32, f"call {call}")
+        fin = torch.isfinite(rl)
+        torch.testing.assert_close(lse[fin].double(), rl[fin].double(), atol=1e-3, rtol=1e-3)
+        outs.append(out)
+    # one launch through run (which made the plan), then two plan launches of the kept kernel
+    assert len(kernel.slow) == 1 and kernel.plan_runs == kernel.hits == 2 and len(TB._PLANS) == 1
+    assert not torch.equal(outs[1], outs[2])
+
+
+def test_tma_descriptors_are_rebuilt_per_call(kernel, monkeypatch):
+    """A configuration reading K/V through TMA: each plan launch describes the call's own K and V."""
+    monkeypatch.setattr(configs, "fwd_candidates",
+                        lambda *a: [{"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "TMA": True}])
+    spec = AttentionSpec(causal=True)
+    for call in range(3):
+        q, k, v = qkv(1, 2, 40, 32)
+        out, _ = TB.attention_forward(spec, q, k, v)
+        assert_close(out, _reference(spec, q, k, v, None, None, 0.0, 0)[0], torch.float32, f"call {call}")
+    assert len(kernel.slow) == 1 and kernel.plan_runs == 2
+    (plan,) = TB._PLANS.values()
+    assert plan.tma_blocks is not None and {"kd", "vd"} <= {n for _, n in plan.slots}
+
+
+@pytest.mark.parametrize("change", ["spec", "strides", "alignment", "dtype", "size", "mask", "dropout",
+                                    "seed to 16", "short path off", "config given"])
+def test_what_the_plan_does_not_cover_takes_the_site_path(kernel, change):
+    spec = AttentionSpec(causal=True)
+    q, k, v = qkv(1, 2, 32, 32)
+    assert TB._seed_word(5) & 15 and TB._seed_word(7) & 15
+    TB.attention_forward(spec, q, k, v, None, 0.0, 5)
+    n_plans, runs = len(TB._PLANS), kernel.plan_runs
+    mask, p, seed, config, sp = None, 0.0, 7, None, spec
+    if change == "spec":
+        sp = AttentionSpec(causal=True)  # an equal but distinct spec object counts as new
+    elif change == "strides":
+        q = q.transpose(1, 2).contiguous().transpose(1, 2)
+    elif change == "alignment":
+        buf = torch.randn(q.numel() + 1)
+        q = buf[1:].view(q.shape)
+    elif change == "dtype":
+        q, k, v = (t.half() for t in (q, k, v))
+    elif change == "size":
+        q, k, v = qkv(1, 2, 33, 32)
+    elif change == "mask":
+        mask = torch.ones(32, 32, dtype=torch.bool)
+    elif change == "dropout":
+        p = 0.2
+    elif change == "seed to 16":
+        seed = next(s for s in range(1000) if TB._seed_word(s) & 15 == 0)  # another class of seed word
+    elif change == "config given":
+        config = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+    if change == "short path off":
+        launch.enabled(False)
+    try:
+        out, _ = TB.attention_forward(sp, q, k, v, mask, p, seed, config=config)
+    finally:
+        launch.enabled(True)
+    assert kernel.plan_runs == runs, "a call the plan does not cover launched a plan"
+    if change not in ("short path off", "config given"):
+        assert len(TB._PLANS) == n_plans + 1  # and makes its own plan
+    assert_close(out, _reference(sp, q.float(), k.float(), v.float(), mask, None, p, seed)[0], q.dtype)
+
+
+def test_plans_hold_no_tensor(kernel):
+    spec = AttentionSpec(policy=DFSS(n=1, m=2), mask_kind="bool")
+    q, k, v = qkv(1, 2, 24, 32)
+    mask = torch.rand(1, 1, 24, 24) > 0.5
+    kv = torch.ones(1, 24, dtype=torch.bool)
+    refs = [weakref.ref(t) for t in (q, k, v, mask, kv)]
+    out, lse = TB.attention_forward(spec, q, k, v, mask, preds=Predicates(k_valid=kv))
+    refs += [weakref.ref(out), weakref.ref(lse)]
+    assert len(TB._PLANS) == 1
+    del q, k, v, mask, kv, out, lse
+    gc.collect()
+    assert all(r() is None for r in refs), "a plan keeps a call's tensor alive"
+
+
+def test_the_op_takes_the_plan(kernel):
+    """Calls through ``attncomp::attention`` (as compiled graphs make them) reach the plan."""
+    spec = AttentionSpec(causal=True, backend="triton")
+    sj = spec.to_json()
+    for call in range(3):
+        q, k, v = qkv(2, 2, 20, 32)
+        out = torch.ops.attncomp.attention(q, k, v, None, None, None, None, None, None, None, None, None, None,
+                                           sj, 0.0, 0)[0]
+        assert_close(out, _reference(spec, q, k, v, None, None, 0.0, 0)[0], torch.float32)
+    assert len(kernel.slow) == 1 and kernel.plan_runs == 2
