@@ -576,6 +576,7 @@ def _policy_aux_op(q: Tensor, k: Tensor, spec: str, seed: int) -> Tuple[Tensor, 
         # a backend that draws keep masks with its own kernels (Triton: fused with the sort, whose
         # layout the site's calls then reuse) draws them; else torch ops below
         s = _resolved(spec, q.dtype)
+        # (k stands in for v: the choice reads v's head dim only where SDPA may run, which drop never does)
         draw = getattr(_backend_for(s, q, k, k), "draw_keep", None)
         if draw is not None:
             with torch.no_grad():

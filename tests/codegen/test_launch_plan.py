@@ -29,7 +29,7 @@ from attncomp.codegen.triton import backend as TB  # noqa: E402
 from attncomp.codegen.triton import configs, launch, template  # noqa: E402
 from attncomp.policy import DFSS  # noqa: E402
 from attncomp.spec import AttentionSpec, Predicates  # noqa: E402
-from tests.utils import assert_close, fresh_seed, poison, qkv  # noqa: E402
+from tests.utils import assert_close, draw_mask, fresh_seed, poison, qkv  # noqa: E402
 
 _INTERP = template._attention_kernel
 _NAMES = [p.name for p in JITFunction(_INTERP.fn).params]
@@ -115,11 +115,7 @@ def test_repeated_forwards_launch_the_plan(kernel, case):
     outs = []
     for call in range(3):
         q, k, v = qkv(B, Hq, Nq, D, Hk=Hk, Nk=Nk, seed=int(torch.randint(0, 2 ** 30, (1,), generator=g)))
-        mask = None
-        if mask_kind == "bool":
-            mask = torch.rand(B, 1, Nq, Nk, generator=g) > 0.3
-        elif mask_kind == "float":
-            mask = torch.randn(Nq, Nk, generator=g)
+        mask = draw_mask(mask_kind, g, B, Nq, Nk)
         preds = None
         if padded:
             kv = torch.ones(B, Nk, dtype=torch.bool)

@@ -31,7 +31,8 @@ from ...policy import DFSS, SPION, Hash
 from ...spec import AttentionSpec
 from . import configs
 from .common import LOG2E, MASK_BOOL, MASK_FLOAT, MASK_NONE
-from .common import cdiv as _cdiv, next_pow2 as _next_pow2, pow2_block as _pow2, window_bound as _clamp
+from .common import cdiv as _cdiv, next_pow2 as _next_pow2, pow2_block as _pow2, seed_word as _seed_word
+from .common import window_bound as _clamp
 from .layout import GK_IDS, Layout, counting_layout, derive_layout, layout_from_aux, window_ranges
 from .schedule import tile_lists, tile_summary
 from .template import (MODE_DKDV, MODE_DQ, MODE_FWD, POLICY_DENSE, POLICY_DFSS, POLICY_SORTED, POLICY_SPION,
@@ -49,7 +50,6 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _attention_kernel = FastLaunch(template._attention_kernel, volatile=("seed",))
 _bwd_preprocess = FastLaunch(template._bwd_preprocess)
 _MAX_HEAD_DIM = 256
-_M32 = 0xFFFFFFFF
 
 #: the configuration of the latest forward and backward launch (read by benchmarks and reports)
 last_configs: dict = {}
@@ -83,12 +83,6 @@ def _token_tensor(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         return None
     t = _last_contiguous(t)
     return t.view(torch.uint8) if t.dtype == torch.bool else t
-
-
-def _seed_word(seed: int) -> int:
-    """The mixed seed of ``attncomp.policy.uniform_hash`` as a signed 32-bit kernel argument."""
-    s = (int(seed) * 0x9E3779B1 + 0x7F4A7C15) & _M32
-    return s - (1 << 32) if s >= (1 << 31) else s
 
 
 class Site:
@@ -130,7 +124,7 @@ class Site:
         get = (lambda nm: getattr(preds, nm, None)) if preds is not None else (lambda nm: None)
         left, right = _bounds(spec)
         self.win_left, self.win_right = left, right
-        self.pos_off = self.Nk - self.Nq if getattr(spec, "causal_align", "top_left") == "bottom_right" else 0
+        self.pos_off = _pos_off(spec, self.Nq, self.Nk)
         q_pos, k_pos = get("q_pos"), get("k_pos")
         if left is None and right is None:
             self.pos = POS_NONE
@@ -163,7 +157,7 @@ class Site:
         if self.policy == POLICY_SORTED:
             # the window around default positions becomes part of each query's key range (computed
             # by the counting sort's scatter, or by window_ranges for other layouts)
-            window = (self.pos_off, left, right) if self.pos == POS_ARANGE else None
+            window = spec_window(spec, self.Nq, self.Nk) if self.pos == POS_ARANGE else None
             if layout is None:
                 if q_aux is None and k_aux is None:
                     # derived on the device, fused with the sort: LSH buckets, or keep draws of the policy's seed
@@ -376,11 +370,13 @@ def attention_forward(spec: AttentionSpec, q, k, v, attn_mask=None, dropout_p: f
                       layout: Optional[Layout] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of DESIGN.md §4 through the template's forward."""
     q, k, v = _last_contiguous(q), _last_contiguous(k), _last_contiguous(v)
-    plain = config is None and q_aux is None and k_aux is None and block_pattern is None and layout is None
-    if plain and _PLANS:
+    # a launch plan (below) serves dense and DFSS calls that bring nothing of their own to sort or list
+    key = None
+    if (config is None and block_pattern is None and layout is None
+            and _POLICIES.get(spec.policy.name) in (POLICY_DENSE, POLICY_DFSS) and _attention_kernel.short_path_open()):
         key = _plan_key(spec, q, k, v, attn_mask, preds, dropout_p, seed)
         plan = _PLANS.get(key)
-        if plan is not None and plan.spec is spec and _attention_kernel.short_path_open():
+        if plan is not None:
             return plan.run(q, k, v, attn_mask, preds, seed)
     site = Site(spec, q, k, v, attn_mask, dropout_p, seed, preds, q_aux, k_aux, block_pattern, layout)
     B, Hq, Nq, Nk = site.B, site.Hq, site.Nq, site.Nk
@@ -404,11 +400,11 @@ def attention_forward(spec: AttentionSpec, q, k, v, attn_mask=None, dropout_p: f
         launched.append((cfg, grid, tma))
 
     _run_tuned("fwd", site, launch, configs.fwd_candidates, config)
-    if plain and site.sched == SCHED_SPAN and site.layout is None and not site.spion_bs:
+    if key is not None and site.sched == SCHED_SPAN:
         entry = _attention_kernel.last_entry
         plan = entry and _ForwardPlan(spec, site, q, k, v, out, lse, *launched[-1], entry)
         if plan and plan.slots:
-            _remember_plan(_plan_key(spec, q, k, v, attn_mask, preds, dropout_p, seed), plan)
+            _remember_plan(key, plan)
     return out, lse
 
 
@@ -449,6 +445,7 @@ def _sig(t: Optional[torch.Tensor]):
 
 
 def _plan_key(spec, q, k, v, attn_mask, preds, dropout_p, seed) -> tuple:
+    # the spec by identity: its plan holds it, so no other object takes that id while the plan lives
     sw = _seed_word(seed)
     return (id(spec), q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
             q.device, q.data_ptr() & 15 == 0, k.data_ptr() & 15 == 0, v.data_ptr() & 15 == 0,
@@ -703,7 +700,13 @@ def spec_window(spec: AttentionSpec, Nq: int, Nk: int):
     left, right = _bounds(spec)
     if left is None and right is None:
         return None
-    return (Nk - Nq if getattr(spec, "causal_align", "top_left") == "bottom_right" else 0, left, right)
+    return (_pos_off(spec, Nq, Nk), left, right)
+
+
+def _pos_off(spec: AttentionSpec, Nq: int, Nk: int) -> int:
+    """The default position of query 0 (key ``j`` is at ``j``): ``Nk - Nq`` when causal bounds align
+    bottom-right, else 0."""
+    return Nk - Nq if getattr(spec, "causal_align", "top_left") == "bottom_right" else 0
 
 
 class TritonBackend:

@@ -245,3 +245,10 @@ def window_bound(w, none: int = 0) -> int:
     if w is None:
         return none
     return max(-(1 << 30), min(int(w), 1 << 30))
+
+
+def seed_word(seed: int) -> int:
+    """The mixed seed of ``attncomp.policy.uniform_hash`` as a signed 32-bit kernel argument (what
+    :func:`_uniform_hash` takes; one integer class for every seed)."""
+    s = (int(seed) * 0x9E3779B1 + 0x7F4A7C15) & 0xFFFFFFFF
+    return s - (1 << 32) if s >= (1 << 31) else s

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from ...policy import Drop, Hash, _rotation, _stream_seed
-from .common import _uniform_hash, cdiv, next_pow2, window_bound
+from .common import _uniform_hash, cdiv, next_pow2, seed_word, window_bound
 from .launch import fast_launch
 
 __all__ = ["Layout", "layout_from_aux", "derive_layout", "counting_layout", "sorted_layout", "window_ranges",
@@ -42,7 +42,6 @@ GK_DRAW = 2  # keep mask drawn here (counter-based hash of the flat token index)
 GK_LSH = 3   # angular LSH buckets of the token vectors
 
 _CHUNK = 32
-_M32 = 0xFFFFFFFF
 
 
 class Layout(NamedTuple):
@@ -251,7 +250,6 @@ def counting_layout(q_src: torch.Tensor, k_src: torch.Tensor, n_groups: int, *, 
     return Layout(q_perm, k_perm, lo, hi, qg, kg, window)
 
 
-
 def sorted_layout(q_groups: torch.Tensor, k_groups: torch.Tensor) -> Layout:
     """The layout through ``torch.sort`` (stable) and ``searchsorted``: any integer ids."""
     Hq, Hk = q_groups.shape[1], k_groups.shape[1]
@@ -314,10 +312,6 @@ def _rotation_on(D: int, n_buckets: int, Hk: int, seed: int, device) -> torch.Te
     return r
 
 
-def _seed_word(seed: int) -> int:
-    return (int(seed) * 0x9E3779B1 + 0x7F4A7C15) & _M32
-
-
 def derive_layout(spec, q: torch.Tensor, k: torch.Tensor, seed: Optional[int] = None, window=None) -> Layout:
     """The policy's per-token tensors derived on the device and sorted in the same kernels:
     LSH buckets (``hash``, as :func:`attncomp.policy.lsh_buckets`) or keep draws (``drop``, as
@@ -334,6 +328,6 @@ def derive_layout(spec, q: torch.Tensor, k: torch.Tensor, seed: Optional[int] = 
     if isinstance(pol, Drop):
         s = pol.seed if seed is None else seed
         return counting_layout(q, k, 3, kind=GK_DRAW, q_rate=pol.q_rate, k_rate=pol.k_rate,
-                               q_seed_word=_seed_word(_stream_seed(s, 0)), k_seed_word=_seed_word(_stream_seed(s, 1)),
+                               q_seed_word=seed_word(_stream_seed(s, 0)), k_seed_word=seed_word(_stream_seed(s, 1)),
                                **shapes)
     raise ValueError(f"policy {pol.name!r} has no sorted layout (hash and drop do)")
