@@ -493,7 +493,9 @@ def _below_autograd(keyset, args):
     if direct is None:
         direct = _DIRECT[raw] = below.remove(_INPLACE_OR_VIEW).highestPriorityTypeId() in _DENSE_KEYS
     if direct:
-        return _direct_impl(*args)
+        # outside dynamo's frame evaluation the implementation runs as is; inside it (eager code of
+        # a compiled function, e.g. after a graph break) with dynamo disabled, as torch.library runs it
+        return _attention_impl(*args) if _eval_frame_callback() is None else _direct_impl(*args)
     with torch._C._AutoDispatchBelowAutograd():
         return _ATTENTION.redispatch(below, *args)
 
@@ -505,6 +507,7 @@ _DENSE_KEYS = (torch._C.DispatchKey.CPU, torch._C.DispatchKey.CUDA)
 _DIRECT: dict = {}
 # as torch.library runs implementations: never traced by dynamo (a graph break runs the op eagerly)
 _direct_impl = torch._disable_dynamo(_attention_impl)
+_eval_frame_callback = torch._C._dynamo.eval_frame.get_eval_frame_callback
 _LIB = torch.library.Library("attncomp", "IMPL")  # kept: the registration lives as long as the library object
 
 

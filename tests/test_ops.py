@@ -207,15 +207,20 @@ def test_op_runs_its_implementation_directly_only_on_plain_tensors(monkeypatch):
     q, k, v, _ = _case("dense", dtype=torch.float32, grad=False, seed=fresh_seed())
     spec = AttentionSpec(causal=True).to_json()
     direct = []
-    real = ops._direct_impl
-    monkeypatch.setattr(ops, "_direct_impl", lambda *a: direct.append(1) or real(*a))
+    for name in ("_direct_impl", "_attention_impl"):  # with dynamo disabled, or run as is outside dynamo
+        monkeypatch.setattr(ops, name, lambda *a, _f=getattr(ops, name), _n=name: direct.append(_n) or _f(*a))
 
     def op(q, k, v):
         return torch.ops.attncomp.attention(q, k, v, None, None, None, None, None, None, None, None, None, None,
                                             spec, 0.0, 0)[0]
 
     want = op(q, k, v)
-    assert direct == [1]
+    assert direct == ["_attention_impl"]
+    # while dynamo evaluates frames (eager code of a compiled function) it runs with dynamo disabled
+    callback = ops._eval_frame_callback
+    monkeypatch.setattr(ops, "_eval_frame_callback", lambda: object())
+    assert torch.equal(op(q, k, v), want) and direct == ["_attention_impl", "_direct_impl"]
+    monkeypatch.setattr(ops, "_eval_frame_callback", callback)
     assert_close(want, R.attention(q.double(), k.double(), v.double(), spec=AttentionSpec(causal=True))[0],
                  torch.float32)
 
@@ -231,7 +236,7 @@ def test_op_runs_its_implementation_directly_only_on_plain_tensors(monkeypatch):
     assert "attncomp.attention.default" in Seen.ops and torch.equal(got, want)
     meta = op(*(t.to("meta") for t in (q, k, v)))
     assert meta.device.type == "meta" and meta.shape == want.shape
-    assert direct == [1]
+    assert direct == ["_attention_impl", "_direct_impl"]
 
 
 def _raises(match, **kw):

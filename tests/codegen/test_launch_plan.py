@@ -35,8 +35,19 @@ _INTERP = template._attention_kernel
 _NAMES = [p.name for p in JITFunction(_INTERP.fn).params]
 
 
+_POINTERS = frozenset(_NAMES[:_NAMES.index("sqb")]) | frozenset(_NAMES[_NAMES.index("QPerm"):_NAMES.index("s_qpos")])
+_ADDRESSES: dict = {}  # address -> tensor, of the tensors a plan launch passes as addresses
+
+
+def _address(t: torch.Tensor) -> int:
+    _ADDRESSES[t.data_ptr()] = t
+    return t.data_ptr()
+
+
 class _Compiled:
-    """Runs the interpreted template with the arguments a launch hands a compiled kernel."""
+    """Runs the interpreted template with the arguments a launch hands a compiled kernel, read as
+    Triton's launcher reads them: a pointer given as an address is the tensor there, and a null
+    pointer (``None``) a NaN-filled buffer, so that a kernel reading it shows NaN."""
 
     function, packed_metadata = "fn", "meta"
 
@@ -46,7 +57,14 @@ class _Compiled:
     def run(self, g0, g1, g2, stream, function, meta, launch_meta, enter, exit_, *args):
         assert (stream, function, meta, launch_meta, enter, exit_) == (0, "fn", "meta", None, None, None)
         self.launches += 1
-        _INTERP[(g0, g1, g2)](**dict(zip(_NAMES, args, strict=True)))
+        kw = dict(zip(_NAMES, args, strict=True))
+        null = torch.full((1 << 16,), float("nan"))
+        for name in _POINTERS:
+            if kw[name] is None:
+                kw[name] = null
+            elif type(kw[name]) is int:
+                kw[name] = _ADDRESSES[kw[name]]
+        _INTERP[(g0, g1, g2)](**kw)
 
 
 @pytest.fixture
@@ -67,6 +85,8 @@ def kernel(monkeypatch):
     monkeypatch.setattr(fl, "_stream", lambda dev: 0)
     monkeypatch.setattr(TB, "_attention_kernel", fl)
     monkeypatch.setattr(TB, "_PLANS", {})
+    monkeypatch.setattr(TB, "_SEEN", {})
+    monkeypatch.setattr(TB, "_ptr", _address)
     monkeypatch.setattr(TB, "_config_memo", {})
     monkeypatch.setattr(TB, "_empty", lambda shape, dtype, device: poison(torch.empty(shape, dtype=dtype,
                                                                                           device=device)))
@@ -113,7 +133,7 @@ def test_repeated_forwards_launch_the_plan(kernel, case):
     spec = AttentionSpec(**kw)
     g = torch.Generator().manual_seed(fresh_seed())
     outs = []
-    for call in range(3):
+    for call in range(4):
         q, k, v = qkv(B, Hq, Nq, D, Hk=Hk, Nk=Nk, seed=int(torch.randint(0, 2 ** 30, (1,), generator=g)))
         mask = draw_mask(mask_kind, g, B, Nq, Nk)
         preds = None
@@ -128,9 +148,10 @@ def test_repeated_forwards_launch_the_plan(kernel, case):
         fin = torch.isfinite(rl)
         torch.testing.assert_close(lse[fin].double(), rl[fin].double(), atol=1e-3, rtol=1e-3)
         outs.append(out)
-    # one launch through run (which made the plan), then two plan launches of the kept kernel
-    assert len(kernel.slow) == 1 and kernel.plan_runs == kernel.hits == 2 and len(TB._PLANS) == 1
-    assert not torch.equal(outs[1], outs[2])
+    # one launch through run, one short launch (which made the plan: the second of its key), then two
+    # plan launches of the kept kernel
+    assert len(kernel.slow) == 1 and kernel.plan_runs == 2 and kernel.hits == 3 and len(TB._PLANS) == 1
+    assert not torch.equal(outs[2], outs[3])
 
 
 def test_tma_descriptors_are_rebuilt_per_call(kernel, monkeypatch):
@@ -138,7 +159,7 @@ def test_tma_descriptors_are_rebuilt_per_call(kernel, monkeypatch):
     monkeypatch.setattr(configs, "fwd_candidates",
                         lambda *a: [{"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "TMA": True}])
     spec = AttentionSpec(causal=True)
-    for call in range(3):
+    for call in range(4):
         q, k, v = qkv(1, 2, 40, 32)
         out, _ = TB.attention_forward(spec, q, k, v)
         assert_close(out, _reference(spec, q, k, v, None, None, 0.0, 0)[0], torch.float32, f"call {call}")
@@ -153,8 +174,10 @@ def test_what_the_plan_does_not_cover_takes_the_site_path(kernel, change):
     spec = AttentionSpec(causal=True)
     q, k, v = qkv(1, 2, 32, 32)
     assert TB._seed_word(5) & 15 and TB._seed_word(7) & 15
-    TB.attention_forward(spec, q, k, v, None, 0.0, 5)
+    for _ in range(2):
+        TB.attention_forward(spec, q, k, v, None, 0.0, 5)
     n_plans, runs = len(TB._PLANS), kernel.plan_runs
+    assert n_plans == 1
     mask, p, seed, config, sp = None, 0.0, 7, None, spec
     if change == "spec":
         sp = AttentionSpec(causal=True)  # an equal but distinct spec object counts as new
@@ -178,13 +201,14 @@ def test_what_the_plan_does_not_cover_takes_the_site_path(kernel, change):
     if change == "short path off":
         launch.enabled(False)
     try:
-        out, _ = TB.attention_forward(sp, q, k, v, mask, p, seed, config=config)
+        for _ in range(2):
+            out, _ = TB.attention_forward(sp, q, k, v, mask, p, seed, config=config)
+            assert kernel.plan_runs == runs, "a call the plan does not cover launched a plan"
+            assert_close(out, _reference(sp, q.float(), k.float(), v.float(), mask, None, p, seed)[0], q.dtype)
     finally:
         launch.enabled(True)
-    assert kernel.plan_runs == runs, "a call the plan does not cover launched a plan"
     if change not in ("short path off", "config given"):
-        assert len(TB._PLANS) == n_plans + 1  # and makes its own plan
-    assert_close(out, _reference(sp, q.float(), k.float(), v.float(), mask, None, p, seed)[0], q.dtype)
+        assert len(TB._PLANS) == n_plans + 1  # and makes its own plan, the second time
 
 
 def test_plans_hold_no_tensor(kernel):
@@ -193,7 +217,8 @@ def test_plans_hold_no_tensor(kernel):
     mask = torch.rand(1, 1, 24, 24) > 0.5
     kv = torch.ones(1, 24, dtype=torch.bool)
     refs = [weakref.ref(t) for t in (q, k, v, mask, kv)]
-    out, lse = TB.attention_forward(spec, q, k, v, mask, preds=Predicates(k_valid=kv))
+    for _ in range(2):
+        out, lse = TB.attention_forward(spec, q, k, v, mask, preds=Predicates(k_valid=kv))
     refs += [weakref.ref(out), weakref.ref(lse)]
     assert len(TB._PLANS) == 1
     del q, k, v, mask, kv, out, lse
@@ -205,9 +230,19 @@ def test_the_op_takes_the_plan(kernel):
     """Calls through ``attncomp::attention`` (as compiled graphs make them) reach the plan."""
     spec = AttentionSpec(causal=True, backend="triton")
     sj = spec.to_json()
-    for call in range(3):
+    for call in range(4):
         q, k, v = qkv(2, 2, 20, 32)
         out = torch.ops.attncomp.attention(q, k, v, None, None, None, None, None, None, None, None, None, None,
                                            sj, 0.0, 0)[0]
         assert_close(out, _reference(spec, q, k, v, None, None, 0.0, 0)[0], torch.float32)
     assert len(kernel.slow) == 1 and kernel.plan_runs == 2
+
+
+def test_calls_that_never_repeat_build_no_plan(kernel):
+    """A decode loop's calls (one more key each step) each see their key once: no plan is built."""
+    spec = AttentionSpec(causal=True)
+    for n in range(20, 24):
+        q, k, v = qkv(1, 2, 1, 32, Nk=n)
+        out, _ = TB.attention_forward(spec, q, k, v)
+        assert_close(out, _reference(spec, q, k, v, None, None, 0.0, 0)[0], torch.float32)
+    assert len(TB._PLANS) == 0 and len(TB._SEEN) == 4 and kernel.plan_runs == 0

@@ -367,8 +367,11 @@ def _bounds(spec: AttentionSpec) -> Tuple[Optional[int], Optional[int]]:
 
 def attention_forward(spec: AttentionSpec, q, k, v, attn_mask=None, dropout_p: float = 0.0, seed: int = 0,
                       config: Optional[dict] = None, *, preds=None, q_aux=None, k_aux=None, block_pattern=None,
-                      layout: Optional[Layout] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(out, lse)`` of DESIGN.md §4 through the template's forward."""
+                      layout: Optional[Layout] = None, check=None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of DESIGN.md §4 through the template's forward.
+
+    ``check``: called before anything is built for a call that no launch plan serves (a call that a
+    plan serves repeats one that passed it: the plan's key holds all that the check reads)."""
     q, k, v = _last_contiguous(q), _last_contiguous(k), _last_contiguous(v)
     # a launch plan (below) serves dense and DFSS calls that bring nothing of their own to sort or list
     key = None
@@ -378,6 +381,11 @@ def attention_forward(spec: AttentionSpec, q, k, v, attn_mask=None, dropout_p: f
         plan = _PLANS.get(key)
         if plan is not None:
             return plan.run(q, k, v, attn_mask, preds, seed)
+        if key not in _SEEN:  # a plan is built the second time its key is seen (decode steps never repeat)
+            _put(_SEEN, key, True)
+            key = None
+    if check is not None:
+        check()
     site = Site(spec, q, k, v, attn_mask, dropout_p, seed, preds, q_aux, k_aux, block_pattern, layout)
     B, Hq, Nq, Nk = site.B, site.Hq, site.Nq, site.Nk
     out = _empty((B, Hq, Nq, site.Dv), q.dtype, q.device)
@@ -404,7 +412,7 @@ def attention_forward(spec: AttentionSpec, q, k, v, attn_mask=None, dropout_p: f
         entry = _attention_kernel.last_entry
         plan = entry and _ForwardPlan(spec, site, q, k, v, out, lse, *launched[-1], entry)
         if plan and plan.slots:
-            _remember_plan(key, plan)
+            _put(_PLANS, key, plan)
     return out, lse
 
 
@@ -423,6 +431,7 @@ def _fwd_args(site: Site, q, k, v, out, lse, kd, vd, lst, cnt, seed_word) -> tup
 # and launches the kept kernel (launch.FastLaunch's entry) without building a Site again.
 
 _PLANS: dict = {}
+_SEEN: dict = {}  # keys seen once (no plan yet)
 _MAX_PLANS = 1024  # sizes are part of the key (a decode loop adds one per step): bounded
 
 
@@ -454,20 +463,33 @@ def _plan_key(spec, q, k, v, attn_mask, preds, dropout_p, seed) -> tuple:
             torch.are_deterministic_algorithms_enabled())
 
 
-def _remember_plan(key, plan) -> None:
-    if len(_PLANS) >= _MAX_PLANS:
-        _PLANS.clear()
-    _PLANS[key] = plan
+def _put(memo: dict, key, value, limit: int = _MAX_PLANS) -> None:
+    """``memo[key] = value``, the oldest entry dropped first when ``memo`` holds ``limit``."""
+    if len(memo) >= limit:
+        memo.pop(next(iter(memo)))
+    memo[key] = value
+
+
+# pointer parameters of the template that its forward never reads
+_UNUSED_IN_FWD = frozenset(("DO", "Delta", "DQ", "DK", "DV"))
+# a tensor argument as a plan launch passes it: its address (Triton's launcher takes an integer as
+# is, where for a tensor it calls data_ptr() and asks the driver about the pointer)
+_ptr = torch.Tensor.data_ptr
 
 
 class _ForwardPlan:
+    """One kept forward launch: the compiled kernel, its grid and its argument list with the places
+    of the call's own values marked (slots). Pointers the kernel does not read for this launch (the
+    backward's, the absent mask's, pattern's and predicates') are passed as null pointers, the call's
+    tensors as addresses: the launcher then neither calls back into Python nor asks the driver for them."""
+
     def __init__(self, spec, site: Site, q, k, v, out, lse, cfg: dict, grid: tuple, tma: bool, entry: tuple):
         self.spec, self.config, self.grid, self.entry = spec, cfg, grid, entry
         self.out_shape, self.lse_shape = tuple(out.shape), tuple(lse.shape)
         self.dtype, self.device = q.dtype, q.device
         marked = object.__new__(Site)  # the site with its tensors marked
         marked.__dict__.update(site.__dict__)
-        marked._dummy = _Slot("q", q)
+        marked._dummy = _Slot(None, q)  # what the site passes for a pointer that is not read
         marked.mask = _Slot("mask", site.mask) if site.mask_kind != MASK_NONE else marked._dummy
         marked.pattern = marked._dummy
         marked.q_val = None if site.q_val is None else _Slot("q_val", site.q_val)
@@ -476,7 +498,9 @@ class _ForwardPlan:
         vd = _Slot("vd") if tma else marked._dummy
         args = _fwd_args(marked, _Slot("q", q), _Slot("k", k), _Slot("v", v), _Slot("out", out), _Slot("lse", lse),
                          kd, vd, None, None, _Slot("seed"))
-        self.slots = tuple((i, a.name) for i, a in enumerate(args) if type(a) is _Slot)
+        names = [p.name for p in _attention_kernel.fn.params]
+        self.slots = tuple((i, a.name) for i, a in enumerate(args)
+                           if type(a) is _Slot and a.name is not None and names[i] not in _UNUSED_IN_FWD)
         self.args = [None if type(a) is _Slot else a for a in args]
         if any(isinstance(a, torch.Tensor) for a in args):  # every tensor must be the call's own: no plan
             self.slots = ()
@@ -485,11 +509,15 @@ class _ForwardPlan:
     def run(self, q, k, v, attn_mask, preds, seed):
         out = _empty(self.out_shape, self.dtype, self.device)
         lse = _empty(self.lse_shape, torch.float32, self.device)
-        vals = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "seed": _seed_word(seed)}
+        vals = {"q": _ptr(q), "k": _ptr(k), "v": _ptr(v), "out": _ptr(out), "lse": _ptr(lse), "seed": _seed_word(seed)}
+        # (views and copies made here are held in locals until the launch)
         if attn_mask is not None:
-            vals["mask"] = _mask_view(attn_mask)
+            mask = _mask_view(attn_mask)
+            vals["mask"] = _ptr(mask)
         if preds is not None:
-            vals["q_val"], vals["k_val"] = _token_tensor(preds.q_valid), _token_tensor(preds.k_valid)
+            qv, kv = _token_tensor(preds.q_valid), _token_tensor(preds.k_valid)
+            vals["q_val"] = None if qv is None else _ptr(qv)
+            vals["k_val"] = None if kv is None else _ptr(kv)
         if self.tma_blocks is not None:
             bn, bd, bdv = self.tma_blocks
             vals["kd"], vals["vd"] = _descriptor(k, bn, bd), _descriptor(v, bn, bdv)
@@ -657,9 +685,7 @@ def _layout_for(spec: AttentionSpec, q_aux, k_aux, window=None) -> Layout:
 
 
 def _remember(key, entry) -> None:
-    if len(_LAYOUT_CACHE) >= _LAYOUT_CACHE_SIZE:
-        _LAYOUT_CACHE.pop(next(iter(_LAYOUT_CACHE)))
-    _LAYOUT_CACHE[key] = entry
+    _put(_LAYOUT_CACHE, key, entry, _LAYOUT_CACHE_SIZE)
 
 
 def _derived_for(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, window=None) -> Layout:
@@ -735,9 +761,8 @@ class TritonBackend:
         return None
 
     def forward(self, spec, q, k, v, attn_mask, q_aux, k_aux, block_pattern, dropout_p, seed, preds=None):
-        self._check(spec, q, k, v, preds)
         return attention_forward(spec, q, k, v, attn_mask, dropout_p, seed, preds=preds, q_aux=q_aux, k_aux=k_aux,
-                                 block_pattern=block_pattern)
+                                 block_pattern=block_pattern, check=functools.partial(self._check, spec, q, k, v, preds))
 
     def backward(self, spec, q, k, v, attn_mask, q_aux, k_aux, block_pattern, dropout_p, seed,
                  out, lse, grad_out, need_mask_grad=False, preds=None):
