@@ -312,7 +312,40 @@ def _preds(q_pos, k_pos, q_seg, k_seg, q_valid, k_valid) -> Optional[Predicates]
     return Predicates(q_pos, k_pos, q_seg, k_seg, q_valid, k_valid)
 
 
+def _tensor_sig(t: Optional[Tensor]):
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.data_ptr() & 15 == 0)
+
+
+def call_signature(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], preds: Optional[tuple],
+                   dropout_p: float) -> tuple:
+    """What a kernel launch specialises on of a call's tensors: sizes, strides, dtypes, the device and
+    16-byte alignment of q, k and v, the same of the mask and of each predicate tensor (``preds``: a
+    tuple of tensors or None), and the dropout rate. Per-call memos (launch plans) are keyed by it."""
+    return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype, q.device,
+            q.data_ptr() & 15 == 0, k.data_ptr() & 15 == 0, v.data_ptr() & 15 == 0, _tensor_sig(attn_mask),
+            None if preds is None else tuple(map(_tensor_sig, preds)), float(dropout_p))
+
+
+# -- launch plans at the op ---------------------------------------------------------------------------
+# A backend may keep a launch plan for a call (the Triton backend: dense and DFSS forwards that build
+# nothing per call). The op keeps the plan a call took under the call's own key (the spec string, the
+# tensors' signature, what backend selection reads besides), so that a repeated call goes from here to
+# the plan without parsing, selecting or checking again. The plan itself checks what else it depends on
+# (plan.call returns None when that changed) and the call then takes the full path.
+_CALLS: dict = {}
+_MAX_CALLS = 1024
+
+
+def _call_key(spec: str, q, k, v, attn_mask, q_valid, k_valid, dropout_p) -> tuple:
+    global _select_env
+    if _select_env is None:
+        from .runtime.dispatch import selection_state as _select_env
+    preds = None if q_valid is None and k_valid is None else (q_valid, k_valid)
+    return spec, _select_env(), call_signature(q, k, v, attn_mask, preds, dropout_p)
+
+
 _select = None
+_select_env = None
 
 
 def _backend_for(spec: AttentionSpec, q: Tensor, k: Tensor, v: Tensor, preds=None, dropout_p: float = 0.0,
@@ -333,12 +366,28 @@ def _attention_impl(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor]
                     k_pos: Optional[Tensor], q_seg: Optional[Tensor], k_seg: Optional[Tensor],
                     q_valid: Optional[Tensor], k_valid: Optional[Tensor], spec: str, dropout_p: float,
                     seed: int) -> Tuple[Tensor, Tensor]:
+    key = None
+    if (q_aux is None and k_aux is None and block_pattern is None and q_pos is None and k_pos is None
+            and q_seg is None and k_seg is None):
+        key = _call_key(spec, q, k, v, attn_mask, q_valid, k_valid, dropout_p)
+        plan = _CALLS.get(key)
+        if plan is not None:
+            res = plan.call(q, k, v, attn_mask, q_valid, k_valid, seed)
+            if res is not None:
+                return res
     s = _resolved(spec, q.dtype)
     preds = _preds(q_pos, k_pos, q_seg, k_seg, q_valid, k_valid)
     be = _backend_for(s, q, k, v, preds, dropout_p, attn_mask)
     if q_aux is None or k_aux is None:
         q_aux, k_aux = _derive_buckets(s, be, q, k, q_aux, k_aux)
     out, lse = be.forward(s, q, k, v, attn_mask, q_aux, k_aux, block_pattern, dropout_p, seed, **_pkw(preds))
+    if key is not None:
+        taken = getattr(be, "taken_plan", None)
+        plan = taken() if taken is not None else None
+        if plan is not None and key[1] == _select_env():  # the choice was a kept one (see selection_state)
+            if len(_CALLS) >= _MAX_CALLS:
+                _CALLS.pop(next(iter(_CALLS)))
+            _CALLS[key] = plan
     return out, lse
 
 

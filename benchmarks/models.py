@@ -187,6 +187,53 @@ def run_config(c, policies, device, dtype, iters):
         yield row
 
 
+def run_interleaved(c, policies, device, dtype, iters, rounds):
+    """Rows of one configuration with eager, ``torch.compile`` and every policy compiled first and then
+    timed in turn, ``rounds`` times (each figure the median of its rounds): on a noisy host the ratios
+    then come from times taken side by side, not minutes apart."""
+    torch.manual_seed(0)
+    model = build(c).to(device=device, dtype=dtype)
+    x = inputs(c, device)
+    train = c["mode"] == "train"
+    model.train(train)
+
+    def step(m):
+        if train:
+            m(**x).last_hidden_state.float().square().mean().backward()
+            model.zero_grad(set_to_none=True)
+        else:
+            with torch.no_grad():
+                m(**x)
+
+    torch._dynamo.reset()
+    variants = {"eager": model, "compile": torch.compile(model)}
+    errors = {}
+    for policy in policies:
+        try:
+            variants[policy] = attncomp.compile(model, policy=policy, inductor=True)
+            step(variants[policy])
+        except Exception as e:  # recorded in the row; the table shows it as failed
+            errors[policy] = f"{type(e).__name__}: {e}"[:500]
+            variants.pop(policy, None)
+    times = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, m in variants.items():
+            times[name].append(timed_ms(lambda: step(m), iters, device))
+    med = {name: statistics.median(t) for name, t in times.items()}
+    base = dict(model=c["model"], device=device_name(), mode=c["mode"], B=c["B"], N=c["N"], eager_ms=med["eager"],
+                compile_ms=med["compile"], rounds=rounds)
+    for policy in policies:
+        row = dict(base, policy=policy)
+        if policy in errors:
+            row.update(attncomp_ms=float("nan"), host_us=float("nan"), error=errors[policy])
+        else:
+            rep = attncomp.report(variants[policy])
+            row.update(attncomp_ms=med[policy], sites=len(rep.sites), rewritten=rep.rewritten,
+                       host_us=host_us(variants[policy], device))
+        yield row
+    torch._dynamo.reset()
+
+
 def _row_key(r):
     return (r["model"], r["mode"], r["B"], r["N"], r["policy"])
 
@@ -201,6 +248,8 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", default=None, help="comma-separated: infer, train")
     ap.add_argument("--ns", default=None, help="comma-separated sequence lengths (default: every config's)")
     ap.add_argument("--iters", type=int, default=None, help="timed calls per measurement (default 7 CPU, 20 GPU)")
+    ap.add_argument("--rounds", type=int, default=1, help="with more than 1: every variant compiled first, then "
+                                                         "timed in turn that many times (medians)")
     ap.add_argument("--json", default=None, help="output path (default benchmarks/results/models_<device>.json; "
                                                   "--smoke writes nothing unless given)")
     args = ap.parse_args(argv)
@@ -230,7 +279,9 @@ def main(argv=None) -> int:
             continue
         pols = args.policies.split(",") if args.policies else (
             ["dense"] if device.type == "cpu" else ["dense", "dfss"] + (["hash", "drop"] if c["N"] >= 4096 else []))
-        for row in run_config(c, pols, device, dtype, iters):
+        rows_of = run_config(c, pols, device, dtype, iters) if args.rounds <= 1 else \
+            run_interleaved(c, pols, device, dtype, iters, args.rounds)
+        for row in rows_of:
             rows.append(row)
             key = _row_key(row)
             kept = [r for r in kept if _row_key(r) != key]

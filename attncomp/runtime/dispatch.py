@@ -378,6 +378,16 @@ def _tvm_auto_env():
     return env.raw("ATTNCOMP_TVM_AUTO")
 
 
+_provisional = [0]  # provisional choices returned so far
+
+
+def selection_state() -> tuple:
+    """What a backend choice reads besides the call (the backend registry, the TVM switch) and how many
+    provisional choices were made: a call whose state differs before and after its selection got a
+    provisional choice (memos keyed by the state then keep nothing of it)."""
+    return id(get_backend), _tvm_auto_env(), _provisional[0]
+
+
 def select_backend(spec: AttentionSpec, q: torch.Tensor, k: Optional[torch.Tensor] = None,
                    v: Optional[torch.Tensor] = None, preds=None, dropout_p: Optional[float] = None,
                    attn_mask: Optional[torch.Tensor] = None):
@@ -408,6 +418,7 @@ def select_backend(spec: AttentionSpec, q: torch.Tensor, k: Optional[torch.Tenso
         if ent is None or ent[0] is not spec or ent[1] is not get_backend:
             be, _, why = _auto_explained(spec, q, ks[-2], v, preds, dropout_p, k, attn_mask)
             if "not measured" in why:  # a provisional dense choice (timing not allowed now): not kept
+                _provisional[0] += 1
                 return be
             if len(_auto_memo) > 4096:
                 _auto_memo.clear()

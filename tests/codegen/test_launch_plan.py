@@ -24,6 +24,7 @@ pytest.importorskip("numpy")
 triton = pytest.importorskip("triton")
 from triton.runtime.jit import JITFunction  # noqa: E402
 
+from attncomp import ops  # noqa: E402
 from attncomp.codegen import reference as R  # noqa: E402
 from attncomp.codegen.triton import backend as TB  # noqa: E402
 from attncomp.codegen.triton import configs, launch, template  # noqa: E402
@@ -86,6 +87,7 @@ def kernel(monkeypatch):
     monkeypatch.setattr(TB, "_attention_kernel", fl)
     monkeypatch.setattr(TB, "_PLANS", {})
     monkeypatch.setattr(TB, "_SEEN", {})
+    monkeypatch.setattr(ops, "_CALLS", {})
     monkeypatch.setattr(TB, "_ptr", _address)
     monkeypatch.setattr(TB, "_config_memo", {})
     monkeypatch.setattr(TB, "_empty", lambda shape, dtype, device: poison(torch.empty(shape, dtype=dtype,
@@ -246,3 +248,84 @@ def test_calls_that_never_repeat_build_no_plan(kernel):
         out, _ = TB.attention_forward(spec, q, k, v)
         assert_close(out, _reference(spec, q, k, v, None, None, 0.0, 0)[0], torch.float32)
     assert len(TB._PLANS) == 0 and len(TB._SEEN) == 4 and kernel.plan_runs == 0
+
+
+def _op(spec_json, q, k, v, mask=None, kv=None, seed=0):
+    return torch.ops.attncomp.attention(q, k, v, mask, None, None, None, None, None, None, None, None, kv,
+                                        spec_json, 0.0, seed)[0]
+
+
+@pytest.fixture
+def selections(monkeypatch):
+    """Counts the op's backend selections (the full path; a call the op's kept plan serves makes none)."""
+    n = []
+    real = ops._backend_for
+    monkeypatch.setattr(ops, "_backend_for", lambda *a, **kw: n.append(1) or real(*a, **kw))
+    return n
+
+
+def test_the_op_keeps_the_plan_its_calls_take(kernel, selections):
+    """From the third call of one signature the op goes to the plan without selecting a backend; every
+    call has fresh inputs (bool mask, padding) and matches the reference."""
+    spec = AttentionSpec(mask_kind="bool", backend="triton")
+    sj = spec.to_json()
+    g = torch.Generator().manual_seed(fresh_seed())
+    for call in range(5):
+        q, k, v = qkv(2, 2, 23, 32, seed=int(torch.randint(0, 2 ** 30, (1,), generator=g)))
+        mask = draw_mask("bool", g, 2, 23, 23)
+        kv = torch.ones(2, 23, dtype=torch.bool)
+        kv[0, 20 - call:] = False
+        out = _op(sj, q, k, v, mask, kv)
+        want = _reference(spec, q, k, v, mask, Predicates(k_valid=kv), 0.0, 0)[0]
+        assert_close(out, want, torch.float32, f"call {call}")
+    # call 1 seen, call 2 builds the plan (the op keeps it), calls 3-5 through the op's plan
+    assert len(selections) == 2 and kernel.plan_runs == 3 and len(ops._CALLS) == 1
+
+
+@pytest.mark.parametrize("change", ["tuning flag", "seed class", "short path off", "provisional choice",
+                                    "copied inputs"])
+def test_the_op_takes_the_full_path_where_its_plan_does_not_hold(kernel, selections, monkeypatch, change):
+    spec = AttentionSpec(causal=True, backend="triton")
+    sj = spec.to_json()
+    assert TB._seed_word(5) & 15
+    if change == "provisional choice":  # every selection provisional: the op keeps nothing
+        real = ops._backend_for
+
+        def provisional(*a, **kw):
+            from attncomp.runtime import dispatch
+
+            dispatch._provisional[0] += 1
+            return real(*a, **kw)
+
+        monkeypatch.setattr(ops, "_backend_for", provisional)
+    if change == "copied inputs":  # q with a last stride of 2: the backend copies it, the op keeps nothing
+        def inputs():
+            q, k, v = qkv(1, 2, 30, 32)
+            return torch.stack([q, q], -1)[..., 0], k, v
+    else:
+        def inputs():
+            return qkv(1, 2, 30, 32)
+
+    for _ in range(2):
+        out = _op(sj, *inputs(), seed=5)
+    if change in ("provisional choice", "copied inputs"):
+        for _ in range(2):
+            q, k, v = inputs()
+            assert_close(_op(sj, q, k, v, seed=5), _reference(spec, q, k, v, None, None, 0.0, 5)[0], torch.float32)
+        assert not ops._CALLS
+        return
+    assert len(ops._CALLS) == 1 and len(selections) == 2
+    seed = 5
+    if change == "tuning flag":
+        monkeypatch.setenv("ATTNCOMP_TRITON_TUNE", "0")
+    elif change == "seed class":
+        seed = next(s for s in range(1000) if TB._seed_word(s) & 15 == 0)
+    elif change == "short path off":
+        launch.enabled(False)
+    try:
+        q, k, v = inputs()
+        out = _op(sj, q, k, v, seed=seed)
+    finally:
+        launch.enabled(True)
+    assert len(selections) == 3, "the op's plan served a call it does not hold for"
+    assert_close(out, _reference(spec, q, k, v, None, None, 0.0, seed)[0], torch.float32)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 import weakref
 from collections import OrderedDict
 from typing import Optional, Tuple
@@ -26,7 +27,7 @@ import torch
 from triton.runtime.errors import OutOfResources
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ...ops import bucket_range
+from ...ops import bucket_range, call_signature
 from ...policy import DFSS, SPION, Hash
 from ...spec import AttentionSpec
 from . import configs
@@ -372,7 +373,10 @@ def attention_forward(spec: AttentionSpec, q, k, v, attn_mask=None, dropout_p: f
 
     ``check``: called before anything is built for a call that no launch plan serves (a call that a
     plan serves repeats one that passed it: the plan's key holds all that the check reads)."""
+    _TAKEN.plan = None
+    given = q, k, v
     q, k, v = _last_contiguous(q), _last_contiguous(k), _last_contiguous(v)
+    as_given = q is given[0] and k is given[1] and v is given[2]  # no copy made here
     # a launch plan (below) serves dense and DFSS calls that bring nothing of their own to sort or list
     key = None
     if (config is None and block_pattern is None and layout is None
@@ -380,7 +384,9 @@ def attention_forward(spec: AttentionSpec, q, k, v, attn_mask=None, dropout_p: f
         key = _plan_key(spec, q, k, v, attn_mask, preds, dropout_p, seed)
         plan = _PLANS.get(key)
         if plan is not None:
-            return plan.run(q, k, v, attn_mask, preds, seed)
+            if as_given:  # a plan the op may keep serves the call's tensors as they come
+                _TAKEN.plan = plan
+            return plan.run(q, k, v, attn_mask, preds and preds.q_valid, preds and preds.k_valid, seed)
         if key not in _SEEN:  # a plan is built the second time its key is seen (decode steps never repeat)
             _put(_SEEN, key, True)
             key = None
@@ -410,9 +416,11 @@ def attention_forward(spec: AttentionSpec, q, k, v, attn_mask=None, dropout_p: f
     _run_tuned("fwd", site, launch, configs.fwd_candidates, config)
     if key is not None and site.sched == SCHED_SPAN:
         entry = _attention_kernel.last_entry
-        plan = entry and _ForwardPlan(spec, site, q, k, v, out, lse, *launched[-1], entry)
+        plan = entry and _ForwardPlan(spec, site, q, k, v, out, lse, *launched[-1], entry, key[-1])
         if plan and plan.slots:
             _put(_PLANS, key, plan)
+            if as_given:
+                _TAKEN.plan = plan
     return out, lse
 
 
@@ -448,19 +456,17 @@ class _Slot:
         return getattr(self.t, attr)
 
 
-def _sig(t: Optional[torch.Tensor]):
-    """What a launch specialises on of a tensor argument besides its dtype: shape, strides, alignment."""
-    return None if t is None else (t.shape, t.stride(), t.dtype, t.data_ptr() & 15 == 0)
+def _state(seed) -> tuple:
+    """What a launch plan depends on besides the call's tensors: the seed word's specialisation class,
+    the current device, the tuning flags and deterministic mode."""
+    sw = _seed_word(seed)
+    return (sw == 1, sw & 15 == 0, _attention_kernel._device(), configs.tuning_enabled(),
+            torch.are_deterministic_algorithms_enabled())
 
 
 def _plan_key(spec, q, k, v, attn_mask, preds, dropout_p, seed) -> tuple:
     # the spec by identity: its plan holds it, so no other object takes that id while the plan lives
-    sw = _seed_word(seed)
-    return (id(spec), q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
-            q.device, q.data_ptr() & 15 == 0, k.data_ptr() & 15 == 0, v.data_ptr() & 15 == 0,
-            None if attn_mask is None else _sig(attn_mask), None if preds is None else tuple(map(_sig, preds)),
-            float(dropout_p), sw == 1, sw & 15 == 0, _attention_kernel._device(), configs.tuning_enabled(),
-            torch.are_deterministic_algorithms_enabled())
+    return id(spec), call_signature(q, k, v, attn_mask, preds, dropout_p), _state(seed)
 
 
 def _put(memo: dict, key, value, limit: int = _MAX_PLANS) -> None:
@@ -470,6 +476,8 @@ def _put(memo: dict, key, value, limit: int = _MAX_PLANS) -> None:
     memo[key] = value
 
 
+# the plan the latest forward of this thread took (TritonBackend.taken_plan)
+_TAKEN = threading.local()
 # pointer parameters of the template that its forward never reads
 _UNUSED_IN_FWD = frozenset(("DO", "Delta", "DQ", "DK", "DV"))
 # a tensor argument as a plan launch passes it: its address (Triton's launcher takes an integer as
@@ -483,8 +491,9 @@ class _ForwardPlan:
     backward's, the absent mask's, pattern's and predicates') are passed as null pointers, the call's
     tensors as addresses: the launcher then neither calls back into Python nor asks the driver for them."""
 
-    def __init__(self, spec, site: Site, q, k, v, out, lse, cfg: dict, grid: tuple, tma: bool, entry: tuple):
-        self.spec, self.config, self.grid, self.entry = spec, cfg, grid, entry
+    def __init__(self, spec, site: Site, q, k, v, out, lse, cfg: dict, grid: tuple, tma: bool, entry: tuple,
+                 state: tuple):
+        self.spec, self.config, self.grid, self.entry, self.state = spec, cfg, grid, entry, state
         self.out_shape, self.lse_shape = tuple(out.shape), tuple(lse.shape)
         self.dtype, self.device = q.dtype, q.device
         marked = object.__new__(Site)  # the site with its tensors marked
@@ -506,7 +515,15 @@ class _ForwardPlan:
             self.slots = ()
         self.tma_blocks = (cfg["BLOCK_N"], site.block_d, site.block_dv) if tma else None
 
-    def run(self, q, k, v, attn_mask, preds, seed):
+    def call(self, q, k, v, attn_mask, q_valid, k_valid, seed):
+        """:meth:`run` for a call matched by another key (the op's, ``ops.call_signature``), or None
+        where what the plan depends on besides the call's tensors differs now (:func:`_state`) or the
+        short launch path is closed."""
+        if _state(seed) != self.state or not _attention_kernel.short_path_open():
+            return None
+        return self.run(q, k, v, attn_mask, q_valid, k_valid, seed)
+
+    def run(self, q, k, v, attn_mask, q_valid, k_valid, seed):
         out = _empty(self.out_shape, self.dtype, self.device)
         lse = _empty(self.lse_shape, torch.float32, self.device)
         vals = {"q": _ptr(q), "k": _ptr(k), "v": _ptr(v), "out": _ptr(out), "lse": _ptr(lse), "seed": _seed_word(seed)}
@@ -514,8 +531,8 @@ class _ForwardPlan:
         if attn_mask is not None:
             mask = _mask_view(attn_mask)
             vals["mask"] = _ptr(mask)
-        if preds is not None:
-            qv, kv = _token_tensor(preds.q_valid), _token_tensor(preds.k_valid)
+        if q_valid is not None or k_valid is not None:
+            qv, kv = _token_tensor(q_valid), _token_tensor(k_valid)
             vals["q_val"] = None if qv is None else _ptr(qv)
             vals["k_val"] = None if kv is None else _ptr(kv)
         if self.tma_blocks is not None:
@@ -771,6 +788,13 @@ class TritonBackend:
         dq, dk, dv = attention_backward(spec, q, k, v, attn_mask, out, lse, grad_out, dropout_p, seed, preds=preds,
                                         q_aux=q_aux, k_aux=k_aux, block_pattern=block_pattern)
         return dq, dk, dv, None
+
+    @staticmethod
+    def taken_plan():
+        """The launch plan that this thread's latest forward took or built, for the tensors as given
+        (None where it took none): the op keeps it for its repeats (``ops._CALLS``)."""
+        plan, _TAKEN.plan = getattr(_TAKEN, "plan", None), None
+        return plan
 
     def draw_keep(self, spec, q, k, seed=None):
         """``drop``'s keep masks for a compiled site (``attncomp::policy_aux``), drawn with the sort
