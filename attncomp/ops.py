@@ -46,7 +46,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from .policy import Drop, Hash, SPION, ceil_div, keep_mask, lsh_buckets
+from .policy import Drop, Hash, SPION, ceil_div, keep_mask, lsh_buckets, seed_mix
 from .spec import AttentionSpec, Predicates
 
 __all__ = ["attention", "check_inputs", "check_predicates", "materialize_aux", "bucket_range", "site_dropout",
@@ -336,12 +336,13 @@ _CALLS: dict = {}
 _MAX_CALLS = 1024
 
 
-def _call_key(spec: str, q, k, v, attn_mask, q_valid, k_valid, dropout_p) -> tuple:
+def _call_key(spec: str, q, k, v, attn_mask, q_valid, k_valid, dropout_p, seed) -> tuple:
     global _select_env
     if _select_env is None:
         from .runtime.dispatch import selection_state as _select_env
     preds = None if q_valid is None and k_valid is None else (q_valid, k_valid)
-    return spec, _select_env(), call_signature(q, k, v, attn_mask, preds, dropout_p)
+    s = seed_mix(seed)  # by what kernels specialise an integer on (1, multiple of 16): one plan per class
+    return spec, _select_env(), call_signature(q, k, v, attn_mask, preds, dropout_p), s == 1, s & 15 == 0
 
 
 _select = None
@@ -369,7 +370,7 @@ def _attention_impl(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor]
     key = None
     if (q_aux is None and k_aux is None and block_pattern is None and q_pos is None and k_pos is None
             and q_seg is None and k_seg is None):
-        key = _call_key(spec, q, k, v, attn_mask, q_valid, k_valid, dropout_p)
+        key = _call_key(spec, q, k, v, attn_mask, q_valid, k_valid, dropout_p, seed)
         plan = _CALLS.get(key)
         if plan is not None:
             res = plan.call(q, k, v, attn_mask, q_valid, k_valid, seed)

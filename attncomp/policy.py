@@ -257,6 +257,11 @@ def policy_from_json(d: Dict[str, Any]) -> Policy:
 _M32 = 0xFFFFFFFF
 
 
+def seed_mix(seed: int) -> int:
+    """The 32-bit word a seed enters :func:`uniform_hash` as (every backend's kernels take it)."""
+    return (int(seed) * 0x9E3779B1 + 0x7F4A7C15) & _M32
+
+
 def uniform_hash(seed: int, index: torch.Tensor) -> torch.Tensor:
     """Uniform floats in [0, 1) from a 32-bit integer hash of ``(seed, index)``.
 
@@ -264,8 +269,7 @@ def uniform_hash(seed: int, index: torch.Tensor) -> torch.Tensor:
     Triton kernel computing the same formula on uint32 gets the same bits. ``index`` is int64; its low
     32 bits are used.
     """
-    s = (int(seed) * 0x9E3779B1 + 0x7F4A7C15) & _M32
-    x = (index.to(torch.int64) & _M32) ^ s
+    x = (index.to(torch.int64) & _M32) ^ seed_mix(seed)
     x = (x * 0x85EBCA6B) & _M32
     x = x ^ (x >> 13)
     x = (x * 0xC2B2AE35) & _M32

@@ -329,3 +329,22 @@ def test_the_op_takes_the_full_path_where_its_plan_does_not_hold(kernel, selecti
         launch.enabled(True)
     assert len(selections) == 3, "the op's plan served a call it does not hold for"
     assert_close(out, _reference(spec, q, k, v, None, None, 0.0, seed)[0], torch.float32)
+
+
+def test_the_op_keeps_one_plan_per_seed_class(kernel, selections):
+    """Dropout with a fresh seed per call (training): seeds whose kernel words specialise differently
+    each keep their own plan at the op, so alternating them takes the full path no more."""
+    spec = AttentionSpec(backend="triton")
+    sj = spec.to_json()
+    a = [s for s in range(200) if TB._seed_word(s) & 15 and TB._seed_word(s) != 1][:4]
+    b = [s for s in range(2000) if TB._seed_word(s) & 15 == 0][:4]
+    for seed in (a[0], a[1], b[0], b[1]):  # each class: seen, then planned
+        torch.ops.attncomp.attention(*qkv(1, 2, 19, 32), None, None, None, None, None, None, None, None, None, None,
+                                     sj, 0.25, seed)
+    n = len(selections)
+    for seed in (a[2], b[2], a[3], b[3]):
+        q, k, v = qkv(1, 2, 19, 32)
+        out = torch.ops.attncomp.attention(q, k, v, None, None, None, None, None, None, None, None, None, None,
+                                           sj, 0.25, seed)[0]
+        assert_close(out, _reference(spec, q, k, v, None, None, 0.25, seed)[0], torch.float32, f"seed {seed}")
+    assert len(selections) == n and len(ops._CALLS) == 2

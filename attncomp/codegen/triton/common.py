@@ -19,6 +19,8 @@ import os
 import triton
 import triton.language as tl
 
+from ...policy import seed_mix
+
 __all__ = [
     "MASK_NONE",
     "MASK_BOOL",
@@ -250,5 +252,5 @@ def window_bound(w, none: int = 0) -> int:
 def seed_word(seed: int) -> int:
     """The mixed seed of ``attncomp.policy.uniform_hash`` as a signed 32-bit kernel argument (what
     :func:`_uniform_hash` takes; one integer class for every seed)."""
-    s = (int(seed) * 0x9E3779B1 + 0x7F4A7C15) & 0xFFFFFFFF
+    s = seed_mix(seed)
     return s - (1 << 32) if s >= (1 << 31) else s

@@ -22,7 +22,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from ...policy import DFSS, SPION, Hash
+from ...policy import DFSS, SPION, Hash, seed_mix
 from ...spec import AttentionSpec
 from . import build as _build
 from .kernels import KSUM_FIELDS, Variant, arg_names
@@ -160,7 +160,7 @@ def _extra_values(variant: Variant, spec: AttentionSpec, q, k, attn_mask, q_aux,
     scale = spec.scale if spec.scale is not None else 1.0 / math.sqrt(D)
     vals.update(scale=float(scale), qoff=int(qoff))
     if variant.dropout:
-        vals.update(seed=(int(seed) * 0x9E3779B1 + 0x7F4A7C15) & 0xFFFFFFFF, drop_p=float(dropout_p),
+        vals.update(seed=seed_mix(seed), drop_p=float(dropout_p),
                     inv_keep=1.0 / (1.0 - float(dropout_p)))
     return vals
 
