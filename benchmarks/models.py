@@ -146,9 +146,9 @@ def host_us(fast, device, iters: int = 50) -> float:
     return timed_ms(lambda: [call() for _ in range(iters)], 5, device) * 1e3 / iters
 
 
-def run_config(c, policies, device, dtype, iters):
-    """Rows of one model configuration: eager and ``torch.compile`` timed once, then ``attncomp.compile``
-    per policy (a policy that fails records its error and the others go on)."""
+def model_and_step(c, device, dtype):
+    """The configuration's model (seeded weights, in its mode) and ``step(m)``: one call of ``m`` (a
+    compiled form of the model) on the configuration's inputs, a training step in train mode."""
     torch.manual_seed(0)
     model = build(c).to(device=device, dtype=dtype)
     x = inputs(c, device)
@@ -163,6 +163,14 @@ def run_config(c, policies, device, dtype, iters):
         else:
             with torch.no_grad():
                 m(**x)
+
+    return model, step
+
+
+def run_config(c, policies, device, dtype, iters):
+    """Rows of one model configuration: eager and ``torch.compile`` timed once, then ``attncomp.compile``
+    per policy (a policy that fails records its error and the others go on)."""
+    model, step = model_and_step(c, device, dtype)
 
     base = dict(model=c["model"], device=device_name(), mode=c["mode"], B=c["B"], N=c["N"])
     base["eager_ms"] = timed_ms(lambda: step(model), iters, device)
@@ -191,20 +199,7 @@ def run_interleaved(c, policies, device, dtype, iters, rounds):
     """Rows of one configuration with eager, ``torch.compile`` and every policy compiled first and then
     timed in turn, ``rounds`` times (each figure the median of its rounds): on a noisy host the ratios
     then come from times taken side by side, not minutes apart."""
-    torch.manual_seed(0)
-    model = build(c).to(device=device, dtype=dtype)
-    x = inputs(c, device)
-    train = c["mode"] == "train"
-    model.train(train)
-
-    def step(m):
-        if train:
-            m(**x).last_hidden_state.float().square().mean().backward()
-            model.zero_grad(set_to_none=True)
-        else:
-            with torch.no_grad():
-                m(**x)
-
+    model, step = model_and_step(c, device, dtype)
     torch._dynamo.reset()
     variants = {"eager": model, "compile": torch.compile(model)}
     errors = {}
