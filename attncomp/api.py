@@ -150,6 +150,7 @@ class _GraphCompiler:
         from torch._inductor.compile_fx import compile_fx
 
         patches = dict(torch._inductor.list_mode_options(self.mode)) if self.mode else {}
+        patches["post_grad_custom_post_pass"] = _op_revision_pass()
         lifted, seeds, inputs = _lift_seeds(gm, list(example_inputs))
         _name_new_constants(lifted)
         try:
@@ -399,6 +400,29 @@ class CompiledModule(nn.Module):
     def __reduce_ex__(self, protocol):
         raise TypeError("a compiled attncomp module cannot be pickled: use attncomp.export to save it, or "
                         "save the original module's state_dict")
+
+
+def _op_revision_pass():
+    """Inductor's post-grad custom pass for attncomp's graphs: the one configured (if any) and, in
+    Inductor's cache key, the source of ``attncomp/ops.py``, whose fake implementations promise the
+    op's output sizes and strides. Compiled code cached by Inductor asserts those; without this a
+    cache filled by another attncomp version would be reused with the old promises."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+    inner = torch._inductor.config.post_grad_custom_post_pass
+
+    class _OpRevision(CustomGraphPass):
+        def __call__(self, graph):
+            if inner is not None:
+                inner(graph)
+
+        def uuid(self):
+            if inner is None:
+                return get_hash_for_files((ops.__file__,))
+            theirs = getattr(inner, "uuid", lambda: None)()  # None: not cacheable, as without attncomp
+            return None if theirs is None else (get_hash_for_files((ops.__file__,)), theirs)
+
+    return _OpRevision()
 
 
 _LEAVES = (type(None), bool, int, float, str)

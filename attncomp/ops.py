@@ -312,6 +312,25 @@ def _preds(q_pos, k_pos, q_seg, k_seg, q_valid, k_valid) -> Optional[Predicates]
     return Predicates(q_pos, k_pos, q_seg, k_seg, q_valid, k_valid)
 
 
+def output_like(q: Tensor, dv: int) -> Tensor:
+    """The op's output buffer for q: ``(B, H, N, dv)`` with the heads inner in memory, i.e. the
+    transpose of a contiguous ``(B, N, H, dv)`` tensor (the layout SDPA's GPU kernels give for q from a
+    model's projections). A model's ``out.transpose(1, 2).contiguous()`` (or ``reshape``) before its
+    output projection then copies nothing. The layout depends on no input's strides: compiled graphs
+    may lay q out differently at run time than when they were traced."""
+    B, H, N, _ = q.shape
+    return q.new_empty((B, N, H, dv)).transpose(1, 2)
+
+
+def _laid_out(out: Tensor) -> Tensor:
+    """``out`` in :func:`output_like`'s layout (what the op's fake promises compiled graphs); a
+    backend's other layout is copied."""
+    B, H, N, D = out.shape
+    if out.stride() == (N * H * D, D, H * D, 1):
+        return out
+    return output_like(out, D).copy_(out)
+
+
 def _tensor_sig(t: Optional[Tensor]):
     return None if t is None else (t.shape, t.stride(), t.dtype, t.data_ptr() & 15 == 0)
 
@@ -382,6 +401,7 @@ def _attention_impl(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor]
     if q_aux is None or k_aux is None:
         q_aux, k_aux = _derive_buckets(s, be, q, k, q_aux, k_aux)
     out, lse = be.forward(s, q, k, v, attn_mask, q_aux, k_aux, block_pattern, dropout_p, seed, **_pkw(preds))
+    out = _laid_out(out)
     if key is not None:
         taken = getattr(be, "taken_plan", None)
         plan = taken() if taken is not None else None
@@ -399,7 +419,7 @@ _attention_op = torch.library.custom_op("attncomp::attention", mutates_args=())(
 def _(q, k, v, attn_mask, q_aux, k_aux, block_pattern, q_pos, k_pos, q_seg, k_seg, q_valid, k_valid, spec,
       dropout_p, seed):
     B, Hq, Nq, _ = q.shape
-    out = q.new_empty((B, Hq, Nq, v.shape[-1]))
+    out = output_like(q, v.shape[-1])
     lse = q.new_empty((B, Hq, Nq), dtype=torch.float32)
     return out, lse
 

@@ -3,9 +3,10 @@ ran and why, Inductor or not, graph breaks) and a profile of one step's CUDA ker
 row of the models table. With ``--host``, also the host time of one step (the time until the call
 returns, started on an idle device, so that launches are not queued behind kernels) next to its wall
 time, for eager, ``torch.compile`` and attncomp, and a ``cProfile`` of attncomp's steps: where the
-host time goes.
+host time goes. With ``--kernels`` (GPU), the kernels of one step of ``torch.compile`` and of attncomp
+side by side: launches per step and the GPU time of each kind.
 
-    python benchmarks/model_report.py --model gpt2 --policy dense [--mode infer] [--host]
+    python benchmarks/model_report.py --model gpt2 --policy dense [--mode infer] [--host] [--kernels]
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ def main(argv=None) -> int:
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--host", action="store_true", help="host time per step and a cProfile of attncomp's steps")
     ap.add_argument("--no-profile", action="store_true", help="skip the torch.profiler kernel table")
+    ap.add_argument("--kernels", action="store_true",
+                    help="the GPU kernels of one step, torch.compile's next to attncomp's (counts and times)")
     args = ap.parse_args(argv)
     import transformers
 
@@ -55,6 +58,9 @@ def main(argv=None) -> int:
     print("graph breaks:", dict(counters.get("graph_break", {})))
     if args.host:
         host_table(model, fast, x, device, args.top)
+    if args.kernels and device.type == "cuda":
+        for name, fn in (("torch.compile", torch.compile(model)), ("attncomp", fast)):
+            kernel_table(name, fn, x)
     if args.no_profile:
         return 0
     acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
@@ -67,6 +73,30 @@ def main(argv=None) -> int:
     key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     print(prof.key_averages().table(sort_by=key, row_limit=args.top, max_name_column_width=60))
     return 0
+
+
+def kernel_table(name: str, fn, x, steps: int = 3) -> None:
+    """The CUDA kernels of one step of ``fn`` (averaged over ``steps``): how many launches a step makes
+    and what each kind costs, to compare a compiled model's kernels with another's."""
+    import collections
+
+    with torch.no_grad():
+        for _ in range(3):
+            fn(**x)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                fn(**x)
+            torch.cuda.synchronize()
+    count, time_us = collections.Counter(), collections.Counter()
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            count[e.name[:90]] += 1
+            time_us[e.name[:90]] += e.device_time
+    print(f"{name}: {sum(count.values()) / steps:.0f} kernels per step, "
+          f"{sum(time_us.values()) / steps:.0f} us of GPU time per step")
+    for k, n in count.most_common():
+        print(f"  {n / steps:5.1f} per step  {time_us[k] / n:8.1f} us  {k}")
 
 
 def host_table(model, fast, x, device, top: int) -> None:

@@ -166,6 +166,31 @@ def test_fake_kernel_and_opcheck():
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 
 
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "auto"])
+@pytest.mark.parametrize("q_layout", ["heads inner", "contiguous"])
+def test_output_has_the_heads_inner_layout_the_fake_promises(backend, q_layout):
+    """Every backend's output comes back as the transpose of a contiguous (B, N, H, Dv) tensor, the
+    strides the fake kernel gives (compiled graphs assert them), whatever q's layout; values as the
+    float64 reference."""
+    B, H, N, D = 2, 3, 9, 8
+    Dv = D if backend == "sdpa" else 16  # SDPA takes no other value head dim
+    g = torch.Generator().manual_seed(fresh_seed())
+    q = torch.randn(B, N, H, D, generator=g).transpose(1, 2)
+    if q_layout == "contiguous":
+        q = q.contiguous()
+    k, v = torch.randn(B, H, N, D, generator=g), torch.randn(B, H, N, Dv, generator=g)
+    spec = AttentionSpec(causal=True, backend=backend)
+    out = torch.ops.attncomp.attention(q, k, v, None, None, None, None, None, None, None, None, None, None,
+                                       spec.to_json(), 0.0, 0)[0]
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = torch.ops.attncomp.attention(*(mode.from_tensor(t) for t in (q, k, v)), None, None, None, None, None,
+                                            None, None, None, None, None, spec.to_json(), 0.0, 0)[0]
+    assert out.stride() == fake.stride() == (N * H * Dv, Dv, H * Dv, 1)
+    want = R.attention(q.double(), k.double(), v.double(), spec=AttentionSpec(causal=True))[0]
+    assert_close(out, want, torch.float32)
+    assert out.transpose(1, 2).is_contiguous()  # a model's transpose(1, 2).contiguous() copies nothing
+
+
 @pytest.mark.parametrize("policy", ["dense", "hash"])
 def test_eager_backward_skips_the_dispatcher_traced_backward_records_the_op(monkeypatch, policy):
     """An eager backward calls the backward's implementation directly (same gradients as the

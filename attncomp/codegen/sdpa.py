@@ -173,8 +173,9 @@ class SdpaBackend:
         if dropout_p:
             raise RuntimeError("SDPA backend: dropout is not run here (attncomp's dropout draws differ)")
         out, lse, _ = self._forward(spec, q, k, v, attn_mask, preds)
-        # SDPA's kernels follow q's memory layout; the op's contract (and its fake) is contiguous
-        return (out if out.is_contiguous() else out.contiguous()), lse
+        # SDPA's kernels follow q's memory layout: heads inner for q from a model's projections, the
+        # op's layout (attncomp.ops.output_like); the op copies another
+        return out, lse
 
     def _forward(self, spec, q, k, v, attn_mask, preds):
         hq = q.shape[1]

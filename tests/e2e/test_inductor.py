@@ -211,3 +211,44 @@ def test_inductor_failure_falls_back_to_the_rewritten_graph(monkeypatch):
     rep = attncomp.report(fast)
     assert rep.rewritten == 2, str(rep)
     assert any("Inductor failed (RuntimeError: C++ compile error)" in n for n in rep.notes), rep.notes
+
+
+def test_inductor_cache_key_holds_the_op_fakes_and_a_configured_post_grad_pass_still_runs(monkeypatch):
+    """attncomp's Inductor compiles carry a post-grad pass whose uuid is the source hash of
+    ``attncomp/ops.py`` (the fakes whose strides compiled code asserts), so an Inductor cache filled by
+    another version is not reused; a post-grad pass the user configured still runs, and its uuid is
+    part of the key (None, not cacheable, stays None)."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+    from attncomp import api, ops
+
+    runs = []
+
+    class Theirs(CustomGraphPass):
+        def __call__(self, graph):
+            runs.append(len(graph.nodes))
+
+        def uuid(self):
+            return "theirs-1"
+
+    assert api._op_revision_pass().uuid() == get_hash_for_files((ops.__file__,))
+    monkeypatch.setattr(torch._inductor.config, "post_grad_custom_post_pass", Theirs())
+    p = api._op_revision_pass()
+    assert p.uuid() == (get_hash_for_files((ops.__file__,)), "theirs-1")
+
+    class Block(torch.nn.Module):
+        def forward(self, q, k, v):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True) * 2
+
+    q, k, v = (torch.randn(1, 2, 9, 8) for _ in range(3))
+    torch._dynamo.reset()
+    fast = attncomp.compile(Block(), policy="dense", inductor=True)
+    torch.testing.assert_close(fast(q, k, v), Block()(q, k, v), atol=1e-5, rtol=1e-5)
+    assert runs, "the configured post-grad pass did not run"
+
+    class Uncacheable(Theirs):
+        def uuid(self):
+            return None
+
+    monkeypatch.setattr(torch._inductor.config, "post_grad_custom_post_pass", Uncacheable())
+    assert api._op_revision_pass().uuid() is None

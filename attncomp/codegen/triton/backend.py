@@ -63,6 +63,12 @@ def _empty(shape, dtype, device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+def _out_empty(q: torch.Tensor, dv: int) -> torch.Tensor:
+    """The forward's output in the op's layout (:func:`attncomp.ops.output_like`: heads inner)."""
+    B, H, N, _ = q.shape
+    return _empty((B, N, H, dv), q.dtype, q.device).transpose(1, 2)
+
+
 def _last_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
@@ -394,7 +400,7 @@ def attention_forward(spec: AttentionSpec, q, k, v, attn_mask=None, dropout_p: f
         check()
     site = Site(spec, q, k, v, attn_mask, dropout_p, seed, preds, q_aux, k_aux, block_pattern, layout)
     B, Hq, Nq, Nk = site.B, site.Hq, site.Nq, site.Nk
-    out = _empty((B, Hq, Nq, site.Dv), q.dtype, q.device)
+    out = _out_empty(q, site.Dv)
     lse = _empty((B, Hq, Nq), torch.float32, q.device)
     if Nq == 0 or B * Hq == 0:
         return out, lse
@@ -494,8 +500,8 @@ class _ForwardPlan:
     def __init__(self, spec, site: Site, q, k, v, out, lse, cfg: dict, grid: tuple, tma: bool, entry: tuple,
                  state: tuple):
         self.spec, self.config, self.grid, self.entry, self.state = spec, cfg, grid, entry, state
-        self.out_shape, self.lse_shape = tuple(out.shape), tuple(lse.shape)
-        self.dtype, self.device = q.dtype, q.device
+        self.dv, self.lse_shape = out.shape[-1], tuple(lse.shape)
+        self.device = q.device
         marked = object.__new__(Site)  # the site with its tensors marked
         marked.__dict__.update(site.__dict__)
         marked._dummy = _Slot(None, q)  # what the site passes for a pointer that is not read
@@ -524,7 +530,7 @@ class _ForwardPlan:
         return self.run(q, k, v, attn_mask, q_valid, k_valid, seed)
 
     def run(self, q, k, v, attn_mask, q_valid, k_valid, seed):
-        out = _empty(self.out_shape, self.dtype, self.device)
+        out = _out_empty(q, self.dv)
         lse = _empty(self.lse_shape, torch.float32, self.device)
         vals = {"q": _ptr(q), "k": _ptr(k), "v": _ptr(v), "out": _ptr(out), "lse": _ptr(lse), "seed": _seed_word(seed)}
         # (views and copies made here are held in locals until the launch)
