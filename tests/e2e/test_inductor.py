@@ -218,23 +218,26 @@ def test_inductor_cache_key_holds_the_op_fakes_and_a_configured_post_grad_pass_s
     ``attncomp/ops.py`` (the fakes whose strides compiled code asserts), so an Inductor cache filled by
     another version is not reused; a post-grad pass the user configured still runs, and its uuid is
     part of the key (None, not cacheable, stays None)."""
+    import uuid
+
     from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
     from attncomp import api, ops
 
     runs = []
+    theirs = f"theirs-{uuid.uuid4().hex}"  # a key no cache holds yet: Inductor compiles, so the pass runs
 
     class Theirs(CustomGraphPass):
         def __call__(self, graph):
             runs.append(len(graph.nodes))
 
         def uuid(self):
-            return "theirs-1"
+            return theirs
 
     assert api._op_revision_pass().uuid() == get_hash_for_files((ops.__file__,))
     monkeypatch.setattr(torch._inductor.config, "post_grad_custom_post_pass", Theirs())
     p = api._op_revision_pass()
-    assert p.uuid() == (get_hash_for_files((ops.__file__,)), "theirs-1")
+    assert p.uuid() == (get_hash_for_files((ops.__file__,)), theirs)
 
     class Block(torch.nn.Module):
         def forward(self, q, k, v):
