@@ -312,23 +312,35 @@ def _preds(q_pos, k_pos, q_seg, k_seg, q_valid, k_valid) -> Optional[Predicates]
     return Predicates(q_pos, k_pos, q_seg, k_seg, q_valid, k_valid)
 
 
-def output_like(q: Tensor, dv: int) -> Tensor:
-    """The op's output buffer for q: ``(B, H, N, dv)`` with the heads inner in memory, i.e. the
+def output_strides(B, H, N, dv) -> tuple:
+    """The strides of the op's ``(B, H, N, dv)`` output: the heads inner in memory, i.e. the
     transpose of a contiguous ``(B, N, H, dv)`` tensor (the layout SDPA's GPU kernels give for q from a
     model's projections). A model's ``out.transpose(1, 2).contiguous()`` (or ``reshape``) before its
     output projection then copies nothing. The layout depends on no input's strides: compiled graphs
     may lay q out differently at run time than when they were traced."""
+    return (N * H * dv, dv, H * dv, 1)
+
+
+def output_like(q: Tensor, dv: int) -> Tensor:
+    """The op's output buffer for q (:func:`output_strides`)."""
     B, H, N, _ = q.shape
-    return q.new_empty((B, N, H, dv)).transpose(1, 2)
+    return q.new_empty_strided((B, H, N, dv), output_strides(B, H, N, dv))
 
 
 def _laid_out(out: Tensor) -> Tensor:
     """``out`` in :func:`output_like`'s layout (what the op's fake promises compiled graphs); a
     backend's other layout is copied."""
-    B, H, N, D = out.shape
-    if out.stride() == (N * H * D, D, H * D, 1):
+    if out.stride() == output_strides(*out.shape):
         return out
-    return output_like(out, D).copy_(out)
+    return output_like(out, out.shape[-1]).copy_(out)
+
+
+def bounded_put(memo: dict, key, value, limit: int) -> None:
+    """``memo[key] = value``, the oldest entry dropped first when ``memo`` holds ``limit`` (the per-call
+    memos of the op and the backends: sizes in their keys, so a decode loop adds one per step)."""
+    if len(memo) >= limit:
+        memo.pop(next(iter(memo)))
+    memo[key] = value
 
 
 def _tensor_sig(t: Optional[Tensor]):
@@ -406,9 +418,7 @@ def _attention_impl(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor]
         taken = getattr(be, "taken_plan", None)
         plan = taken() if taken is not None else None
         if plan is not None and key[1] == _select_env():  # the choice was a kept one (see selection_state)
-            if len(_CALLS) >= _MAX_CALLS:
-                _CALLS.pop(next(iter(_CALLS)))
-            _CALLS[key] = plan
+            bounded_put(_CALLS, key, plan, _MAX_CALLS)
     return out, lse
 
 

@@ -9,7 +9,8 @@
 # Parts: env, tests, pytest (the selection in $PYTEST_ARGS), spion (SPION pattern timing), tvm (needs cubins built on a CPU machine: python -m attncomp build-kernels --arch sm_90
 # --head-dim 64 --out build/tvm-cubins), checks (SDPA backend check, host overhead, SPION patterns),
 # models, kernels (dense/dfss/hash/drop table), structured (predicate and SPION rows), tvmbench, hopper
-# (the Hopper variants of benchmarks/hopper.py: TMA, atomic dQ, the DFSS breakdown).
+# (the Hopper variants of benchmarks/hopper.py: TMA, atomic dQ, the DFSS breakdown), breakdown (host time
+# per op call, host_breakdown.py), report (BERT's host and kernels per step against torch.compile).
 set -u
 OUT=${OUT:-/tmp/gpu_round}
 mkdir -p "$OUT"
@@ -36,6 +37,9 @@ run_part() {
         kernels) $PY benchmarks/attention.py --tune --out "$OUT/attention_$GPU.json" ${KERNELS_ARGS:-} ;;
         structured) $PY benchmarks/attention.py --table structured ${STRUCTURED_ARGS:-} ;;
         hopper) $PY benchmarks/hopper.py --out "$OUT/hopper_$GPU.json" ${HOPPER_ARGS:-} ;;
+        breakdown) $PY benchmarks/host_breakdown.py --shapes gpt2,bert,llama --policies dense,dfss --iters 50 \
+                       --json "$OUT/host_breakdown_$GPU.json" ;;
+        report) $PY benchmarks/model_report.py --model bert --policy dense --host --kernels --no-profile ;;
         tvmbench) $PY benchmarks/attention_tvm.py --device cuda --cubins "$ATTNCOMP_TVM_CUBINS" --ns 1024,4096 \
                       --out "$OUT/attention_tvm_$GPU.json" ;;
         *) echo "unknown part $name"; return 2 ;;

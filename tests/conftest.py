@@ -47,11 +47,7 @@ def tvm_poisoned(tvm_cache_dir, monkeypatch):
     """The session's TVM kernel cache, and the TVM backend's output buffers poisoned (NaN, or -12345 for
     integers) before its kernels write them."""
     from attncomp.codegen.tvm import backend as TB
+    from tests.utils import poisoned_empty
 
     monkeypatch.setenv("ATTNCOMP_CACHE_DIR", str(tvm_cache_dir))
-
-    def empty(shape, dtype, device):
-        t = torch.empty(shape, dtype=dtype, device=device)
-        return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-12345)
-
-    monkeypatch.setattr(TB, "_empty", empty)
+    monkeypatch.setattr(TB, "_empty", poisoned_empty)

@@ -40,6 +40,13 @@ def poison(t: torch.Tensor) -> torch.Tensor:
     return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-12345)
 
 
+def poisoned_empty(shape, dtype, device, strides=None) -> torch.Tensor:
+    """A backend allocator (``_empty``) whose buffers come :func:`poison`-ed."""
+    if strides is None:
+        return poison(torch.empty(shape, dtype=dtype, device=device))
+    return poison(torch.empty_strided(shape, strides, dtype=dtype, device=device))
+
+
 def draw_mask(kind: str, g: torch.Generator, B: int, Nq: int, Nk: int):
     """A residual mask of ``kind``: ``None``, ``"bool"`` (``(B, 1, Nq, Nk)``, about 30 % masked) or
     ``"float"`` (a 2-D ``(Nq, Nk)`` bias broadcast over batch and heads, about 20 % ``-inf``)."""

@@ -27,7 +27,7 @@ from attncomp.codegen.triton import configs  # noqa: E402
 from attncomp.codegen.triton.template import MODE_DKDV, MODE_DQ, MODE_FWD  # noqa: E402
 from attncomp.spec import AttentionSpec  # noqa: E402
 from tests.codegen.template_cases import close, make_policy, make_preds, make_qkv  # noqa: E402
-from tests.utils import TOL, fresh_seed, poison  # noqa: E402
+from tests.utils import TOL, fresh_seed, poisoned_empty  # noqa: E402
 
 ATOMIC = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 1, "num_stages": 1, "DQ_ATOMIC": 1}
 
@@ -53,8 +53,7 @@ class _Launches:
 
 @pytest.fixture(autouse=True)
 def launches(monkeypatch):
-    monkeypatch.setattr(TB, "_empty", lambda shape, dtype, device: poison(torch.empty(shape, dtype=dtype,
-                                                                                     device=device)))
+    monkeypatch.setattr(TB, "_empty", poisoned_empty)
     rec = _Launches(TB._attention_kernel)
     monkeypatch.setattr(TB, "_attention_kernel", rec)
     return rec

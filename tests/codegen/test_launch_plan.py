@@ -30,7 +30,7 @@ from attncomp.codegen.triton import backend as TB  # noqa: E402
 from attncomp.codegen.triton import configs, launch, template  # noqa: E402
 from attncomp.policy import DFSS  # noqa: E402
 from attncomp.spec import AttentionSpec, Predicates  # noqa: E402
-from tests.utils import assert_close, draw_mask, fresh_seed, poison, qkv  # noqa: E402
+from tests.utils import assert_close, draw_mask, fresh_seed, poisoned_empty, qkv  # noqa: E402
 
 _INTERP = template._attention_kernel
 _NAMES = [p.name for p in JITFunction(_INTERP.fn).params]
@@ -90,8 +90,7 @@ def kernel(monkeypatch):
     monkeypatch.setattr(ops, "_CALLS", {})
     monkeypatch.setattr(TB, "_ptr", _address)
     monkeypatch.setattr(TB, "_config_memo", {})
-    monkeypatch.setattr(TB, "_empty", lambda shape, dtype, device: poison(torch.empty(shape, dtype=dtype,
-                                                                                          device=device)))
+    monkeypatch.setattr(TB, "_empty", poisoned_empty)
     fl.slow = slow
     fl.plan_runs = 0
     real = TB._ForwardPlan.run

@@ -17,7 +17,7 @@ pytestmark = [
                        reason="Triton kernels are interpreted in this process; run GPU tests on their own"),
 ]
 
-from tests.utils import assert_close, poison, qkv  # noqa: E402
+from tests.utils import assert_close, poisoned_empty, qkv  # noqa: E402
 
 
 @pytest.fixture
@@ -25,7 +25,7 @@ def scfa(monkeypatch):
     pytest.importorskip("triton")
     from attncomp.codegen.triton import backend as mod
 
-    monkeypatch.setattr(mod, "_empty", lambda shape, dtype, device: poison(torch.empty(shape, dtype=dtype, device=device)))
+    monkeypatch.setattr(mod, "_empty", poisoned_empty)
     return mod
 
 

@@ -15,7 +15,7 @@ import torch
 from attncomp.codegen import reference as R
 from attncomp.spec import AttentionSpec, dtype_name
 from tests.codegen.template_cases import CASES, close, make_mask, make_policy, make_preds, make_qkv
-from tests.utils import poison
+from tests.utils import poisoned_empty
 
 pytestmark = pytest.mark.gpu
 
@@ -32,8 +32,7 @@ def _setup(monkeypatch):
     from attncomp.codegen.triton import backend as TB
 
     monkeypatch.setenv("ATTNCOMP_TRITON_TUNE", "0")
-    monkeypatch.setattr(TB, "_empty", lambda shape, dtype, device: poison(torch.empty(shape, dtype=dtype,
-                                                                                     device=device)))
+    monkeypatch.setattr(TB, "_empty", poisoned_empty)
     return TB
 
 

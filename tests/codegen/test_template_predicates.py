@@ -30,15 +30,15 @@ from attncomp.spec import AttentionSpec, Predicates, dtype_name  # noqa: E402
 from tests.codegen.template_cases import (CASES, close, make_mask, make_policy, make_preds,  # noqa: E402
                                            make_qkv)
 from tests.utils import fresh_seed  # noqa: E402
-from tests.utils import TOL, fresh_seed, poison  # noqa: E402
+from tests.utils import TOL, fresh_seed, poisoned_empty  # noqa: E402
 
 BACKEND = TB.TritonBackend()
 
 
 @pytest.fixture(autouse=True)
 def _poisoned(monkeypatch):
-    monkeypatch.setattr(TB, "_empty", lambda shape, dtype, device: poison(torch.empty(shape, dtype=dtype, device=device)))
-    monkeypatch.setattr(S, "_empty", lambda shape, dtype, device: poison(torch.empty(shape, dtype=dtype, device=device)))
+    monkeypatch.setattr(TB, "_empty", poisoned_empty)
+    monkeypatch.setattr(S, "_empty", poisoned_empty)
 
 
 

@@ -22,16 +22,13 @@ from attncomp.codegen.triton import backend as TB  # noqa: E402
 from attncomp.codegen.triton import schedule as S  # noqa: E402
 from attncomp.policy import Drop, Hash  # noqa: E402
 from attncomp.spec import AttentionSpec  # noqa: E402
-from tests.utils import TOL, assert_close, poison, qkv  # noqa: E402
+from tests.utils import TOL, assert_close, poisoned_empty, qkv  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
 def _poisoned_outputs(monkeypatch):
-    def empty(shape, dtype, device):
-        return poison(torch.empty(shape, dtype=dtype, device=device))
-
-    monkeypatch.setattr(TB, "_empty", empty)
-    monkeypatch.setattr(S, "_empty", empty)  # tile summaries and lists
+    monkeypatch.setattr(TB, "_empty", poisoned_empty)
+    monkeypatch.setattr(S, "_empty", poisoned_empty)  # tile summaries and lists
 
 
 def _buckets(g, shape, nb, kind="uniform"):

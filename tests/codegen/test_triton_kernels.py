@@ -30,7 +30,7 @@ from attncomp.codegen.triton import configs  # noqa: E402
 from attncomp.codegen.triton.common import _uniform_hash  # noqa: E402
 from attncomp.policy import DFSS, Dense, ET, Drop, Hash, SPION, get_policy, uniform_hash  # noqa: E402
 from attncomp.spec import AttentionSpec, dtype_name  # noqa: E402
-from tests.utils import TOL, assert_close, fresh_seed  # noqa: E402
+from tests.utils import TOL, assert_close, fresh_seed, poisoned_empty  # noqa: E402
 
 if not isinstance(_template._attention_kernel, triton.runtime.interpreter.InterpretedFunction):
     # the kernels were imported (compiled mode) before this module set TRITON_INTERPRET
@@ -43,11 +43,7 @@ BACKEND = TB.TritonBackend()
 @pytest.fixture(autouse=True)
 def _poisoned_buffers(monkeypatch):
     """The backend's allocator hands out NaN-filled tensors (ints: a sentinel)."""
-    def empty(shape, dtype, device):
-        t = torch.empty(shape, dtype=dtype, device=device)
-        return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-12345)
-
-    monkeypatch.setattr(TB, "_empty", empty)
+    monkeypatch.setattr(TB, "_empty", poisoned_empty)
 
 
 def _gen(seed: int) -> torch.Generator:

@@ -27,7 +27,7 @@ import torch
 from triton.runtime.errors import OutOfResources
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ...ops import bucket_range, call_signature
+from ...ops import bounded_put as _put, bucket_range, call_signature, output_strides
 from ...policy import DFSS, SPION, Hash
 from ...spec import AttentionSpec
 from . import configs
@@ -58,15 +58,19 @@ last_configs: dict = {}
 _config_memo: dict = {}
 
 
-def _empty(shape, dtype, device) -> torch.Tensor:
-    """Every output and workspace buffer comes from here (tests swap it for a NaN-filling one)."""
-    return torch.empty(shape, dtype=dtype, device=device)
+def _empty(shape, dtype, device, strides=None) -> torch.Tensor:
+    """Every output and workspace buffer comes from here (tests swap it for a NaN-filling one);
+    contiguous, or with ``strides``."""
+    if strides is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    return torch.empty_strided(shape, strides, dtype=dtype, device=device)
 
 
 def _out_empty(q: torch.Tensor, dv: int) -> torch.Tensor:
-    """The forward's output in the op's layout (:func:`attncomp.ops.output_like`: heads inner)."""
+    """The forward's output in the op's layout (:func:`attncomp.ops.output_strides`: heads inner),
+    allocated with its strides (a transposed view costs a few microseconds more per call)."""
     B, H, N, _ = q.shape
-    return _empty((B, N, H, dv), q.dtype, q.device).transpose(1, 2)
+    return _empty((B, H, N, dv), q.dtype, q.device, output_strides(B, H, N, dv))
 
 
 def _last_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -387,14 +391,15 @@ def attention_forward(spec: AttentionSpec, q, k, v, attn_mask=None, dropout_p: f
     key = None
     if (config is None and block_pattern is None and layout is None
             and _POLICIES.get(spec.policy.name) in (POLICY_DENSE, POLICY_DFSS) and _attention_kernel.short_path_open()):
-        key = _plan_key(spec, q, k, v, attn_mask, preds, dropout_p, seed)
+        sw = _seed_word(seed)
+        key = _plan_key(spec, q, k, v, attn_mask, preds, dropout_p, sw)
         plan = _PLANS.get(key)
         if plan is not None:
             if as_given:  # a plan the op may keep serves the call's tensors as they come
                 _TAKEN.plan = plan
-            return plan.run(q, k, v, attn_mask, preds and preds.q_valid, preds and preds.k_valid, seed)
+            return plan.run(q, k, v, attn_mask, preds and preds.q_valid, preds and preds.k_valid, sw)
         if key not in _SEEN:  # a plan is built the second time its key is seen (decode steps never repeat)
-            _put(_SEEN, key, True)
+            _put(_SEEN, key, True, _MAX_PLANS)
             key = None
     if check is not None:
         check()
@@ -424,7 +429,7 @@ def attention_forward(spec: AttentionSpec, q, k, v, attn_mask=None, dropout_p: f
         entry = _attention_kernel.last_entry
         plan = entry and _ForwardPlan(spec, site, q, k, v, out, lse, *launched[-1], entry, key[-1])
         if plan and plan.slots:
-            _put(_PLANS, key, plan)
+            _put(_PLANS, key, plan, _MAX_PLANS)
             if as_given:
                 _TAKEN.plan = plan
     return out, lse
@@ -462,24 +467,16 @@ class _Slot:
         return getattr(self.t, attr)
 
 
-def _state(seed) -> tuple:
-    """What a launch plan depends on besides the call's tensors: the seed word's specialisation class,
-    the current device, the tuning flags and deterministic mode."""
-    sw = _seed_word(seed)
+def _state(sw: int) -> tuple:
+    """What a launch plan depends on besides the call's tensors: the seed word's (``sw``)
+    specialisation class, the current device, the tuning flags and deterministic mode."""
     return (sw == 1, sw & 15 == 0, _attention_kernel._device(), configs.tuning_enabled(),
             torch.are_deterministic_algorithms_enabled())
 
 
-def _plan_key(spec, q, k, v, attn_mask, preds, dropout_p, seed) -> tuple:
+def _plan_key(spec, q, k, v, attn_mask, preds, dropout_p, sw: int) -> tuple:
     # the spec by identity: its plan holds it, so no other object takes that id while the plan lives
-    return id(spec), call_signature(q, k, v, attn_mask, preds, dropout_p), _state(seed)
-
-
-def _put(memo: dict, key, value, limit: int = _MAX_PLANS) -> None:
-    """``memo[key] = value``, the oldest entry dropped first when ``memo`` holds ``limit``."""
-    if len(memo) >= limit:
-        memo.pop(next(iter(memo)))
-    memo[key] = value
+    return id(spec), call_signature(q, k, v, attn_mask, preds, dropout_p), _state(sw)
 
 
 # the plan the latest forward of this thread took (TritonBackend.taken_plan)
@@ -525,14 +522,16 @@ class _ForwardPlan:
         """:meth:`run` for a call matched by another key (the op's, ``ops.call_signature``), or None
         where what the plan depends on besides the call's tensors differs now (:func:`_state`) or the
         short launch path is closed."""
-        if _state(seed) != self.state or not _attention_kernel.short_path_open():
+        sw = _seed_word(seed)
+        if _state(sw) != self.state or not _attention_kernel.short_path_open():
             return None
-        return self.run(q, k, v, attn_mask, q_valid, k_valid, seed)
+        return self.run(q, k, v, attn_mask, q_valid, k_valid, sw)
 
-    def run(self, q, k, v, attn_mask, q_valid, k_valid, seed):
+    def run(self, q, k, v, attn_mask, q_valid, k_valid, sw: int):
+        """Launch for the call's tensors; ``sw``: its seed word (:func:`.common.seed_word`)."""
         out = _out_empty(q, self.dv)
         lse = _empty(self.lse_shape, torch.float32, self.device)
-        vals = {"q": _ptr(q), "k": _ptr(k), "v": _ptr(v), "out": _ptr(out), "lse": _ptr(lse), "seed": _seed_word(seed)}
+        vals = {"q": _ptr(q), "k": _ptr(k), "v": _ptr(v), "out": _ptr(out), "lse": _ptr(lse), "seed": sw}
         # (views and copies made here are held in locals until the launch)
         if attn_mask is not None:
             mask = _mask_view(attn_mask)
