@@ -9,6 +9,9 @@ same pass measured in the same run, with TFLOP/s and the fraction of the GEMM ce
 * ``dense bwd`` / ``dense fwd+bwd``: the two-pass backward (dK/dV, then dQ; deterministic) against the
   one-pass backward that adds dQ with float32 atomics (config key ``DQ_ATOMIC``), and the backward
   with Q and dO streamed through TMA descriptors in the dK/dV pass (``TMA_Q``);
+* ``dense pipe ...``: the software-pipelined forward (config key ``PIPE``: the next key tile's ``QK^T``
+  is issued before this tile's softmax, so that the tensor cores and the exponentials overlap within a
+  warp group) on each of its candidate tile shapes, and ``dfss pipe`` on the DFSS tiles;
 * the DFSS 2:4 breakdown (forward, one tile configuration for all three): dense on the same tiles (no
   selection), the selection applied to the logits before the softmax (default), and the selection
   fused with the exponentials so that only kept logits are exponentiated (config key ``NM_EXP``). The
@@ -16,6 +19,7 @@ same pass measured in the same run, with TFLOP/s and the fraction of the GEMM ce
 
     python benchmarks/hopper.py                      # GPU: D 64/128, causal and not, N=16384
     python benchmarks/hopper.py --ns 4096,16384 --out results.json
+    python benchmarks/hopper.py --only "default fwd,pipe"   # the forward rows: default and pipelined
     python benchmarks/hopper.py --smoke              # CPU plumbing check under TRITON_INTERPRET=1
 
 The table is printed last; JSON rows go to ``--out`` (default ``$OUT/hopper_<gpu>.json`` when ``$OUT`` is
@@ -48,6 +52,12 @@ def gemm_tflops(smoke: bool) -> Optional[float]:
     return 2.0 * n ** 3 / (ms * 1e-3) / 1e12
 
 
+def cfg_name(c: dict) -> str:
+    """``128x64w8s3+tma+pipe``: a forward configuration in a word."""
+    return (f"{c['BLOCK_M']}x{c['BLOCK_N']}w{c['num_warps']}s{c['num_stages']}" + ("+tma" if c.get("TMA") else "")
+            + ("+pipe" if c.get("PIPE") else ""))
+
+
 def _first(cands: List[dict], key: str) -> Optional[dict]:
     return next((c for c in cands if c.get(key)), None)
 
@@ -64,6 +74,8 @@ def variants(D: int, dtype, gpu: str):
     tma = _first(fw, "TMA")
     if tma is not None and not fw[0].get("TMA"):
         out.append(("dense tma", "dense", "fwd", tma, None))
+    # the software-pipelined forward on each of its candidate tile shapes
+    out += [(f"dense pipe {cfg_name(c)}", "dense", "fwd", c, None) for c in fw if c.get("PIPE") and c is not fw[0]]
     atomic = _first(bw, "DQ_ATOMIC") or dict(bw[0], DQ_ATOMIC=1)
     out += [("dense two-pass", "dense", "bwd", fw[0], bw[0]),
             ("dense atomic dq", "dense", "bwd", fw[0], atomic),
@@ -75,6 +87,7 @@ def variants(D: int, dtype, gpu: str):
     out += [("dense on dfss tiles", "dense", "fwd", tiles, None),
             ("dfss select", "dfss", "fwd", tiles, None),
             ("dfss select+exp fused", "dfss", "fwd", dict(tiles, NM_EXP=1), None),
+            ("dfss pipe", "dfss", "fwd", dict(tiles, PIPE=1), None),
             ("dfss select", "dfss", "fwd+bwd", tiles, nm_bw[0]),
             ("dfss select+exp fused", "dfss", "fwd+bwd", dict(tiles, NM_EXP=1), nm_bw[0])]
     return out
@@ -109,20 +122,25 @@ def run(args) -> List[Dict]:
     ns = [48] if smoke else [int(n) for n in args.ns.split(",")]
     dims = [32] if smoke else [int(d) for d in args.dims.split(",")]
     ceiling = gemm_tflops(smoke)
+    only = [w for w in args.only.split(",") if w]
     rows: List[Dict] = []
     for D in dims:
         for causal in (False, True):
             for N in ns:
                 q, k, v, do = make_inputs(B, H, N, D, dtype, dev)
+                chosen = [x for x in (variants(32, dtype, "") if smoke else variants(D, dtype, gpu))
+                          if not only or any(w in f"{x[0]} {x[2]}" for w in only)]
                 base: Dict[str, float] = {}
                 if not smoke:
                     for passes in ("fwd", "fwd+bwd"):
-                        base[passes] = bench_ms(sdpa_fn(causal, q, k, v, do, passes, backend="cudnn"), False)
-                    base["bwd"] = base["fwd+bwd"] - base["fwd"]
-                for name, policy, passes, fcfg, bcfg in (variants(32, dtype, "") if smoke else variants(D, dtype, gpu)):
+                        if passes == "fwd" or any(x[2] != "fwd" for x in chosen):
+                            base[passes] = bench_ms(sdpa_fn(causal, q, k, v, do, passes, backend="cudnn"), False)
+                    if "fwd+bwd" in base:
+                        base["bwd"] = base["fwd+bwd"] - base["fwd"]
+                for name, policy, passes, fcfg, bcfg in chosen:
                     if smoke:  # the interpreter runs one small configuration
                         fcfg = dict(configs.interpret_config(4 if policy == "dfss" else 1), **{
-                            k: fcfg[k] for k in ("TMA", "NM_EXP") if k in fcfg})
+                            k: fcfg[k] for k in ("TMA", "NM_EXP", "PIPE") if k in fcfg})
                         bcfg = None if bcfg is None else dict(configs.interpret_config(4 if policy == "dfss" else 1),
                                                               **{k: bcfg[k] for k in ("DQ_ATOMIC", "TMA", "TMA_Q")
                                                                  if k in bcfg})
@@ -186,6 +204,8 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--out", default=None)
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--only", default="", help="comma-separated words: time only the variants whose name "
+                    "(with its pass, e.g. 'dense pipe', 'fwd') holds one of them")
     args = ap.parse_args(argv)
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"

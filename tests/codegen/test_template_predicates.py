@@ -429,3 +429,49 @@ def test_descriptors_equal_the_checked_constructors():
         assert (d.shape, d.strides, d.block_shape, d.padding) == (ref.shape, ref.strides, ref.block_shape, ref.padding)
     with pytest.raises(Exception):
         TB._descriptor(t, 48, 64)  # not a power of two
+
+
+# ---------------------------------------------------------------------------------------------
+# The software-pipelined forward (config key PIPE): QK^T one key tile ahead, P V one tile behind
+
+
+@pytest.mark.parametrize("policy,kinds,mask_kind,dropout_p,Hq,Hk,Nq,Nk,D,tma", [
+    ("dense", (), "none", 0.0, 2, 2, 45, 45, 32, False),
+    ("dense", ("causal",), "none", 0.0, 4, 2, 45, 45, 32, True),
+    ("dense", ("bottom_right",), "bool", 0.0, 2, 1, 21, 50, 48, False),
+    ("dense", ("sliding",), "float", 0.0, 2, 2, 53, 53, 32, True),
+    ("dense", ("k_valid",), "none", 0.3, 2, 1, 33, 47, 64, False),
+    ("dfss", ("causal",), "none", 0.0, 2, 1, 45, 45, 32, False),
+    ("dfss", ("q_valid", "segments"), "bool", 0.0, 2, 2, 40, 40, 32, False),  # tile lists: PIPE does not apply
+    ("dense", (), "none", 0.0, 2, 2, 7, 5, 32, True),  # one tile
+])
+def test_pipelined_forward_matches_the_reference(policy, kinds, mask_kind, dropout_p, Hq, Hk, Nq, Nk, D, tma,
+                                                 monkeypatch):
+    """With ``PIPE`` the forward issues the next tile's ``QK^T`` before this tile's softmax and adds each
+    tile's ``P V`` in the next iteration: the same operations in the same order, so the output and lse
+    are the unpipelined kernel's bit for bit, and the float64 reference's (windows, masks, padding,
+    dropout, GQA, DFSS; a span that ends before the keys do, and one tile). Tile lists keep the plain
+    loop; the pipelined one is seen to run where it applies."""
+    from attncomp.codegen.triton import template
+
+    value_tiles = []
+    orig = template._value_tile
+    monkeypatch.setattr(template, "_value_tile", lambda *a: value_tiles.append(1) or orig(*a))
+    g = torch.Generator().manual_seed(fresh_seed())
+    q, k, v = make_qkv(policy, g, 2, Hq, Hk, Nq, Nk, D, torch.float32)
+    fields, preds = make_preds(kinds, g, 2, Nq, Nk)
+    mask = make_mask(mask_kind, g, 2, Hq, Nq, Nk)
+    pol = DFSS(2, 4) if policy == "dfss" else None
+    spec = AttentionSpec(mask_kind=mask_kind, **fields, **({"policy": pol} if pol else {}))
+    base = dict(TB.configs.interpret_config(4 if pol else 1), TMA=int(tma))
+    seed = fresh_seed()
+    kw = dict(preds=preds)
+    piped, lse_p = TB.attention_forward(spec, q, k, v, mask, dropout_p, seed, config=dict(base, PIPE=1), **kw)
+    plain, lse = TB.attention_forward(spec, q, k, v, mask, dropout_p, seed, config=base, **kw)
+    m64 = mask if mask is None or mask.dtype == torch.bool else mask.double()
+    ro, rl = R.attention(q.double(), k.double(), v.double(), m64, spec=spec, preds=preds, dropout_p=dropout_p,
+                         seed=seed)
+    _close("out", piped, ro, torch.float32)
+    assert torch.equal(torch.isneginf(lse_p), torch.isneginf(rl))
+    assert torch.equal(piped, plain) and torch.equal(lse_p, lse)
+    assert bool(value_tiles) == ("segments" not in kinds)
