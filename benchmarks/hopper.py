@@ -9,9 +9,6 @@ same pass measured in the same run, with TFLOP/s and the fraction of the GEMM ce
 * ``dense bwd`` / ``dense fwd+bwd``: the two-pass backward (dK/dV, then dQ; deterministic) against the
   one-pass backward that adds dQ with float32 atomics (config key ``DQ_ATOMIC``), and the backward
   with Q and dO streamed through TMA descriptors in the dK/dV pass (``TMA_Q``);
-* ``dense pipe ...``: the software-pipelined forward (config key ``PIPE``: the next key tile's ``QK^T``
-  is issued before this tile's softmax, so that the tensor cores and the exponentials overlap within a
-  warp group) on each of its candidate tile shapes, and ``dfss pipe`` on the DFSS tiles;
 * the DFSS 2:4 breakdown (forward, one tile configuration for all three): dense on the same tiles (no
   selection), the selection applied to the logits before the softmax (default), and the selection
   fused with the exponentials so that only kept logits are exponentiated (config key ``NM_EXP``). The
@@ -19,7 +16,7 @@ same pass measured in the same run, with TFLOP/s and the fraction of the GEMM ce
 
     python benchmarks/hopper.py                      # GPU: D 64/128, causal and not, N=16384
     python benchmarks/hopper.py --ns 4096,16384 --out results.json
-    python benchmarks/hopper.py --only "default fwd,pipe"   # the forward rows: default and pipelined
+    python benchmarks/hopper.py --only "default fwd,tma fwd"   # the dense forward rows only
     python benchmarks/hopper.py --smoke              # CPU plumbing check under TRITON_INTERPRET=1
 
 The table is printed last; JSON rows go to ``--out`` (default ``$OUT/hopper_<gpu>.json`` when ``$OUT`` is
@@ -52,12 +49,6 @@ def gemm_tflops(smoke: bool) -> Optional[float]:
     return 2.0 * n ** 3 / (ms * 1e-3) / 1e12
 
 
-def cfg_name(c: dict) -> str:
-    """``128x64w8s3+tma+pipe``: a forward configuration in a word."""
-    return (f"{c['BLOCK_M']}x{c['BLOCK_N']}w{c['num_warps']}s{c['num_stages']}" + ("+tma" if c.get("TMA") else "")
-            + ("+pipe" if c.get("PIPE") else ""))
-
-
 def _first(cands: List[dict], key: str) -> Optional[dict]:
     return next((c for c in cands if c.get(key)), None)
 
@@ -74,8 +65,6 @@ def variants(D: int, dtype, gpu: str):
     tma = _first(fw, "TMA")
     if tma is not None and not fw[0].get("TMA"):
         out.append(("dense tma", "dense", "fwd", tma, None))
-    # the software-pipelined forward on each of its candidate tile shapes
-    out += [(f"dense pipe {cfg_name(c)}", "dense", "fwd", c, None) for c in fw if c.get("PIPE") and c is not fw[0]]
     atomic = _first(bw, "DQ_ATOMIC") or dict(bw[0], DQ_ATOMIC=1)
     out += [("dense two-pass", "dense", "bwd", fw[0], bw[0]),
             ("dense atomic dq", "dense", "bwd", fw[0], atomic),
@@ -87,7 +76,6 @@ def variants(D: int, dtype, gpu: str):
     out += [("dense on dfss tiles", "dense", "fwd", tiles, None),
             ("dfss select", "dfss", "fwd", tiles, None),
             ("dfss select+exp fused", "dfss", "fwd", dict(tiles, NM_EXP=1), None),
-            ("dfss pipe", "dfss", "fwd", dict(tiles, PIPE=1), None),
             ("dfss select", "dfss", "fwd+bwd", tiles, nm_bw[0]),
             ("dfss select+exp fused", "dfss", "fwd+bwd", dict(tiles, NM_EXP=1), nm_bw[0])]
     return out
@@ -140,7 +128,7 @@ def run(args) -> List[Dict]:
                 for name, policy, passes, fcfg, bcfg in chosen:
                     if smoke:  # the interpreter runs one small configuration
                         fcfg = dict(configs.interpret_config(4 if policy == "dfss" else 1), **{
-                            k: fcfg[k] for k in ("TMA", "NM_EXP", "PIPE") if k in fcfg})
+                            k: fcfg[k] for k in ("TMA", "NM_EXP") if k in fcfg})
                         bcfg = None if bcfg is None else dict(configs.interpret_config(4 if policy == "dfss" else 1),
                                                               **{k: bcfg[k] for k in ("DQ_ATOMIC", "TMA", "TMA_Q")
                                                                  if k in bcfg})
@@ -205,7 +193,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--only", default="", help="comma-separated words: time only the variants whose name "
-                    "(with its pass, e.g. 'dense pipe', 'fwd') holds one of them")
+                    "(with its pass, e.g. 'dense default', 'fwd') holds one of them")
     args = ap.parse_args(argv)
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"

@@ -33,8 +33,6 @@ def make_preds(kinds, g, B, Nq, Nk):
         fields.update(window_left=int(torch.randint(3, 9, (1,), generator=g)), window_right=2)
         p["q_pos"] = (torch.arange(Nq)[None] + torch.randint(0, 4, (B, 1), generator=g)) % 29
         p["k_pos"] = (torch.arange(Nk)[None] + torch.randint(0, 4, (B, 1), generator=g)) % 29
-    if "sliding" in kinds:  # a window around default positions (a span schedule with partial tiles at both ends)
-        fields.update(window_left=int(torch.randint(5, 20, (1,), generator=g)), window_right=3)
     if "segments" in kinds:
         n = min(Nq, Nk)
         seg = _segments(g, B, n, 3)

@@ -124,27 +124,6 @@ def test_hopper_candidates(_setup, monkeypatch, D, kinds):
             monkeypatch.setattr(TB, "attention_backward", real_bwd)
 
 
-# every software-pipelined forward candidate (config key PIPE), dense and DFSS, forced; span schedules
-# (full, causal, a sliding window around default positions, key padding) and tile lists (segments)
-@pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("policy,kinds", [("dense", ()), ("dense", ("causal",)), ("dense", ("sliding", "k_valid")),
-                                          ("dfss", ("causal",)), ("dfss", ("segments",))],
-                         ids=["full", "causal", "sliding", "dfss-causal", "dfss-segments"])
-def test_pipelined_forward_candidates(_setup, monkeypatch, D, policy, kinds):
-    from attncomp.codegen.triton import configs
-
-    TB = _setup
-    cands = [c for c in configs.fwd_candidates(D, D, torch.bfloat16, 4 if policy == "dfss" else 1) if c.get("PIPE")]
-    assert cands
-    for cfg in cands:
-        real_fwd = TB.attention_forward
-        monkeypatch.setattr(TB, "attention_forward", lambda *a, _f=real_fwd, _c=cfg, **kw: _f(*a, **{**kw, "config": _c}))
-        try:
-            _run(TB, policy, kinds, "none", 2, 4, 2, 1000, 1000, D, torch.bfloat16, seed=D)
-        finally:
-            monkeypatch.setattr(TB, "attention_forward", real_fwd)
-
-
 # every one-launch backward candidate (dQ by float32 atomics in the dK/dV pass) of the tuning store, forced
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("policy,kinds", [("dense", ()), ("dense", ("causal",)), ("dense", ("window", "k_valid")),

@@ -419,7 +419,7 @@ def attention_forward(spec: AttentionSpec, q, k, v, attn_mask=None, dropout_p: f
         kd, vd, tma = site.kv_descriptors(cfg, bn)
         grid = (_cdiv(Nq, bm), B * Hq)
         kw = dict(BLOCK_M=bm, BLOCK_N=bn, MODE=MODE_FWD, NATURAL=False, num_warps=cfg["num_warps"],
-                  num_stages=cfg["num_stages"], TMA=tma, NM_EXP=bool(cfg.get("NM_EXP")) and site.nm_exp_ok, PIPE=bool(cfg.get("PIPE")),
+                  num_stages=cfg["num_stages"], TMA=tma, NM_EXP=bool(cfg.get("NM_EXP")) and site.nm_exp_ok,
                   **site.meta(bm, bn))
         _attention_kernel[grid](*_fwd_args(site, q, k, v, out, lse, kd, vd, lst, cnt, site.seed_word), **kw)
         launched.append((cfg, grid, tma))

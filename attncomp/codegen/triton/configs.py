@@ -58,20 +58,12 @@ FWD_CONFIGS[64] += [dict(_cfg(128, 64, 8, 3), TMA=1), dict(_cfg(128, 64, 4, 3), 
                     dict(_cfg(128, 128, 8, 3), TMA=1), dict(_cfg(64, 64, 4, 3), TMA=1)]
 FWD_CONFIGS[128] += [dict(_cfg(128, 128, 8, 3), TMA=1), dict(_cfg(128, 64, 8, 3), TMA=1),
                      dict(_cfg(128, 128, 8, 2), TMA=1), dict(_cfg(128, 128, 8, 4), TMA=1)]
-# ``PIPE``: the software-pipelined forward (template: the next key tile's QK^T runs on the tensor cores while
-# this tile's softmax runs); it holds two logit tiles, so its key tiles are 64 wide (128 spills at D=128).
-FWD_CONFIGS[64] += [dict(_cfg(128, 64, 8, 3), TMA=1, PIPE=1), dict(_cfg(128, 64, 8, 2), TMA=1, PIPE=1),
-                    dict(_cfg(128, 128, 8, 2), TMA=1, PIPE=1), dict(_cfg(128, 64, 8, 3), PIPE=1)]
-FWD_CONFIGS[128] += [dict(_cfg(128, 64, 8, 3), TMA=1, PIPE=1), dict(_cfg(128, 64, 8, 2), TMA=1, PIPE=1),
-                     dict(_cfg(128, 64, 8, 4), TMA=1, PIPE=1), dict(_cfg(128, 64, 8, 3), PIPE=1)]
 # With an N:M selection (more registers per logit) smaller query tiles win.
 FWD_CONFIGS_NM: Dict[int, List[Config]] = {
     64: [_cfg(128, 64, 4, 3), _cfg(64, 64, 4, 3), _cfg(128, 64, 8, 3), _cfg(64, 64, 4, 4), _cfg(128, 64, 8, 4)],
     128: [_cfg(64, 64, 4, 3), _cfg(128, 128, 8, 3), _cfg(128, 64, 8, 3), _cfg(64, 64, 4, 4), _cfg(128, 64, 8, 4)],
     256: [_cfg(64, 64, 4, 2), _cfg(128, 64, 8, 2), _cfg(64, 32, 4, 2)],
 }
-FWD_CONFIGS_NM[64] += [dict(_cfg(64, 64, 4, 3), PIPE=1), dict(_cfg(128, 64, 8, 3), PIPE=1)]
-FWD_CONFIGS_NM[128] += [dict(_cfg(64, 64, 4, 3), PIPE=1), dict(_cfg(128, 64, 8, 3), PIPE=1)]
 # Backward: BLOCK_M/BLOCK_N are the query/key tiles of the dK/dV kernel. The dQ kernel takes
 # ``DQ`` = (query tile, key tile, warps, stages) when given, else the dK/dV pair transposed.
 # ``NATURAL`` picks the orientation of the dK/dV tiles (see backward._dkdv_tiles; default:

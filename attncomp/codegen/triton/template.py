@@ -108,33 +108,6 @@ def _store_tile(base, rows, valid, stride, offs_c, x, NC: tl.constexpr, BC: tl.c
 
 
 @triton.jit
-def _key_tile_t(Desc, k_base, kperm, b, hk, start_n, Nk, skn, offs_d, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
-                BLOCK_N: tl.constexpr, NM_M: tl.constexpr, CHECK_K: tl.constexpr, PERMUTED: tl.constexpr,
-                TMA: tl.constexpr):
-    """The transposed key tile of the key tile starting at row-order key ``start_n``: ``(BLOCK_D, BLOCK_N)``."""
-    if TMA:
-        return tl.trans(tl.reshape(Desc.load([b, hk, start_n, 0]), (BLOCK_N, BLOCK_D)))
-    else:
-        offs_n = start_n + _key_order(BLOCK_N, NM_M)
-        nval = offs_n < Nk
-        return _load_tile(k_base, _orig(kperm, offs_n, nval, PERMUTED), nval, skn, offs_d, HEAD_D, BLOCK_D, CHECK_K,
-                          True)
-
-
-@triton.jit
-def _value_tile(Desc, v_base, kperm, b, hk, start_n, Nk, svn, offs_dv, HEAD_DV: tl.constexpr, BLOCK_DV: tl.constexpr,
-                BLOCK_N: tl.constexpr, NM_M: tl.constexpr, CHECK_K: tl.constexpr, PERMUTED: tl.constexpr,
-                TMA: tl.constexpr):
-    """The value tile of the key tile starting at row-order key ``start_n``: ``(BLOCK_N, BLOCK_DV)``."""
-    if TMA:
-        return tl.reshape(Desc.load([b, hk, start_n, 0]), (BLOCK_N, BLOCK_DV))
-    else:
-        offs_n = start_n + _key_order(BLOCK_N, NM_M)
-        nval = offs_n < Nk
-        return _load_tile(v_base, _orig(kperm, offs_n, nval, PERMUTED), nval, svn, offs_dv, HEAD_DV, BLOCK_DV, CHECK_K,
-                          False)
-
-@triton.jit
 def _tok_vals(idx, valid, b, Pos, s_pos, Seg, s_seg, Val, s_val, off,
               POS: tl.constexpr, SEG: tl.constexpr, VAL: tl.constexpr):
     """Per-token predicate values of original indices ``idx``: position, segment id (both int32:
@@ -352,7 +325,6 @@ def _attention_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SEG: tl.constexpr, QVAL: tl.constexpr, KVAL: tl.constexpr,
     SPION_BS: tl.constexpr, SCHED: tl.constexpr, MODE: tl.constexpr, NATURAL: tl.constexpr,
     TMA: tl.constexpr = False, DQ_ATOMIC: tl.constexpr = False, NM_EXP: tl.constexpr = False,
-    PIPE: tl.constexpr = False,
 ):
     """The template's one kernel. ``MODE``: ``MODE_FWD`` (``out``, ``lse``), ``MODE_DQ`` (the
     backward's ``dq`` from ``DO``, ``Lse`` in log2 units and ``Delta``): one program per (query tile,
@@ -378,8 +350,6 @@ def _attention_kernel(
     PERMUTED: tl.constexpr = POLICY == 2
     # NM_EXP (forward, 2:4 only): the selection is fused with the exponentials instead of applied in _entry
     ENTRY_POLICY: tl.constexpr = 0 if NM_EXP else POLICY
-    # PIPE: the forward over a span schedule with rows in order issues QK^T one key tile ahead
-    PIPE_QK: tl.constexpr = PIPE and MODE == 0 and SCHED == 0 and not PERMUTED
     if PRESCALE:
         sc = 1.0
     else:
@@ -512,38 +482,18 @@ def _attention_kernel(
         n_lo, n_hi = _span(tile * BLOCK_M, tl.minimum(tile * BLOCK_M + BLOCK_M, Nq) - 1, pos_off, win_left, win_right,
                            BLOCK_N, tl.cdiv(Nk, BLOCK_N), POS, HAS_LEFT, HAS_RIGHT)
         lrow, t_lo, t_hi = _inner_tiles(List, Cnt, b, h, tile, slb, slh, slt, scb, sch, n_lo, n_hi, SCHED)
-        if PIPE_QK:
-            # Software pipelining (DESIGN §6): in iteration t the tensor cores first add the previous
-            # tile's P V (waited for), then start tile t+1's QK^T, which runs while tile t's softmax
-            # does; the product of tile t was started in iteration t-1. The first iteration adds a zero
-            # P, the last computes one product it does not use (tile indices clamped to the span).
-            t_last = tl.maximum(t_hi - 1, 0)
-            qk_next = _dot(q, _key_tile_t(Desc0, k_base, kperm, b, hk, tl.minimum(t_lo, t_last) * BLOCK_N, Nk, skn,
-                                          offs_d, HEAD_D, BLOCK_D, BLOCK_N, NM_M, CHECK_K, PERMUTED, TMA),
-                           tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32))
-            p_prev = tl.zeros([BLOCK_M, BLOCK_N], dtype=V.dtype.element_ty)
-            prev_n = tl.minimum(t_lo, t_last) * BLOCK_N
         for t in range(t_lo, t_hi):
             start_n, pred_check = _inner_tile(lrow, t, tile * BLOCK_M, pos_off, win_left, win_right, BLOCK_M, BLOCK_N,
                                               True, SCHED, POS, HAS_LEFT, HAS_RIGHT, PERMUTED, QVAL | KVAL)
             offs_n = start_n + _key_order(BLOCK_N, NM_M)
             nval = offs_n < Nk
             kj = _orig(kperm, offs_n, nval, PERMUTED)
-            if PIPE_QK:
-                acc = _dot(p_prev, _value_tile(Desc1, v_base, kperm, b, hk, prev_n, Nk, svn, offs_dv, HEAD_DV, BLOCK_DV,
-                                               BLOCK_N, NM_M, CHECK_K, PERMUTED, TMA), acc)
-                qk = qk_next
-                qk_next = _dot(q, _key_tile_t(Desc0, k_base, kperm, b, hk, tl.minimum(t + 1, t_last) * BLOCK_N, Nk,
-                                              skn, offs_d, HEAD_D, BLOCK_D, BLOCK_N, NM_M, CHECK_K, PERMUTED, TMA),
-                               tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32))
+            if TMA:
+                kT = tl.trans(tl.reshape(Desc0.load([b, hk, start_n, 0]), (BLOCK_N, BLOCK_D)))
             else:
-                if TMA:
-                    kT = tl.trans(tl.reshape(Desc0.load([b, hk, start_n, 0]), (BLOCK_N, BLOCK_D)))
-                else:
-                    kT = _load_tile(k_base, kj, nval, skn, offs_d, HEAD_D, BLOCK_D, CHECK_K, True)
-                qk = _dot(q, kT, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32))
+                kT = _load_tile(k_base, kj, nval, skn, offs_d, HEAD_D, BLOCK_D, CHECK_K, True)
             kp, ks, kv = _tok_vals(kj, nval, b, KPos, s_kpos, KSeg, s_kseg, KVal, s_kval, 0, POS, SEG, KVAL)
-            s = _entry(qk,
+            s = _entry(_dot(q, kT, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)),
                        offs_m[:, None], offs_n[None, :], qi[:, None], kj[None, :], qp[:, None], qs[:, None], qv[:, None],
                        lo[:, None], hi[:, None], kp[None, :], ks[None, :], kv[None, :], b, h, pred_check, start_n,
                        Mask, smb, smh, smm, smn, Pat, sph, spr, spc, Nq, Nk, win_left, win_right, qk_scale,
@@ -576,19 +526,12 @@ def _attention_kernel(
                 acc = acc * alpha[:, None]
                 if DROPOUT:
                     p = p * _dropout_scale(seed, drop_row[:, None], kj[None, :], dropout_p, inv_keep)
-                if PIPE_QK:  # added at the next iteration's start
-                    p_prev = p.to(V.dtype.element_ty)
-                    prev_n = start_n
+                if TMA:
+                    v = tl.reshape(Desc1.load([b, hk, start_n, 0]), (BLOCK_N, BLOCK_DV))
                 else:
-                    if TMA:
-                        v = tl.reshape(Desc1.load([b, hk, start_n, 0]), (BLOCK_N, BLOCK_DV))
-                    else:
-                        v = _load_tile(v_base, kj, nval, svn, offs_dv, HEAD_DV, BLOCK_DV, CHECK_K, False)
-                    acc = _dot(p.to(v.dtype), v, acc)
+                    v = _load_tile(v_base, kj, nval, svn, offs_dv, HEAD_DV, BLOCK_DV, CHECK_K, False)
+                acc = _dot(p.to(v.dtype), v, acc)
                 m_i = m_new
-        if PIPE_QK:
-            acc = _dot(p_prev, _value_tile(Desc1, v_base, kperm, b, hk, prev_n, Nk, svn, offs_dv, HEAD_DV, BLOCK_DV,
-                                           BLOCK_N, NM_M, CHECK_K, PERMUTED, TMA), acc)
 
         if MODE == 1:
             _store_tile(DQ + b.to(tl.int64) * sdqb + h.to(tl.int64) * sdqh, qi, mval, sdqm, offs_d, acc * sm_scale,
