@@ -101,9 +101,11 @@ BWD_CONFIGS_NM: Dict[int, List[Config]] = {
 # Per-GPU defaults: the first candidate of a dense-tile kernel (no N:M selection) where tuning is off.
 # Picked by ``attention.py --sweep`` on an H100 (bf16, B=4, H=16, N=16384, D 64/128, the sum of the
 # causal and non-causal times; results/sweep_h100.json); the lists' own first entries are the H200's.
+# ("bwd", 128): Q and dO through TMA in the dK/dV pass, 50.0 + 28.9 ms against 53.8 + 28.6 ms without
+# (results/sweep_h100_bwd128.json, a later run).
 GPU_DEFAULTS: Dict[str, Dict[tuple, Config]] = {
     "h100": {("fwd", 64): _cfg(128, 64, 8, 4), ("fwd", 128): dict(_cfg(128, 128, 8, 3), TMA=1),
-             ("bwd", 64): dict(_cfg(64, 64, 4, 3), TMA=1), ("bwd", 128): _cfg(64, 64, 4, 2)},
+             ("bwd", 64): dict(_cfg(64, 64, 4, 3), TMA=1), ("bwd", 128): dict(_cfg(64, 64, 4, 2), TMA=1, TMA_Q=1)},
 }
 _GPU_TAGS: Dict[int, str] = {}
 
