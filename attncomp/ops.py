@@ -367,13 +367,17 @@ _CALLS: dict = {}
 _MAX_CALLS = 1024
 
 
-def _call_key(spec: str, q, k, v, attn_mask, q_valid, k_valid, dropout_p, seed) -> tuple:
+def _selection_state() -> tuple:
     global _select_env
     if _select_env is None:
         from .runtime.dispatch import selection_state as _select_env
+    return _select_env()
+
+
+def _call_key(spec: str, q, k, v, attn_mask, q_valid, k_valid, dropout_p, seed) -> tuple:
     preds = None if q_valid is None and k_valid is None else (q_valid, k_valid)
     s = seed_mix(seed)  # by what kernels specialise an integer on (1, multiple of 16): one plan per class
-    return spec, _select_env(), call_signature(q, k, v, attn_mask, preds, dropout_p), s == 1, s & 15 == 0
+    return spec, _selection_state(), call_signature(q, k, v, attn_mask, preds, dropout_p), s == 1, s & 15 == 0
 
 
 _select = None
@@ -398,15 +402,17 @@ def _attention_impl(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor]
                     k_pos: Optional[Tensor], q_seg: Optional[Tensor], k_seg: Optional[Tensor],
                     q_valid: Optional[Tensor], k_valid: Optional[Tensor], spec: str, dropout_p: float,
                     seed: int) -> Tuple[Tensor, Tensor]:
-    key = None
+    key = state = None
     if (q_aux is None and k_aux is None and block_pattern is None and q_pos is None and k_pos is None
             and q_seg is None and k_seg is None):
-        key = _call_key(spec, q, k, v, attn_mask, q_valid, k_valid, dropout_p, seed)
-        plan = _CALLS.get(key)
-        if plan is not None:
-            res = plan.call(q, k, v, attn_mask, q_valid, k_valid, seed)
-            if res is not None:
-                return res
+        if _CALLS:  # (no key is built while no backend has given a plan: SDPA or the reference on a CPU)
+            key = _call_key(spec, q, k, v, attn_mask, q_valid, k_valid, dropout_p, seed)
+            plan = _CALLS.get(key)
+            if plan is not None:
+                res = plan.call(q, k, v, attn_mask, q_valid, k_valid, seed)
+                if res is not None:
+                    return res
+        state = _selection_state() if key is None else key[1]
     s = _resolved(spec, q.dtype)
     preds = _preds(q_pos, k_pos, q_seg, k_seg, q_valid, k_valid)
     be = _backend_for(s, q, k, v, preds, dropout_p, attn_mask)
@@ -414,10 +420,12 @@ def _attention_impl(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor]
         q_aux, k_aux = _derive_buckets(s, be, q, k, q_aux, k_aux)
     out, lse = be.forward(s, q, k, v, attn_mask, q_aux, k_aux, block_pattern, dropout_p, seed, **_pkw(preds))
     out = _laid_out(out)
-    if key is not None:
+    if state is not None:
         taken = getattr(be, "taken_plan", None)
         plan = taken() if taken is not None else None
-        if plan is not None and key[1] == _select_env():  # the choice was a kept one (see selection_state)
+        if plan is not None and state == _selection_state():  # the choice was a kept one (see selection_state)
+            if key is None:
+                key = _call_key(spec, q, k, v, attn_mask, q_valid, k_valid, dropout_p, seed)
             bounded_put(_CALLS, key, plan, _MAX_CALLS)
     return out, lse
 

@@ -307,6 +307,15 @@ def candidate_pairs(policy, D, dtype, sweep: bool, tune: bool):
 
 # ---------------------------------------------------------------------------------------------
 
+def config_name(c: dict) -> str:
+    """``128x64w8s3+tma``: a launch configuration in a word (``T``: key tiles outer, ``NATURAL=0``;
+    ``+dq...``: the dQ launch's tiles, warps and stages)."""
+    return (f"{c['BLOCK_M']}x{c['BLOCK_N']}w{c['num_warps']}s{c['num_stages']}{'T' if c.get('NATURAL') == 0 else ''}"
+            f"{'+dq' + 'x'.join(map(str, c['DQ'])) if c.get('DQ') else ''}{'+tma' if c.get('TMA') else ''}"
+            f"{'+tmaq' if c.get('TMA_Q') else ''}{'+atomic' if c.get('DQ_ATOMIC') else ''}"
+            f"{'+nmexp' if c.get('NM_EXP') else ''}")
+
+
 def _sweep_ms(fn, cfg) -> Optional[float]:
     """The time of one candidate (printed as it is measured), or ``None`` (printed) when it does not
     compile or run here."""
@@ -366,12 +375,7 @@ def sweep(args, policies, dims, causals, passes_list) -> List[dict]:
         if key[0] == "sdpa":
             print(f"sdpa  D{key[1]:<3d} N{key[2]:<5d} c{int(key[3])} {key[4]}: {rows[0]['ms']:.3f}")
             continue
-        cells = "  ".join(f"{c['config']['BLOCK_M']}x{c['config']['BLOCK_N']}w{c['config']['num_warps']}"
-                          f"s{c['config']['num_stages']}{'T' if c['config'].get('NATURAL') == 0 else ''}"
-                          f"{'+dq' + 'x'.join(map(str, c['config']['DQ'])) if c['config'].get('DQ') else ''}"
-                          f"{'+tma' if c['config'].get('TMA') else ''}{'+tmaq' if c['config'].get('TMA_Q') else ''}"
-                          f"{'+atomic' if c['config'].get('DQ_ATOMIC') else ''}"
-                          f"={c['ms']:.3f}" for c in rows)
+        cells = "  ".join(f"{config_name(c['config'])}={c['ms']:.3f}" for c in rows)
         print(f"{key[0]:5s} D{key[1]:<3d} N{key[2]:<5d} c{int(key[3])} {key[4]}: {cells}")
     return res
 

@@ -33,6 +33,9 @@ import tempfile
 from typing import Dict, List, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from attention import config_name, make_spec  # noqa: E402
 
 SMEM_PER_SM = 228 * 1024
 SMEM_PER_BLOCK = 227 * 1024
@@ -128,21 +131,6 @@ def kernel_stats(kernel, num_warps: int) -> Dict:
                 wgmma=ptx.count("wgmma.mma_async"))
 
 
-def cfg_name(c: Dict) -> str:
-    """``128x64w8s3+tma``: a launch configuration in a word."""
-    return (f"{c['BLOCK_M']}x{c['BLOCK_N']}w{c['num_warps']}s{c['num_stages']}"
-            + ("+dq" + "x".join(map(str, c["DQ"])) if c.get("DQ") else "")
-            + "".join(f"+{k.lower()}" for k in ("TMA", "TMA_Q", "DQ_ATOMIC", "NM_EXP") if c.get(k))
-            + ("+keys-outer" if c.get("NATURAL") == 0 else ""))
-
-
-def _make_spec(policy: str, causal: bool):
-    from attncomp.policy import DFSS
-    from attncomp.spec import AttentionSpec
-
-    return AttentionSpec(causal=causal, dtype="bfloat16", **({"policy": DFSS(2, 4)} if policy == "dfss" else {}))
-
-
 def compile_config(policy: str, causal: bool, D: int, passes: str, cfg: Dict, N: int = 1024,
                    options: Optional[Dict] = None) -> List[Dict]:
     """Compile the kernels of one call (``passes``: ``fwd`` or ``bwd``) under ``cfg`` (and the compile
@@ -154,7 +142,7 @@ def compile_config(policy: str, causal: bool, D: int, passes: str, cfg: Dict, N:
 
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 2, N, D, dtype=torch.bfloat16) for _ in range(3))
-    spec = _make_spec(policy, causal)
+    spec = make_spec(policy, causal, torch.bfloat16)
     with sm90_compiles(options) as got:
         if passes == "fwd":
             TB.attention_forward(spec, q, k, v, config=cfg)
@@ -190,7 +178,7 @@ def run(args) -> List[Dict]:
                         except Exception as e:  # a configuration that does not compile is a row with its error
                             got = [dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")]
                         for i, r in enumerate(got):
-                            row = dict(policy=policy, D=D, passes=passes, causal=causal, config=cfg_name(cfg),
+                            row = dict(policy=policy, D=D, passes=passes, causal=causal, config=config_name(cfg),
                                        launch=i, **r)
                             rows.append(row)
                             print(_fmt(row), flush=True)

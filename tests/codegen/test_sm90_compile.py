@@ -3,7 +3,7 @@ forward's without spilling registers, checked on any machine by ``benchmarks/sm9
 for a stand-in sm_90 target; ``ptxas -v`` reads the kernels). In a subprocess: the other kernel tests of
 this suite run Triton's interpreter, which replaces the kernels by Python functions for the whole process.
 
-The D=128 backward defaults spill a few dozen bytes per thread in the dK/dV pass; the tiles that do not
+The D=128 backward defaults spill 28-132 bytes per thread in the dK/dV pass; the tiles that do not
 (64x64 keys by queries on two warp groups, 32x64 on one) measured slower on the H100
 (``benchmarks/results/sweep_h100_bwd128.json``), so spills are checked for the forward only."""
 

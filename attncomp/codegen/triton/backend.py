@@ -168,7 +168,7 @@ class Site:
         if self.policy == POLICY_SORTED:
             # the window around default positions becomes part of each query's key range (computed
             # by the counting sort's scatter, or by window_ranges for other layouts)
-            window = spec_window(spec, self.Nq, self.Nk) if self.pos == POS_ARANGE else None
+            window = (self.pos_off, left, right) if self.pos == POS_ARANGE else None
             if layout is None:
                 if q_aux is None and k_aux is None:
                     # derived on the device, fused with the sort: LSH buckets, or keep draws of the policy's seed

@@ -78,8 +78,8 @@ BWD_CONFIGS: Dict[int, List[Config]] = {
 BWD_CONFIGS[64] += [dict(_cfg(64, 64, 4, 3), TMA=1), dict(_cfg(64, 128, 8, 3), DQ=(128, 64, 8, 3), TMA=1)]
 BWD_CONFIGS[128] += [dict(_cfg(64, 128, 8, 2), DQ=(128, 64, 8, 3), TMA=1),
                      dict(_cfg(64, 128, 8, 2), DQ=(128, 128, 8, 2), TMA=1)]
-# ``TMA_Q``: the dK/dV launch streams Q and dO through descriptors too; tuning candidates only (on the
-# H100, benchmarks/hopper.py: faster without a mask, slower causal, at D=128 N=16384)
+# ``TMA_Q``: the dK/dV launch streams Q and dO through descriptors too (on the H100, benchmarks/hopper.py:
+# faster without a mask, slower causal, at D=128 N=16384); the H100's D=128 default (GPU_DEFAULTS)
 BWD_CONFIGS[64] += [dict(_cfg(64, 64, 4, 3), TMA=1, TMA_Q=1)]
 BWD_CONFIGS[128] += [dict(_cfg(64, 64, 4, 2), TMA=1, TMA_Q=1), dict(_cfg(64, 128, 8, 2), DQ=(128, 64, 8, 3), TMA=1,
                                                                    TMA_Q=1)]
