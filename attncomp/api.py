@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_flatten
 from . import ops
 from .passes.base import CompileContext, SiteReport, counters
 from .passes.capture import CaptureError, capture, split_inputs
+from .passes.inline_sdpa import enabled as inline_sdpa_enabled, inline_sdpa
 from .passes.pipeline import run_passes
 from .policy import Policy, get_policy
 from .spec import BACKENDS
@@ -151,7 +152,10 @@ class _GraphCompiler:
 
         patches = dict(torch._inductor.list_mode_options(self.mode)) if self.mode else {}
         patches["post_grad_custom_post_pass"] = _op_revision_pass()
-        lifted, seeds, inputs = _lift_seeds(gm, list(example_inputs))
+        # SDPA sites become traced SDPA calls in Inductor's copy of the graph only (the graph kept
+        # above, and exports, keep the op)
+        lowered = inline_sdpa(_copy_graph_module(gm), ctx).graph_module if inline_sdpa_enabled() else gm
+        lifted, seeds, inputs = _lift_seeds(lowered, list(example_inputs))
         _name_new_constants(lifted)
         try:
             compiled = compile_fx(lifted, inputs, config_patches=patches or None)

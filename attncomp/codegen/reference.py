@@ -29,7 +29,7 @@ import torch
 from ..policy import DFSS, Drop, Hash, SPION, uniform_hash
 from ..spec import AttentionSpec, Predicates
 
-__all__ = ["attention", "keep_mask", "logits", "dropout_keep", "predicate_mask", "default_positions"]
+__all__ = ["attention", "keep_mask", "logits", "dropout_keep", "predicate_mask", "default_positions", "tracing"]
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -41,13 +41,20 @@ def _expand_kv(x: torch.Tensor, hq: int) -> torch.Tensor:
     return x if hk == hq else x.repeat_interleave(hq // hk, dim=1)
 
 
+def tracing() -> bool:
+    """Whether torch ops run under a dispatch mode now (fake tensors, functionalisation, a tracer's
+    proxies, or a user's mode): tensors made now must not enter a cache that real calls read."""
+    return torch._C._len_torch_dispatch_stack() > 0
+
+
 def default_positions(spec: AttentionSpec, nq: int, nk: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(q_pos, k_pos)`` as ``(1, Nq)``/``(1, Nk)`` int64 when the caller gives none: ``arange``, the
     queries shifted by ``Nk - Nq`` under bottom-right alignment (the last query sees the last key)."""
     off = (nk - nq) if spec.causal_align == "bottom_right" else 0
     device = torch.device(device)
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        # memory allocated inside a CUDA graph capture belongs to the graph: not for a cache
+    if tracing() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        # a traced call (fake or functional tensors) records its own; memory allocated inside a CUDA
+        # graph capture belongs to the graph: neither is for a cache
         return _positions.__wrapped__(nq, off, device), _positions.__wrapped__(nk, 0, device)
     return _positions(nq, off, device), _positions(nk, 0, device)
 

@@ -21,9 +21,9 @@ import torch
 from torch import Tensor
 
 from ..spec import AttentionSpec, Predicates
-from .reference import default_positions, predicate_mask
+from .reference import default_positions, predicate_mask, tracing
 
-__all__ = ["SdpaBackend", "keeps_all", "top_left_causal_only"]
+__all__ = ["SdpaBackend", "inline_attention", "keeps_all", "top_left_causal_only"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _CUDA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -59,7 +59,10 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
 
 def _const(value: float, dtype: torch.dtype, device) -> Tensor:
     """A 0-dim tensor of ``value``, cached per dtype and device (a Python scalar in ``torch.where``
-    costs a host-to-device copy per call on CUDA); built fresh while a CUDA graph is captured."""
+    costs a host-to-device copy per call on CUDA); built fresh while a CUDA graph is captured or the
+    call is traced (a fake or functional tensor must not reach real calls)."""
+    if tracing():
+        return torch.full((), value, dtype=dtype, device=device)
     key = (value, dtype, device)
     t = _CONSTS.get(key)
     if t is None:
@@ -169,6 +172,9 @@ class SdpaBackend:
         return None
 
     # -- forward ------------------------------------------------------------------------------
+    #: the forward in torch ops a tracer records, for compiled graphs (see :func:`inline_attention`)
+    inline_forward = staticmethod(lambda *args: inline_attention(*args))
+
     def forward(self, spec, q, k, v, attn_mask, q_aux, k_aux, block_pattern, dropout_p, seed, preds=None):
         if dropout_p:
             raise RuntimeError("SDPA backend: dropout is not run here (attncomp's dropout draws differ)")
@@ -224,6 +230,22 @@ class SdpaBackend:
             _dense(grad_out.to(q.dtype)), _dense(q), _dense(kk), _dense(vv), _dense(out), raw, 0.0, is_causal,
             attn_mask=bias, scale=_scale(spec, q.shape[-1]))
         return dq, _sum_groups(dk, hk), _sum_groups(dv, hk), None
+
+
+def inline_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], q_pos: Optional[Tensor],
+                     k_pos: Optional[Tensor], q_seg: Optional[Tensor], k_seg: Optional[Tensor],
+                     q_valid: Optional[Tensor], k_valid: Optional[Tensor], spec_json: str) -> Tuple[Tensor, Tensor]:
+    """``(out, lse)`` of a site that runs SDPA's kernel, in torch ops a tracer records: what
+    ``attncomp::attention`` computes on this backend (:meth:`SdpaBackend.forward`), for a compiled
+    graph to call in the op's place (``attncomp/passes/inline_sdpa.py``). Inductor then builds the
+    mask from the predicate vectors in its own fused code and calls SDPA's kernel directly, as it does
+    for ``torch.compile``; autograd differentiates SDPA's kernel as it does there."""
+    from ..ops import _resolved
+
+    spec = _resolved(spec_json, q.dtype)
+    preds = Predicates(q_pos, k_pos, q_seg, k_seg, q_valid, k_valid)
+    out, lse, _ = SdpaBackend()._forward(spec, q, k, v, attn_mask, preds if preds.any() else None)
+    return out, lse
 
 
 # -- CUDA (run by the GPU issue; the CPU tests cover the choice logic) ----------------------------

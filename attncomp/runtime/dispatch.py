@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["select_backend", "triton_available", "SEQ_RULE", "seq_rule_key", "seq_rule", "choose_form",
            "describe_rule", "record_seq_rule", "clear_rule_cache", "DENSE_CHOICE", "dense_choice_key",
-           "dense_choice", "record_dense_choice", "describe_choice", "predicate_kind"]
+           "dense_choice", "record_dense_choice", "describe_choice", "predicate_kind", "inline_choice"]
 
 #: autotune-store name under which sequence-length rules are kept
 SEQ_RULE = "seq_len_rule"
@@ -361,6 +361,52 @@ def _auto_explained(spec, q, n_keys, v=None, preds=None, dropout_p=None, k=None,
         if _runs(be, spec, q, v, preds):
             return be, f, f"{f} ({names[f]}): {describe_rule(rule)}"
     return get_backend("reference"), "reference", "no fused kernel runs this site: the exact reference"
+
+
+def inline_choice(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, preds=None,
+                  dropout_p: float = 0.0, attn_mask: Optional[torch.Tensor] = None) -> Tuple[bool, str]:
+    """Whether every call of a compiled site with these (fake or real) tensors runs SDPA's kernel,
+    decided now without timing anything, and why (or why not). Such a site may be traced into its
+    graph (``attncomp/passes/inline_sdpa.py``): on a CPU every keep-everything call without dropout;
+    on a GPU where Triton cannot run it, or where the autotune store already holds SDPA as the
+    measured winner for its shape bucket (sizes must then be static)."""
+    if dropout_p or spec.dropout_p:
+        return False, "dropout (attncomp's draws differ from SDPA's)"
+    if not keeps_all(spec):
+        return False, f"policy {spec.policy.name!r} does not keep every allowed entry"
+    if spec.backend not in ("auto", "sdpa"):
+        return False, f"backend {spec.backend!r} asked"
+    try:
+        sd = get_backend("sdpa")
+    except (ImportError, ValueError):
+        return False, "no SDPA backend registered"
+    if not hasattr(sd, "inline_forward") or not _runs_sdpa(sd, spec, q, v, preds):
+        return False, "SDPA's kernel does not run this call"
+    if spec.backend == "sdpa":
+        return True, "sdpa (as asked)"
+    arch = _gpu_arch(q)
+    if arch is None:
+        return True, "SDPA's CPU kernel (every CPU call of a keep-everything site without dropout)"
+    if not triton_available():
+        return True, "no Triton: SDPA's kernel"
+    try:
+        tr = get_backend("triton")
+    except (ImportError, ValueError):
+        return True, "no Triton backend: SDPA's kernel"
+    if not _runs(tr, spec, q, v, preds):
+        return True, "Triton does not run this call: SDPA's kernel"
+    nq, nk, d = (_static(x) for x in (q.shape[-2], k.shape[-2], q.shape[-1]))
+    hq, hk = _static(q.shape[1]), _static(k.shape[1])
+    if None in (nq, nk, d, hq, hk):
+        return False, "dynamic sizes: SDPA against Triton is chosen per call"
+    kind = predicate_kind(spec, preds, nq, nk, attn_mask is not None)
+    if dense_choice(dense_choice_key(nq, nk, d, q.dtype, kind, arch, hq // hk)) == "sdpa":
+        return True, "SDPA measured faster than Triton for this shape bucket (autotune store)"
+    return False, "SDPA against Triton not measured, or Triton faster, for this shape bucket"
+
+
+def _static(x) -> Optional[int]:
+    return x if isinstance(x, int) else None
 
 
 def _runs_sdpa(sd, spec, q, v, preds) -> bool:

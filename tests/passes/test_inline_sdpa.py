@@ -1,0 +1,242 @@
+"""SDPA sites traced into the graph Inductor compiles (``attncomp/passes/inline_sdpa.py``): what the
+compiled model computes, that the op is not called at run time where SDPA's kernel is the choice,
+that the kept graphs and the report still show the op, and the sites that keep it say why."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import attncomp
+from attncomp import ops
+from attncomp.codegen import get_backend
+from attncomp.codegen.reference import attention as reference_attention
+from attncomp.runtime import autotune, dispatch
+from attncomp.spec import AttentionSpec, Predicates
+from tests.utils import rel_err
+
+transformers = pytest.importorskip("transformers")
+
+from tests.e2e.hf_zoo import ZOO, text  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
+
+@pytest.fixture
+def op_calls(monkeypatch):
+    """The op's implementation calls (eager, or from compiled code after its first call)."""
+    calls = []
+    real = ops._attention_impl
+
+    def counted(*args):
+        calls.append(args[ops.ARG_INDEX["spec"]])
+        return real(*args)
+
+    monkeypatch.setattr(ops, "_attention_impl", counted)
+    monkeypatch.setattr(ops, "_direct_impl", torch._disable_dynamo(counted))
+    return calls
+
+
+def _outputs(out):
+    return out.last_hidden_state if hasattr(out, "last_hidden_state") else out.logits
+
+
+# Llama's RMSNorm computes in float32 whatever the model's dtype: fused differently by Inductor
+@pytest.mark.parametrize("name,side,tol", [("gpt2", "right", 1e-10), ("llama", "left", 1e-6), ("bert", "right", 1e-10)])
+def test_cpu_dense_sites_run_as_traced_sdpa_and_match_float64_eager(name, side, tol, op_calls):
+    fam = ZOO[name]
+    torch.manual_seed(0)
+    model = fam.build().double()
+    fast = attncomp.compile(model, inductor=True)
+    for _ in range(2):  # fresh inputs each call, the second one through the compiled code as it stands
+        x = text(3, 11, side=side)
+        with torch.no_grad():
+            want = _outputs(model(**x))
+            got = _outputs(fast(**x))
+        valid = x["attention_mask"].bool()
+        # padded query rows: the model's own output there is arbitrary (attncomp gives zero attention)
+        assert rel_err(got[valid], want[valid]) < tol, name
+    assert op_calls == [], "an SDPA site called the op at run time"
+    rep = attncomp.report(fast)
+    assert rep.rewritten == fam.sites
+    for s in rep.sites:
+        assert s.details["inline_sdpa"].startswith("traced into the Inductor graph: SDPA's CPU kernel"), str(rep)
+    assert rep.counters["inline_sdpa"]["inlined"] == fam.sites
+    # the graphs kept for the report and for export still hold the op
+    assert sum(ops.is_attention_node(n) for g in fast.graphs for n in g.graph.nodes) == fam.sites
+    assert not [n for n in rep.notes if "graph break" in n], str(rep)
+
+
+def test_training_step_through_traced_sdpa_matches_float64_eager(op_calls):
+    fam = ZOO["llama"]
+    torch.manual_seed(1)
+    model = fam.build().double().train()
+    fast = attncomp.compile(model, inductor=True)
+    x = text(2, 9, side="right")
+    w = torch.randn(2, 9, model.config.vocab_size, dtype=torch.float64)
+    valid = x["attention_mask"].bool()
+    grads = []
+    for run in (model, fast):
+        model.zero_grad(set_to_none=True)
+        (run(**x).logits[valid] * w[valid]).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    scale = max(float(g.norm()) for g in grads[0].values())
+    for n in grads[0]:  # (Llama's RMSNorm runs in float32, see above)
+        assert float((grads[1][n] - grads[0][n]).norm()) / scale < 1e-6, n
+    assert op_calls == []
+    assert attncomp.report(fast).counters["inline_sdpa"]["inlined"] == fam.sites
+
+
+def test_switched_off_the_op_runs(monkeypatch, op_calls):
+    monkeypatch.setenv("ATTNCOMP_INLINE_SDPA", "0")
+    fam = ZOO["gpt2"]
+    torch.manual_seed(0)
+    model = fam.build()
+    fast = attncomp.compile(model, inductor=True)
+    x = text(2, 8)
+    with torch.no_grad():
+        fast(**x)
+        op_calls.clear()  # (counted from the second call: the first one compiles)
+        fast(**x)
+    assert len(op_calls) == fam.sites
+    assert "inline_sdpa" not in attncomp.report(fast).sites[0].details
+
+
+class BiasAttn(nn.Module):
+    """Attention with an additive bias that may be a trained parameter."""
+
+    def __init__(self, n=6, d=8, trained=False):
+        super().__init__()
+        bias = torch.randn(n, n, dtype=torch.float64)
+        self.bias = nn.Parameter(bias) if trained else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=self.bias)
+
+
+def test_sites_that_keep_the_op_say_why(op_calls):
+    q, k, v = (torch.randn(2, 3, 6, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    # a trained bias: SDPA's kernels give it no gradient, the op does
+    model = BiasAttn(trained=True)
+    fast = attncomp.compile(model, inductor=True)
+    out = fast(q, k, v)
+    want = model(q, k, v)
+    assert rel_err(out, want) < 1e-10
+    g = torch.randn_like(out)
+    got_grad = torch.autograd.grad(out, model.bias, g)[0]
+    want_grad = torch.autograd.grad(want, model.bias, g)[0]
+    assert rel_err(got_grad, want_grad) < 1e-10
+    op_calls.clear()
+    fast(q, k, v)
+    assert len(op_calls) == 1
+    detail = attncomp.report(fast).sites[0].details["inline_sdpa"]
+    assert detail.startswith("op kept: the float mask requires grad"), detail
+    # a policy that drops entries runs on the reference on a CPU: the op stays
+    torch._dynamo.reset()
+    fast = attncomp.compile(BiasAttn(), policy="dfss", inductor=True)
+    with torch.no_grad():
+        fast(q, k, v)
+        op_calls.clear()
+        fast(q, k, v)
+    assert len(op_calls) == 1
+    detail = attncomp.report(fast).sites[0].details["inline_sdpa"]
+    assert detail == "op kept: policy 'dfss' does not keep every allowed entry", detail
+
+
+def test_eager_calls_after_tracing_get_real_tensors():
+    """Tracing the SDPA forward makes constants and positions under fake tensors: none may enter the
+    caches that eager calls read (and eager calls' cached ones may not enter a trace)."""
+    spec = AttentionSpec(causal=True)
+
+    def eager_check(n):
+        q, k, v = (torch.randn(2, 3, n, 8, dtype=torch.float64) for _ in range(3))
+        kv = torch.rand(2, n) > 0.3
+        kv[:, 0] = True
+        got = ops.attention(q, k, v, spec=spec, k_valid=kv)
+        want = reference_attention(q, k, v, spec=spec, preds=Predicates(k_valid=kv))[0]
+        assert rel_err(got, want) < 1e-12
+
+    eager_check(7)                                    # fills the caches with real tensors
+    fam = ZOO["gpt2"]
+    torch.manual_seed(0)
+    model = fam.build().double()
+    fast = attncomp.compile(model, inductor=True)
+    x = text(2, 7)
+    with torch.no_grad():
+        assert rel_err(_outputs(fast(**x)), _outputs(model(**x))) < 1e-10
+    eager_check(7)
+    eager_check(5)
+
+
+# -- the choice (a fake GPU, no timing) -----------------------------------------------------------
+
+class _Backend:
+    def __init__(self, name, ok=True):
+        self.name, self.ok = name, ok
+
+    def supports(self, spec, q, preds=None):
+        return None if self.ok else "not this one"
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    sdpa = _Backend("sdpa")
+    sdpa.inline_forward = get_backend("sdpa").inline_forward
+    backends = {"sdpa": sdpa, "triton": _Backend("triton"), "reference": _Backend("reference")}
+    monkeypatch.setattr(dispatch, "_gpu_arch", lambda q: "sm_90")
+    monkeypatch.setattr(dispatch, "triton_available", lambda: True)
+    monkeypatch.setattr(dispatch, "get_backend", lambda name: backends[name])
+
+    def no_timing(*a, **kw):
+        raise AssertionError("the inline choice must not time kernels")
+
+    monkeypatch.setattr(dispatch, "_time_candidates", no_timing)
+    dispatch.clear_rule_cache()
+    autotune.clear_memo()
+    yield backends
+    dispatch.clear_rule_cache()
+    autotune.clear_memo()
+
+
+def test_gpu_inlines_only_a_stored_sdpa_winner(fake_gpu):
+    spec = AttentionSpec(causal=True)
+    q = torch.empty(2, 8, 512, 64, dtype=torch.float16)
+    k = torch.empty(2, 2, 512, 64, dtype=torch.float16)
+    kv = torch.ones(2, 512, dtype=torch.bool)
+    preds = Predicates(k_valid=kv)
+    ok, why = dispatch.inline_choice(spec, q, k, k, preds)
+    assert not ok and "not measured" in why, why
+    key = dispatch.dense_choice_key(512, 512, 64, q.dtype, "causal+mask", "sm_90", 4)
+    dispatch.record_dense_choice(key, {"sdpa": 2.0, "triton": 1.0})
+    assert not dispatch.inline_choice(spec, q, k, k, preds)[0]
+    dispatch.record_dense_choice(key, {"sdpa": 1.0, "triton": 2.0})
+    ok, why = dispatch.inline_choice(spec, q, k, k, preds)
+    assert ok and "measured faster" in why, why
+    # another bucket (no padding: the causal kind) is not covered by that measurement
+    assert not dispatch.inline_choice(spec, q, k, k, None)[0]
+    # Triton cannot run it: SDPA whatever was measured
+    fake_gpu["triton"].ok = False
+    ok, why = dispatch.inline_choice(spec, q, k, k, None)
+    assert ok and "Triton does not run" in why, why
+
+
+@pytest.mark.parametrize("case,expect", [
+    (dict(dropout_p=0.1), "dropout"),
+    (dict(spec=AttentionSpec(policy=attncomp.get_policy("hash"))), "does not keep every allowed entry"),
+    (dict(spec=AttentionSpec(backend="triton")), "backend 'triton' asked"),
+])
+def test_inline_choice_refusals(case, expect):
+    q = torch.randn(1, 2, 8, 16)
+    spec = case.get("spec", AttentionSpec())
+    ok, why = dispatch.inline_choice(spec, q, q, q, None, case.get("dropout_p", 0.0))
+    assert not ok and expect in why, why
+
+
+def test_inline_choice_on_cpu_and_as_asked():
+    q = torch.randn(1, 2, 8, 16)
+    assert dispatch.inline_choice(AttentionSpec(), q, q, q)[0]
+    assert dispatch.inline_choice(AttentionSpec(backend="sdpa"), q, q, q) == (True, "sdpa (as asked)")
+    # a value head dim SDPA cannot take (a folded site)
+    assert not dispatch.inline_choice(AttentionSpec(), q, q, torch.randn(1, 2, 8, 32))[0]
