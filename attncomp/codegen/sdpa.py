@@ -250,6 +250,24 @@ def inline_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor
 
 # -- CUDA (run by the GPU issue; the CPU tests cover the choice logic) ----------------------------
 
+def prepared_forward(spec: AttentionSpec, q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
+                     preds: Optional[Predicates]):
+    """A callable that runs SDPA's CUDA kernel on these tensors with its mask built (and aligned) once
+    beforehand: what a traced site's compiled code runs per call besides Inductor's fused kernel that
+    builds the mask (``attncomp.runtime.dispatch`` times it against the op)."""
+    hq, nk = q.shape[1], k.shape[-2]
+    kk, vv = _expand(k, hq), _expand(v, hq)
+    is_causal, bias, _ = _plan(spec, q, k, attn_mask, preds)
+    scale = _scale(spec, q.shape[-1])
+    if _use_flash(q, k, bias, is_causal):
+        return lambda: torch.ops.aten._scaled_dot_product_flash_attention(q, kk, vv, 0.0, is_causal, False,
+                                                                          scale=scale)
+    if bias is not None:
+        bias = _aligned_bias(bias, q, nk)
+    return lambda: torch.ops.aten._scaled_dot_product_efficient_attention(q, kk, vv, bias, True, 0.0, is_causal,
+                                                                          scale=scale)
+
+
 def _aligned_bias(bias: Tensor, q: Tensor, nk: int) -> Tensor:
     """The memory-efficient kernel wants the bias's last dim contiguous and 16-element aligned: pad,
     then take a view of the first ``nk`` columns (broadcast dims stay stride 0)."""

@@ -69,7 +69,8 @@ def _why_not(node: fx.Node):
     # example value: the node stands in)
     preds = Predicates(*(_arg(node, n) for n in Predicates._fields))
     spec = ops._resolved(node.args[spec_index(node)], q.dtype)
-    ok, why = dispatch.inline_choice(spec, q, k, v, preds if preds.any() else None, float(dropout), mask)
+    ok, why = dispatch.inline_choice(spec, q, k, v, preds if preds.any() else None, float(dropout), mask,
+                                     measure=True)
     return (None, why) if ok else (why, None)
 
 

@@ -54,12 +54,16 @@ log = logging.getLogger(__name__)
 
 __all__ = ["select_backend", "triton_available", "SEQ_RULE", "seq_rule_key", "seq_rule", "choose_form",
            "describe_rule", "record_seq_rule", "clear_rule_cache", "DENSE_CHOICE", "dense_choice_key",
-           "dense_choice", "record_dense_choice", "describe_choice", "predicate_kind", "inline_choice"]
+           "dense_choice", "record_dense_choice", "describe_choice", "predicate_kind", "inline_choice",
+           "INLINE_CHOICE"]
 
 #: autotune-store name under which sequence-length rules are kept
 SEQ_RULE = "seq_len_rule"
 #: autotune-store name of the measured SDPA-vs-Triton choice for keep-everything sites on CUDA
 DENSE_CHOICE = "dense_kernel_choice"
+#: autotune-store name of the measured choice for compiled keep-everything sites on CUDA: SDPA's kernel
+#: traced into the graph against the op on Triton, per call with host time (:func:`inline_choice`)
+INLINE_CHOICE = "dense_inline_choice"
 
 _rule_cache: Dict[tuple, Optional[Dict[str, Any]]] = {}
 _choice_cache: Dict[tuple, Optional[str]] = {}
@@ -364,12 +368,15 @@ def _auto_explained(spec, q, n_keys, v=None, preds=None, dropout_p=None, k=None,
 
 
 def inline_choice(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, preds=None,
-                  dropout_p: float = 0.0, attn_mask: Optional[torch.Tensor] = None) -> Tuple[bool, str]:
-    """Whether every call of a compiled site with these (fake or real) tensors runs SDPA's kernel,
-    decided now without timing anything, and why (or why not). Such a site may be traced into its
-    graph (``attncomp/passes/inline_sdpa.py``): on a CPU every keep-everything call without dropout;
-    on a GPU where Triton cannot run it, or where the autotune store already holds SDPA as the
-    measured winner for its shape bucket (sizes must then be static)."""
+                  dropout_p: float = 0.0, attn_mask: Optional[torch.Tensor] = None,
+                  measure: bool = False) -> Tuple[bool, str]:
+    """Whether a compiled site with these (fake or real) tensors runs SDPA's kernel traced into its
+    graph (``attncomp/passes/inline_sdpa.py``), and why (or why not). On a CPU: every keep-everything
+    call without dropout. On a GPU: where Triton cannot run it; where the autotune store holds SDPA's
+    kernel as faster than Triton's for its shape bucket (the op would run SDPA then); otherwise by
+    the stored :data:`INLINE_CHOICE` for the bucket, measured now when absent and ``measure`` is set
+    (:func:`_inline_times`: per call, host time included, where a model with small attention calls
+    waits on the host). Symbolic sizes are measured at their hints (the sizes of the first call)."""
     if dropout_p or spec.dropout_p:
         return False, "dropout (attncomp's draws differ from SDPA's)"
     if not keeps_all(spec):
@@ -395,18 +402,113 @@ def inline_choice(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torc
         return True, "no Triton backend: SDPA's kernel"
     if not _runs(tr, spec, q, v, preds):
         return True, "Triton does not run this call: SDPA's kernel"
-    nq, nk, d = (_static(x) for x in (q.shape[-2], k.shape[-2], q.shape[-1]))
-    hq, hk = _static(q.shape[1]), _static(k.shape[1])
-    if None in (nq, nk, d, hq, hk):
-        return False, "dynamic sizes: SDPA against Triton is chosen per call"
+    sizes = [_hint(x) for x in q.shape] + [_hint(x) for x in k.shape]
+    if None in sizes:
+        return False, "sizes without a hint: SDPA against Triton is chosen per call"
+    B, hq, nq, d, _, hk, nk, _ = sizes
     kind = predicate_kind(spec, preds, nq, nk, attn_mask is not None)
-    if dense_choice(dense_choice_key(nq, nk, d, q.dtype, kind, arch, hq // hk)) == "sdpa":
-        return True, "SDPA measured faster than Triton for this shape bucket (autotune store)"
-    return False, "SDPA against Triton not measured, or Triton faster, for this shape bucket"
+    key = dense_choice_key(nq, nk, d, q.dtype, kind, arch, hq // hk)
+    if dense_choice(key) == "sdpa":
+        return True, "SDPA's kernel measured faster than Triton's for this shape bucket (autotune store)"
+    val = _autotune_lookup(INLINE_CHOICE, key)
+    best = _winner(val)
+    if best is None:
+        if not measure:
+            return False, "SDPA traced against the op on Triton not measured for this shape bucket"
+        hold = _no_measuring()
+        if hold is not None:
+            return False, f"SDPA traced against the op on Triton not measured {hold}"
+        times = _inline_times(spec, q, k, v, preds, attn_mask, (B, hq, nq, d, hk, nk, _hint(v.shape[-1]) or d))
+        if not times:
+            return False, "timing SDPA against the op on Triton failed"
+        best = _winner({"timings": times})
+        val = {"best": best, "timings": times}
+        from . import autotune
+
+        autotune.record(INLINE_CHOICE, key, val)
+    t = val.get("timings") or {}
+    figures = ", ".join(f"{n} {float(x):.3g} ms" for n, x in sorted(t.items()) if x is not None)
+    if best == "sdpa":
+        return True, f"SDPA's kernel, traced, measured faster per call than the op on Triton ({figures})"
+    return False, f"the op on Triton measured faster per call than SDPA's kernel traced ({figures})"
 
 
-def _static(x) -> Optional[int]:
-    return x if isinstance(x, int) else None
+def _hint(x) -> Optional[int]:
+    """A size as an int: its value, or a symbolic size's hint (the sizes it was traced with)."""
+    if isinstance(x, int):
+        return x
+    try:
+        from torch.fx.experimental.symbolic_shapes import hint_int
+
+        return int(hint_int(x))
+    except Exception:
+        return None
+
+
+def _inline_times(spec, q, k, v, preds, attn_mask, sizes) -> Dict[str, float]:
+    """Milliseconds per call, calls back to back (host and device time together, as a compiled
+    graph issues them), at ``sizes`` ``(B, Hq, Nq, D, Hk, Nk, Dv)`` on new real tensors of q's
+    dtype and device: SDPA's kernel with its mask built beforehand (a traced site's compiled code
+    builds it in one fused kernel of its own) against ``attncomp::attention`` on Triton (its host
+    path included). Where the predicates or the mask are present, they allow every entry."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    from ..codegen.reference import default_positions
+    from ..codegen.sdpa import prepared_forward
+    from ..ops import ARG_INDEX, PRED_NAMES
+
+    B, hq, nq, d, hk, nk, dv = sizes
+    times: Dict[str, float] = {}
+    with unset_fake_temporarily(), torch.no_grad():
+        dev, dt = q.device, q.dtype
+        qq = torch.randn(B, hq, nq, d, device=dev, dtype=dt)
+        kk = torch.randn(B, hk, nk, d, device=dev, dtype=dt)
+        vv = torch.randn(B, hk, nk, dv, device=dev, dtype=dt)
+        mask = None
+        if attn_mask is not None:
+            mask = (torch.ones if attn_mask.dtype == torch.bool else torch.zeros)(
+                tuple(_hint(x) or 1 for x in attn_mask.shape), dtype=attn_mask.dtype, device=dev)
+        real = None
+        if preds is not None and preds.any():
+            qpos, kpos = default_positions(spec, nq, nk, dev)
+            made = {"q_pos": qpos, "k_pos": kpos, "q_seg": torch.zeros(B, nq, dtype=torch.int64, device=dev),
+                    "k_seg": torch.zeros(B, nk, dtype=torch.int64, device=dev),
+                    "q_valid": torch.ones(B, nq, dtype=torch.bool, device=dev),
+                    "k_valid": torch.ones(B, nk, dtype=torch.bool, device=dev)}
+            real = type(preds)(*(None if t is None else made[n] for n, t in zip(PRED_NAMES, preds)))
+        args = [None] * len(ARG_INDEX)
+        for name, val in (("q", qq), ("k", kk), ("v", vv), ("attn_mask", mask), ("dropout_p", 0.0), ("seed", 0),
+                          ("spec", spec.replace(backend="triton").to_json())):
+            args[ARG_INDEX[name]] = val
+        for name, t in zip(PRED_NAMES, real or ()):
+            args[ARG_INDEX[name]] = t
+        runs = {"sdpa": prepared_forward(spec, qq, kk, vv, mask, real),
+                "triton": lambda: torch.ops.attncomp.attention(*args)}
+        for nm, run in runs.items():
+            try:
+                times[nm] = _per_call_ms(run, dev)
+            except Exception as e:  # a candidate that fails is not chosen
+                log.warning("attncomp: timing %s for %s failed: %s", nm, spec.describe(), e)
+    return times
+
+
+def _per_call_ms(run, device, budget_ms: float = 50.0) -> float:
+    """Milliseconds per call of ``run`` issued back to back (CUDA events), after warm-up calls."""
+    for _ in range(3):
+        run()
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    run()
+    end.record()
+    torch.cuda.synchronize(device)
+    reps = max(5, min(50, int(budget_ms / max(start.elapsed_time(end), 1e-3))))
+    start.record()
+    for _ in range(reps):
+        run()
+    end.record()
+    torch.cuda.synchronize(device)
+    return start.elapsed_time(end) / reps
 
 
 def _runs_sdpa(sd, spec, q, v, preds) -> bool:

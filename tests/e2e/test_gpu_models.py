@@ -109,3 +109,61 @@ def test_generate_llama_default_config_on_gpu(inductor, fresh_dynamo):
             assert _rel(step_logits, full) < 1e-3, f"hash decode step {t} differs from the full forward"
     rep = attncomp.report(sparse)
     assert rep.rewritten == 2 and all(s.policy == "hash" for s in rep.sites), str(rep)
+
+
+@pytest.mark.parametrize("stored", [None, "sdpa", "triton"], ids=["measured", "sdpa-stored", "triton-stored"])
+def test_dense_sites_on_gpu_trace_sdpa_or_keep_the_op(stored, fresh_dynamo, monkeypatch, tmp_path):
+    """Inductor's copy of a compiled graph calls SDPA's kernel traced in place of the op where the
+    inline choice says so (stored, or measured at compile time with host time): outputs and gradients
+    match eager either way, and the op runs at run time only where it was kept."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from attncomp import ops
+    from attncomp.runtime import autotune, dispatch
+
+    monkeypatch.setenv("ATTNCOMP_CACHE_DIR", str(tmp_path))
+    dispatch.clear_rule_cache()
+    autotune.clear_memo()
+    torch.manual_seed(fresh_seed())
+    model = _models()["bert"]("sdpa").cuda()
+    ids = torch.randint(0, 1000, (4, 77), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[1::2, 50:] = 0
+    if stored is not None:
+        for kind in ("mask", "none"):
+            key = dispatch.dense_choice_key(77, 77, 64, torch.float32, kind, dispatch._gpu_arch(ids), 1)
+            autotune.record(dispatch.INLINE_CHOICE, key, {"best": stored, "timings": {stored: 1.0}})
+    calls = []
+    real = ops._attention_impl
+
+    def counted(*a):
+        calls.append(1)
+        return real(*a)
+
+    monkeypatch.setattr(ops, "_attention_impl", counted)
+    monkeypatch.setattr(ops, "_direct_impl", torch._disable_dynamo(counted))
+    fast = attncomp.compile(model, policy="dense", inductor=True)
+    out = fast(input_ids=ids, attention_mask=mask).last_hidden_state
+    calls.clear()
+    out = fast(input_ids=ids, attention_mask=mask).last_hidden_state
+    ref = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    valid = mask.bool()
+    assert _rel(out[valid], ref[valid]) < 5e-3
+    rep = attncomp.report(fast)
+    details = [s.details["inline_sdpa"] for s in rep.sites]
+    traced = [d.startswith("traced into the Inductor graph") for d in details]
+    assert len(set(traced)) == 1, details
+    if stored is not None:
+        assert traced[0] == (stored == "sdpa"), details
+    else:
+        assert "ms" in details[0], details        # measured now, figures in the report
+    assert len(calls) == (0 if traced[0] else 2), (details, len(calls))
+    w = torch.randn_like(ref)
+    (out[valid] * w[valid]).sum().backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    (ref[valid] * w[valid]).sum().backward()
+    errs = {n: _rel(got[n], p.grad) for n, p in model.named_parameters()
+            if p.grad is not None and p.grad.norm() > 0 and not n.endswith("key.bias")}
+    bad = {n: e for n, e in errs.items() if e > 2e-2}
+    assert not bad, f"gradients differ from eager: {bad}"

@@ -222,6 +222,42 @@ def test_gpu_inlines_only_a_stored_sdpa_winner(fake_gpu):
     assert ok and "Triton does not run" in why, why
 
 
+def test_gpu_measures_sdpa_traced_against_the_op_once_per_bucket(fake_gpu, monkeypatch):
+    timings = {"sdpa": 0.04, "triton": 0.09}   # a small call: the op's host time dominates
+    calls = []
+
+    def inline_times(spec, q, k, v, preds, attn_mask, sizes):
+        calls.append(sizes)
+        return dict(timings)
+
+    monkeypatch.setattr(dispatch, "_inline_times", inline_times)
+    spec = AttentionSpec()
+    q = torch.empty(8, 16, 512, 64, dtype=torch.bfloat16)
+    kv = Predicates(k_valid=torch.ones(8, 512, dtype=torch.bool))
+    ok, why = dispatch.inline_choice(spec, q, q, q, kv, measure=True)
+    assert ok and "sdpa 0.04 ms, triton 0.09 ms" in why, why
+    assert calls == [(8, 16, 512, 64, 16, 512, 64)]
+    ok, _ = dispatch.inline_choice(spec, torch.empty(8, 16, 300, 64, dtype=torch.bfloat16),
+                                   torch.empty(8, 16, 300, 64, dtype=torch.bfloat16),
+                                   torch.empty(8, 16, 300, 64, dtype=torch.bfloat16), kv, measure=True)
+    assert ok and len(calls) == 1                # the same pow2 bucket: stored, not measured again
+    # a larger call: the kernel decides
+    timings.update(sdpa=9.0, triton=6.0)
+    big = torch.empty(1, 32, 16384, 64, dtype=torch.bfloat16)
+    ok, why = dispatch.inline_choice(AttentionSpec(causal=True), big, big[:, :8], big[:, :8], measure=True)
+    assert not ok and "the op on Triton measured faster" in why and len(calls) == 2, why
+    # a new process reads both from the store
+    dispatch.clear_rule_cache()
+    autotune.clear_memo()
+    assert dispatch.inline_choice(spec, q, q, q, kv)[0]
+    assert not dispatch.inline_choice(AttentionSpec(causal=True), big, big[:, :8], big[:, :8])[0]
+    assert len(calls) == 2
+    # no timing while a sync debug mode or a CUDA graph capture forbids it
+    monkeypatch.setattr(dispatch, "_no_measuring", lambda: "during CUDA graph capture")
+    ok, why = dispatch.inline_choice(spec, q[:, :, :64], q[:, :, :64], q[:, :, :64], measure=True)
+    assert not ok and why.endswith("not measured during CUDA graph capture") and len(calls) == 2, why
+
+
 @pytest.mark.parametrize("case,expect", [
     (dict(dropout_p=0.1), "dropout"),
     (dict(spec=AttentionSpec(policy=attncomp.get_policy("hash"))), "does not keep every allowed entry"),
