@@ -234,38 +234,62 @@ class SdpaBackend:
 
 def inline_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], q_pos: Optional[Tensor],
                      k_pos: Optional[Tensor], q_seg: Optional[Tensor], k_seg: Optional[Tensor],
-                     q_valid: Optional[Tensor], k_valid: Optional[Tensor], spec_json: str) -> Tuple[Tensor, Tensor]:
-    """``(out, lse)`` of a site that runs SDPA's kernel, in torch ops a tracer records: what
-    ``attncomp::attention`` computes on this backend (:meth:`SdpaBackend.forward`), for a compiled
-    graph to call in the op's place (``attncomp/passes/inline_sdpa.py``). Inductor then builds the
+                     q_valid: Optional[Tensor], k_valid: Optional[Tensor], spec_json: str,
+                     need_lse: bool = True) -> Tuple[Tensor, Tensor]:
+    """``(out, lse)`` of a site that runs SDPA's kernel, in torch ops a tracer records, for a compiled
+    graph to call in the op's place (``attncomp/passes/inline_sdpa.py``): Inductor then builds the
     mask from the predicate vectors in its own fused code and calls SDPA's kernel directly, as it does
-    for ``torch.compile``; autograd differentiates SDPA's kernel as it does there."""
+    for ``torch.compile``; autograd differentiates SDPA's kernel as it does there.
+
+    With ``need_lse`` (or on a CPU) this is what ``attncomp::attention`` computes on this backend
+    (:meth:`SdpaBackend.forward`). Without it, on CUDA, ``scaled_dot_product_attention`` itself runs,
+    so that the kernel is the one torch picks for the call (cuDNN's where it takes a mask), and ``lse``
+    is an empty tensor: the graph reads only ``out``."""
     from ..ops import _resolved
 
     spec = _resolved(spec_json, q.dtype)
     preds = Predicates(q_pos, k_pos, q_seg, k_seg, q_valid, k_valid)
-    out, lse, _ = SdpaBackend()._forward(spec, q, k, v, attn_mask, preds if preds.any() else None)
-    return out, lse
+    preds = preds if preds.any() else None
+    if need_lse or not q.is_cuda or q.shape[-2] == 0 or k.shape[-2] == 0:
+        out, lse, _ = SdpaBackend()._forward(spec, q, k, v, attn_mask, preds)
+        return out, lse
+    run, row_ok = _public_call(spec, q, k, v, attn_mask, preds)
+    out = run()
+    if row_ok is not None:
+        out = torch.where(row_ok[..., None], out, _const(0.0, out.dtype, out.device))
+    return out, q.new_empty((0,), dtype=torch.float32)
+
+
+def _public_call(spec: AttentionSpec, q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
+                 preds: Optional[Predicates]):
+    """``(run, row_ok)``: a callable computing ``scaled_dot_product_attention`` for the call (torch's
+    own kernel choice) with the mask built beforehand, and the rows that have an allowed key (None
+    when all do). The public function takes a mask or ``is_causal``, not both: a causal bound with a
+    mask goes into the mask. Rows with no allowed key get a finite mask (no NaN, forward or backward);
+    the caller zeroes their output."""
+    hq = q.shape[1]
+    kk, vv = _expand(k, hq), _expand(v, hq)
+    is_causal, bias, row_ok = _plan(spec, q, k, attn_mask, preds)
+    scale = _scale(spec, q.shape[-1])
+    if bias is not None:
+        if is_causal:  # top-left (default positions, or Nq == Nk)
+            i, j = default_positions(spec, q.shape[-2], k.shape[-2], q.device)
+            bias = torch.where(j[:, None, :] <= i[:, :, None], bias, _const(float("-inf"), bias.dtype, bias.device))
+            is_causal = False
+        if row_ok is not None:
+            bias = torch.where(row_ok[..., None], bias, _const(0.0, bias.dtype, bias.device))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    return (lambda: sdpa(q, kk, vv, attn_mask=bias, is_causal=is_causal, scale=scale)), row_ok
 
 
 # -- CUDA (run by the GPU issue; the CPU tests cover the choice logic) ----------------------------
 
 def prepared_forward(spec: AttentionSpec, q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
                      preds: Optional[Predicates]):
-    """A callable that runs SDPA's CUDA kernel on these tensors with its mask built (and aligned) once
-    beforehand: what a traced site's compiled code runs per call besides Inductor's fused kernel that
-    builds the mask (``attncomp.runtime.dispatch`` times it against the op)."""
-    hq, nk = q.shape[1], k.shape[-2]
-    kk, vv = _expand(k, hq), _expand(v, hq)
-    is_causal, bias, _ = _plan(spec, q, k, attn_mask, preds)
-    scale = _scale(spec, q.shape[-1])
-    if _use_flash(q, k, bias, is_causal):
-        return lambda: torch.ops.aten._scaled_dot_product_flash_attention(q, kk, vv, 0.0, is_causal, False,
-                                                                          scale=scale)
-    if bias is not None:
-        bias = _aligned_bias(bias, q, nk)
-    return lambda: torch.ops.aten._scaled_dot_product_efficient_attention(q, kk, vv, bias, True, 0.0, is_causal,
-                                                                          scale=scale)
+    """A callable that runs SDPA on these tensors as a traced site's compiled code runs it per call
+    (:func:`inline_attention` without ``lse``), its mask built once beforehand (the compiled code builds
+    it in one fused kernel of its own): ``attncomp.runtime.dispatch`` times it against the op."""
+    return _public_call(spec, q, k, v, attn_mask, preds)[0]
 
 
 def _aligned_bias(bias: Tensor, q: Tensor, nk: int) -> Tensor:

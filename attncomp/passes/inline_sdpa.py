@@ -31,7 +31,7 @@ from ..codegen import get_backend
 from ..runtime import dispatch
 from ..spec import Predicates
 from .base import CompileContext, PassResult
-from .node_info import attention_sites, meta_val, site_report, spec_index
+from .node_info import attention_sites, meta_val, only_getitem0, site_report, spec_index
 
 __all__ = ["inline_sdpa", "enabled"]
 
@@ -88,7 +88,8 @@ def inline_sdpa(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
             continue
         spec_json = node.args[spec_index(node)]
         node.target = get_backend("sdpa").inline_forward
-        node.args = tuple(_arg(node, n) for n in ("q", "k", "v", "attn_mask") + Predicates._fields) + (spec_json,)
+        node.args = tuple(_arg(node, n) for n in ("q", "k", "v", "attn_mask") + Predicates._fields) + (
+            spec_json, only_getitem0(node) is None)  # whether the graph reads lse
         node.kwargs = {}
         rep.details[NAME] = (f"traced into the Inductor graph: {why}; Inductor builds the mask and calls "
                              "SDPA's kernel, no op call at run time")

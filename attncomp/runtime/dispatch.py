@@ -437,12 +437,8 @@ def _hint(x) -> Optional[int]:
     """A size as an int: its value, or a symbolic size's hint (the sizes it was traced with)."""
     if isinstance(x, int):
         return x
-    try:
-        from torch.fx.experimental.symbolic_shapes import hint_int
-
-        return int(hint_int(x))
-    except Exception:
-        return None
+    hint = getattr(getattr(x, "node", None), "hint", None)
+    return int(hint) if isinstance(hint, int) else None
 
 
 def _inline_times(spec, q, k, v, preds, attn_mask, sizes) -> Dict[str, float]:

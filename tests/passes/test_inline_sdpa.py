@@ -14,7 +14,7 @@ from attncomp.codegen import get_backend
 from attncomp.codegen.reference import attention as reference_attention
 from attncomp.runtime import autotune, dispatch
 from attncomp.spec import AttentionSpec, Predicates
-from tests.utils import rel_err
+from tests.utils import fresh_seed, rel_err
 
 transformers = pytest.importorskip("transformers")
 
@@ -276,3 +276,65 @@ def test_inline_choice_on_cpu_and_as_asked():
     assert dispatch.inline_choice(AttentionSpec(backend="sdpa"), q, q, q) == (True, "sdpa (as asked)")
     # a value head dim SDPA cannot take (a folded site)
     assert not dispatch.inline_choice(AttentionSpec(), q, q, torch.randn(1, 2, 8, 32))[0]
+
+
+def test_symbolic_sizes_are_chosen_at_their_hints(fake_gpu, monkeypatch):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    seen = []
+    monkeypatch.setattr(dispatch, "_inline_times", lambda *a: seen.append(a[-1]) or {"sdpa": 1.0, "triton": 2.0})
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    dyn = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC] * 4)
+    q = mode.from_tensor(torch.empty(3, 4, 200, 64, dtype=torch.float16), symbolic_context=dyn)
+    assert not isinstance(q.shape[2], int)
+    ok, why = dispatch.inline_choice(AttentionSpec(), q, q, q, measure=True)
+    assert ok and seen == [(3, 4, 200, 64, 4, 200, 64)], (why, seen)
+
+
+# -- what a traced CUDA site computes, run on the CPU -----------------------------------------------
+
+from tests.runtime.test_dispatch import KINDS, _inputs, _pred_kw  # noqa: E402
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_public_sdpa_path_equals_the_reference_forward_and_backward(kind, monkeypatch):
+    """A traced CUDA site without ``lse`` runs ``scaled_dot_product_attention`` itself (torch picks the
+    kernel, cuDNN's with a mask on Hopper): the causal bound folded into the mask where both are
+    present, rows with no allowed key given a finite mask and a zero output. The same code on the
+    CPU, float64, against the reference: outputs and gradients, with no NaN from the empty rows."""
+    from attncomp.codegen import sdpa
+
+    seed = fresh_seed()
+    g, q, k, v = _inputs(seed)
+    kw = _pred_kw(kind, g, 2, 13, 21, torch.float64)
+    spec = AttentionSpec(causal=kw.pop("is_causal", False), causal_align=kw.pop("causal_align", "top_left"),
+                         window_left=kw.get("window", (None, None))[0], window_right=kw.pop("window", (None, None))[1])
+    mask = kw.pop("attn_mask", None)
+    if mask is not None:
+        mask = mask.detach()                     # (a mask that requires grad keeps the op)
+    preds = Predicates(*(kw.get(n) for n in Predicates._fields))
+    preds = preds if preds.any() else None
+    masks = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def seen(*a, attn_mask=None, **kw):
+        masks.append(attn_mask)
+        return real(*a, attn_mask=attn_mask, **kw)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", seen)
+    run, row_ok = sdpa._public_call(spec, q, k, v, mask, preds)
+    out = run()
+    # every row of the mask allows something: the CUDA kernels give NaN for a row that allows nothing
+    assert masks[0] is None or bool((masks[0] > float("-inf")).any(-1).all())
+    if row_ok is not None:
+        out = torch.where(row_ok[..., None], out, torch.zeros((), dtype=out.dtype))
+    want = reference_attention(q, k, v, mask, spec=spec, preds=preds)[0]
+    msg = f"{kind} seed={seed}"
+    assert rel_err(out, want) < 1e-12, msg
+    go = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    got = torch.autograd.grad(out, (q, k, v), go)
+    exp = torch.autograd.grad(want, (q, k, v), go)
+    for nm, a, b in zip(("dq", "dk", "dv"), got, exp):
+        assert torch.isfinite(a).all(), f"{nm} {msg}"
+        assert rel_err(a, b) < 1e-10, f"{nm} {msg}"
