@@ -23,7 +23,7 @@ from torch import Tensor
 from ..spec import AttentionSpec, Predicates
 from .reference import default_positions, predicate_mask, tracing
 
-__all__ = ["SdpaBackend", "inline_attention", "keeps_all", "top_left_causal_only"]
+__all__ = ["SdpaBackend", "inline_attention", "inline_plan", "keeps_all", "top_left_causal_only"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _CUDA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -172,7 +172,9 @@ class SdpaBackend:
         return None
 
     # -- forward ------------------------------------------------------------------------------
-    #: the forward in torch ops a tracer records, for compiled graphs (see :func:`inline_attention`)
+    #: the forward in torch ops a tracer records, for compiled graphs: the mask plan shared by sites,
+    #: then each site (see :func:`inline_plan`, :func:`inline_attention`)
+    inline_plan = staticmethod(lambda *args: inline_plan(*args))
     inline_forward = staticmethod(lambda *args: inline_attention(*args))
 
     def forward(self, spec, q, k, v, attn_mask, q_aux, k_aux, block_pattern, dropout_p, seed, preds=None):
@@ -183,10 +185,10 @@ class SdpaBackend:
         # op's layout (attncomp.ops.output_like); the op copies another
         return out, lse
 
-    def _forward(self, spec, q, k, v, attn_mask, preds):
+    def _forward(self, spec, q, k, v, attn_mask, preds, plan=None):
         hq = q.shape[1]
         kk, vv = _expand(k, hq), _expand(v, hq)
-        is_causal, bias, row_ok = _plan(spec, q, k, attn_mask, preds)
+        is_causal, bias, row_ok = _plan(spec, q, k, attn_mask, preds) if plan is None else plan
         scale = _scale(spec, q.shape[-1])
         if q.shape[-2] == 0 or k.shape[-2] == 0:
             out = q.new_zeros(q.shape[:-1] + (v.shape[-1],))
@@ -232,14 +234,35 @@ class SdpaBackend:
         return dq, _sum_groups(dk, hk), _sum_groups(dv, hk), None
 
 
-def inline_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], q_pos: Optional[Tensor],
-                     k_pos: Optional[Tensor], q_seg: Optional[Tensor], k_seg: Optional[Tensor],
-                     q_valid: Optional[Tensor], k_valid: Optional[Tensor], spec_json: str,
+def _public(q: Tensor, need_lse: bool) -> bool:
+    """Whether a traced site calls ``scaled_dot_product_attention`` itself (:func:`inline_attention`)."""
+    return q.is_cuda and not need_lse
+
+
+def inline_plan(q: Tensor, k: Tensor, attn_mask: Optional[Tensor], q_pos: Optional[Tensor], k_pos: Optional[Tensor],
+                q_seg: Optional[Tensor], k_seg: Optional[Tensor], q_valid: Optional[Tensor],
+                k_valid: Optional[Tensor], spec_json: str, need_lse: bool = True) -> tuple:
+    """``(is_causal, bias, row_ok)`` of :func:`inline_attention`, in torch ops: built once per compiled
+    graph for the sites that share the mask, the predicate tensors, the mask's part of the spec, the
+    sizes and dtype (a model's layers: ``attncomp/passes/inline_sdpa.py``), as a model builds its mask
+    once for all its layers. ``q`` and ``k`` give sizes, dtype and device only."""
+    from ..ops import _resolved
+
+    spec = _resolved(spec_json, q.dtype)
+    preds = Predicates(q_pos, k_pos, q_seg, k_seg, q_valid, k_valid)
+    preds = preds if preds.any() else None
+    if not _public(q, need_lse):
+        return _plan(spec, q, k, attn_mask, preds)
+    return _public_plan(spec, q, k, attn_mask, preds)
+
+
+def inline_attention(q: Tensor, k: Tensor, v: Tensor, plan: tuple, spec_json: str,
                      need_lse: bool = True) -> Tuple[Tensor, Tensor]:
     """``(out, lse)`` of a site that runs SDPA's kernel, in torch ops a tracer records, for a compiled
-    graph to call in the op's place (``attncomp/passes/inline_sdpa.py``): Inductor then builds the
-    mask from the predicate vectors in its own fused code and calls SDPA's kernel directly, as it does
-    for ``torch.compile``; autograd differentiates SDPA's kernel as it does there.
+    graph to call in the op's place (``attncomp/passes/inline_sdpa.py``), with the mask ``plan`` of
+    :func:`inline_plan`: Inductor then builds the mask from the predicate vectors in its own fused
+    code and calls SDPA's kernel directly, as it does for ``torch.compile``; autograd differentiates
+    SDPA's kernel as it does there.
 
     With ``need_lse`` (or on a CPU) this is what ``attncomp::attention`` computes on this backend
     (:meth:`SdpaBackend.forward`). Without it, on CUDA, ``scaled_dot_product_attention`` itself runs,
@@ -248,29 +271,22 @@ def inline_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor
     from ..ops import _resolved
 
     spec = _resolved(spec_json, q.dtype)
-    preds = Predicates(q_pos, k_pos, q_seg, k_seg, q_valid, k_valid)
-    preds = preds if preds.any() else None
-    if need_lse or not q.is_cuda or q.shape[-2] == 0 or k.shape[-2] == 0:
-        out, lse, _ = SdpaBackend()._forward(spec, q, k, v, attn_mask, preds)
+    if not _public(q, need_lse) or q.shape[-2] == 0 or k.shape[-2] == 0:
+        out, lse, _ = SdpaBackend()._forward(spec, q, k, v, None, None, plan=plan)
         return out, lse
-    run, row_ok = _public_call(spec, q, k, v, attn_mask, preds)
-    out = run()
+    is_causal, bias, row_ok = plan
+    out = _public_run(spec, q, k, v, is_causal, bias)()
     if row_ok is not None:
         out = torch.where(row_ok[..., None], out, _const(0.0, out.dtype, out.device))
     return out, q.new_empty((0,), dtype=torch.float32)
 
 
-def _public_call(spec: AttentionSpec, q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
-                 preds: Optional[Predicates]):
-    """``(run, row_ok)``: a callable computing ``scaled_dot_product_attention`` for the call (torch's
-    own kernel choice) with the mask built beforehand, and the rows that have an allowed key (None
-    when all do). The public function takes a mask or ``is_causal``, not both: a causal bound with a
-    mask goes into the mask. Rows with no allowed key get a finite mask (no NaN, forward or backward);
-    the caller zeroes their output."""
-    hq = q.shape[1]
-    kk, vv = _expand(k, hq), _expand(v, hq)
+def _public_plan(spec: AttentionSpec, q: Tensor, k: Tensor, attn_mask: Optional[Tensor],
+                 preds: Optional[Predicates]) -> tuple:
+    """``(is_causal, bias, row_ok)`` for ``scaled_dot_product_attention``, which takes a mask or
+    ``is_causal``, not both: a causal bound with a mask goes into the mask. Rows with no allowed key
+    (``row_ok`` False) get a finite mask (no NaN, forward or backward); their output is zeroed after."""
     is_causal, bias, row_ok = _plan(spec, q, k, attn_mask, preds)
-    scale = _scale(spec, q.shape[-1])
     if bias is not None:
         if is_causal:  # top-left (default positions, or Nq == Nk)
             i, j = default_positions(spec, q.shape[-2], k.shape[-2], q.device)
@@ -278,8 +294,25 @@ def _public_call(spec: AttentionSpec, q: Tensor, k: Tensor, v: Tensor, attn_mask
             is_causal = False
         if row_ok is not None:
             bias = torch.where(row_ok[..., None], bias, _const(0.0, bias.dtype, bias.device))
+    return is_causal, bias, row_ok
+
+
+def _public_run(spec: AttentionSpec, q: Tensor, k: Tensor, v: Tensor, is_causal: bool, bias: Optional[Tensor]):
+    """A callable computing ``scaled_dot_product_attention`` (torch's own kernel choice) for a
+    :func:`_public_plan`."""
+    hq = q.shape[1]
+    kk, vv = _expand(k, hq), _expand(v, hq)
+    scale = _scale(spec, q.shape[-1])
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    return (lambda: sdpa(q, kk, vv, attn_mask=bias, is_causal=is_causal, scale=scale)), row_ok
+    return lambda: sdpa(q, kk, vv, attn_mask=bias, is_causal=is_causal, scale=scale)
+
+
+def _public_call(spec: AttentionSpec, q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
+                 preds: Optional[Predicates]):
+    """``(run, row_ok)``: :func:`_public_run` of the call's :func:`_public_plan`, and the rows that
+    have an allowed key (None when all do): the caller zeroes the others' output."""
+    is_causal, bias, row_ok = _public_plan(spec, q, k, attn_mask, preds)
+    return _public_run(spec, q, k, v, is_causal, bias), row_ok
 
 
 # -- CUDA (run by the GPU issue; the CPU tests cover the choice logic) ----------------------------

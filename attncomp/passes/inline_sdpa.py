@@ -74,11 +74,59 @@ def _why_not(node: fx.Node):
     return (None, why) if ok else (why, None)
 
 
+_NOT_PURE = ("rand", "dropout", "bernoulli", "normal", "multinomial", "uniform", "exponential", "poisson",
+             "empty", "seed")
+
+
+def _pure(n: fx.Node) -> bool:
+    """Whether two calls of ``n``'s form on the same values give the same value: no side effect, no
+    in-place method, no random draw, no uninitialised memory."""
+    if n.op not in ("call_function", "call_method") or n.is_impure():
+        return False
+    name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
+    if name.endswith("_") and not name.endswith("__"):
+        return False
+    return not any(w in name.lower() for w in _NOT_PURE)
+
+
+def _structure(x, depth: int = 6):
+    """A key equal for graph values computed the same way from the same nodes: a pure call's target
+    and its arguments' keys (a model's layers each slice the one mask the model built), down to
+    ``depth`` calls; a placeholder, attribute or impure call is its own key."""
+    if isinstance(x, fx.Node):
+        if depth == 0 or not _pure(x):
+            return x
+        return (x.op, x.target, _structure(tuple(x.args), depth - 1),
+                _structure(tuple(sorted(x.kwargs.items())), depth - 1))
+    if isinstance(x, (tuple, list)):
+        return (type(x).__name__,) + tuple(_structure(a, depth) for a in x)
+    if isinstance(x, slice):
+        return ("slice", x.start, x.stop, x.step)
+    try:
+        hash(x)
+    except TypeError:
+        return ("unhashable", id(x))  # never equal to another value: no sharing, never a wrong one
+    return x
+
+
+def _plan_key(node: fx.Node, need_lse: bool) -> tuple:
+    """What a site's mask plan depends on: the mask and predicate values (:func:`_structure`), the
+    mask's part of the spec, the query and key lengths, q's dtype and device, and whether the site
+    calls SDPA's public function."""
+    spec = ops._parsed(node.args[spec_index(node)])
+    q, k = meta_val(_arg(node, "q")), meta_val(_arg(node, "k"))
+    return (tuple(_structure(_arg(node, n)) for n in ("attn_mask",) + Predicates._fields)
+            + (spec.causal, spec.causal_align, spec.window_left, spec.window_right, str(q.shape[-2]),
+               str(k.shape[-2]), q.dtype, q.device, q.is_cuda and not need_lse))
+
+
 def inline_sdpa(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
-    """Replace each SDPA site's op call by the traceable SDPA forward (see the module docstring)."""
+    """Replace each SDPA site's op call by the traceable SDPA forward (see the module docstring); the
+    sites that share a mask plan (:func:`_plan_key`: a model's layers) share one plan node."""
     if not enabled():
         return PassResult(gm, False)
     modified = False
+    plans: dict = {}
     for node in attention_sites(gm):
         rep = site_report(node, ctx)
         no, why = _why_not(node)
@@ -87,12 +135,20 @@ def inline_sdpa(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
             ctx.count(NAME, "kept")
             continue
         spec_json = node.args[spec_index(node)]
-        node.target = get_backend("sdpa").inline_forward
-        node.args = tuple(_arg(node, n) for n in ("q", "k", "v", "attn_mask") + Predicates._fields) + (
-            spec_json, only_getitem0(node) is None)  # whether the graph reads lse
+        need_lse = only_getitem0(node) is None  # whether the graph reads lse
+        sd = get_backend("sdpa")
+        key = _plan_key(node, need_lse)
+        plan = plans.get(key)
+        if plan is None:
+            with gm.graph.inserting_before(node):
+                plan = plans[key] = gm.graph.call_function(sd.inline_plan, tuple(
+                    _arg(node, n) for n in ("q", "k", "attn_mask") + Predicates._fields) + (spec_json, need_lse))
+            ctx.count(NAME, "mask plans")
+        node.target = sd.inline_forward
+        node.args = (_arg(node, "q"), _arg(node, "k"), _arg(node, "v"), plan, spec_json, need_lse)
         node.kwargs = {}
-        rep.details[NAME] = (f"traced into the Inductor graph: {why}; Inductor builds the mask and calls "
-                             "SDPA's kernel, no op call at run time")
+        rep.details[NAME] = (f"traced into the Inductor graph: {why}; Inductor builds the mask (once for the "
+                             "sites that share it) and calls SDPA's kernel, no op call at run time")
         ctx.count(NAME, "inlined")
         modified = True
     if modified:

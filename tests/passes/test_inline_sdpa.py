@@ -63,6 +63,7 @@ def test_cpu_dense_sites_run_as_traced_sdpa_and_match_float64_eager(name, side, 
     for s in rep.sites:
         assert s.details["inline_sdpa"].startswith("traced into the Inductor graph: SDPA's CPU kernel"), str(rep)
     assert rep.counters["inline_sdpa"]["inlined"] == fam.sites
+    assert rep.counters["inline_sdpa"]["mask plans"] == 1      # the layers share one mask, as in the model
     # the graphs kept for the report and for export still hold the op
     assert sum(ops.is_attention_node(n) for g in fast.graphs for n in g.graph.nodes) == fam.sites
     assert not [n for n in rep.notes if "graph break" in n], str(rep)
@@ -338,3 +339,28 @@ def test_public_sdpa_path_equals_the_reference_forward_and_backward(kind, monkey
     for nm, a, b in zip(("dq", "dk", "dv"), got, exp):
         assert torch.isfinite(a).all(), f"{nm} {msg}"
         assert rel_err(a, b) < 1e-10, f"{nm} {msg}"
+
+
+def test_mask_plans_are_shared_only_between_equal_values():
+    """Sites share a mask plan where their masks are computed the same way from the same nodes;
+    a random draw or an in-place call never counts as the same value twice."""
+    import operator
+
+    import torch.fx as fx
+
+    from attncomp.passes.inline_sdpa import _structure
+
+    g = fx.Graph()
+    m = g.placeholder("mask")
+    a = g.call_function(operator.getitem, (m, (slice(None), 0, 0, slice(None))))
+    b = g.call_function(operator.getitem, (m, (slice(None), 0, 0, slice(None))))
+    c = g.call_function(operator.getitem, (m, (slice(None), 0, 1, slice(None))))
+    assert _structure(a) == _structure(b) != _structure(c)
+    r1, r2 = (g.call_function(torch.rand_like, (m,)) for _ in range(2))
+    assert _structure(r1) != _structure(r2)
+    i1, i2 = (g.call_method("add_", (m, 1)) for _ in range(2))
+    assert _structure(i1) != _structure(i2)
+    d1, d2 = (g.call_function(torch.nn.functional.dropout, (m, 0.5)) for _ in range(2))
+    assert _structure(d1) != _structure(d2)
+    e1, e2 = (g.call_function(torch.gt, (x, 0)) for x in (r1, r1))
+    assert _structure(e1) == _structure(e2)          # the same draw, compared twice: equal
