@@ -32,6 +32,7 @@ from ..runtime import dispatch
 from ..spec import Predicates
 from .base import CompileContext, PassResult
 from .node_info import attention_sites, meta_val, only_getitem0, site_report, spec_index
+from .scale_reorder import RUNTIME_MUL
 
 __all__ = ["inline_sdpa", "enabled"]
 
@@ -120,6 +121,24 @@ def _plan_key(node: fx.Node, need_lse: bool) -> tuple:
                str(k.shape[-2]), q.dtype, q.device, q.is_cuda and not need_lse))
 
 
+def _take_back_scale(node: fx.Node) -> bool:
+    """Undo scale reordering's runtime ``mul`` of q (:data:`.scale_reorder.RUNTIME_MUL`) where the site
+    is its only user: SDPA's kernels apply the scale to the float32 scores themselves, and the multiply
+    would be one more kernel per site. True where undone."""
+    m = _arg(node, "q")
+    if not isinstance(m, fx.Node) or RUNTIME_MUL not in m.meta or len(m.users) != 1:
+        return False
+    i = spec_index(node)
+    spec = ops._parsed(node.args[i])
+    if spec.scale != 1.0:
+        return False
+    args = list(node.args)
+    args[_A["q"]] = m.args[0]
+    args[i] = spec.replace(scale=float(m.meta[RUNTIME_MUL])).to_json()
+    node.args = tuple(args)
+    return True
+
+
 def inline_sdpa(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
     """Replace each SDPA site's op call by the traceable SDPA forward (see the module docstring); the
     sites that share a mask plan (:func:`_plan_key`: a model's layers) share one plan node."""
@@ -134,6 +153,7 @@ def inline_sdpa(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
             rep.details[NAME] = f"op kept: {no}"
             ctx.count(NAME, "kept")
             continue
+        unscaled = _take_back_scale(node)
         spec_json = node.args[spec_index(node)]
         need_lse = only_getitem0(node) is None  # whether the graph reads lse
         sd = get_backend("sdpa")
@@ -148,7 +168,8 @@ def inline_sdpa(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
         node.args = (_arg(node, "q"), _arg(node, "k"), _arg(node, "v"), plan, spec_json, need_lse)
         node.kwargs = {}
         rep.details[NAME] = (f"traced into the Inductor graph: {why}; Inductor builds the mask (once for the "
-                             "sites that share it) and calls SDPA's kernel, no op call at run time")
+                             "sites that share it) and calls SDPA's kernel, no op call at run time"
+                             + ("; the scale goes to SDPA's kernel (no runtime multiply of q)" if unscaled else ""))
         ctx.count(NAME, "inlined")
         modified = True
     if modified:

@@ -39,6 +39,9 @@ from .node_info import (
 )
 from .base import CompileContext, PassResult
 
+#: meta key of the runtime ``mul`` this pass puts before a site (its value: the scale)
+RUNTIME_MUL = "attncomp_scale_reorder_mul"
+
 log = logging.getLogger(__name__)
 
 __all__ = ["scale_reorder"]
@@ -122,6 +125,7 @@ def scale_reorder(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
             with g.inserting_before(site):
                 m = g.call_function(torch.mul, (q, scale))
             copy_shape_meta(m, q)
+            m.meta[RUNTIME_MUL] = scale  # (a site that runs SDPA's kernel traced takes the scale back)
             site.update_arg(0, m)
             how = f"scale {scale:.6g} applied to q by a runtime multiply ({why})"
             ctx.count(NAME, "runtime_mul")
