@@ -406,11 +406,22 @@ class CompiledModule(nn.Module):
                         "save the original module's state_dict")
 
 
+def revision_files() -> tuple:
+    """The sources whose code a compiled graph depends on beyond the graph itself: ``attncomp/ops.py``
+    (the fakes promise the op's output sizes and strides, which compiled code asserts) and the code
+    that traced SDPA sites run (``codegen/sdpa.py``, ``codegen/reference.py``,
+    ``passes/inline_sdpa.py``: its ops are traced into the graph, but Inductor's caches key the graph
+    by the call's name, not the callee's code)."""
+    from .codegen import reference, sdpa
+    from .passes import inline_sdpa as inline
+
+    return (ops.__file__, sdpa.__file__, reference.__file__, inline.__file__)
+
+
 def _op_revision_pass():
     """Inductor's post-grad custom pass for attncomp's graphs: the one configured (if any) and, in
-    Inductor's cache key, the source of ``attncomp/ops.py``, whose fake implementations promise the
-    op's output sizes and strides. Compiled code cached by Inductor asserts those; without this a
-    cache filled by another attncomp version would be reused with the old promises."""
+    Inductor's cache key, the source of :func:`revision_files`. Without it a cache filled by another
+    attncomp version would be reused with the old promises or the old traced code."""
     from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
     inner = torch._inductor.config.post_grad_custom_post_pass
@@ -422,9 +433,9 @@ def _op_revision_pass():
 
         def uuid(self):
             if inner is None:
-                return get_hash_for_files((ops.__file__,))
+                return get_hash_for_files(revision_files())
             theirs = getattr(inner, "uuid", lambda: None)()  # None: not cacheable, as without attncomp
-            return None if theirs is None else (get_hash_for_files((ops.__file__,)), theirs)
+            return None if theirs is None else (get_hash_for_files(revision_files()), theirs)
 
     return _OpRevision()
 

@@ -215,8 +215,8 @@ def test_inductor_failure_falls_back_to_the_rewritten_graph(monkeypatch):
 
 def test_inductor_cache_key_holds_the_op_fakes_and_a_configured_post_grad_pass_still_runs(monkeypatch):
     """attncomp's Inductor compiles carry a post-grad pass whose uuid is the source hash of
-    ``attncomp/ops.py`` (the fakes whose strides compiled code asserts), so an Inductor cache filled by
-    another version is not reused; a post-grad pass the user configured still runs, and its uuid is
+    ``attncomp/ops.py`` (the fakes whose strides compiled code asserts) and of the code traced SDPA
+    sites run, so an Inductor cache filled by another version is not reused; a post-grad pass the user configured still runs, and its uuid is
     part of the key (None, not cacheable, stays None)."""
     import uuid
 
@@ -234,10 +234,12 @@ def test_inductor_cache_key_holds_the_op_fakes_and_a_configured_post_grad_pass_s
         def uuid(self):
             return theirs
 
-    assert api._op_revision_pass().uuid() == get_hash_for_files((ops.__file__,))
+    files = api.revision_files()
+    assert ops.__file__ in files and any(f.endswith("sdpa.py") for f in files), files
+    assert api._op_revision_pass().uuid() == get_hash_for_files(files)
     monkeypatch.setattr(torch._inductor.config, "post_grad_custom_post_pass", Theirs())
     p = api._op_revision_pass()
-    assert p.uuid() == (get_hash_for_files((ops.__file__,)), theirs)
+    assert p.uuid() == (get_hash_for_files(files), theirs)
 
     class Block(torch.nn.Module):
         def forward(self, q, k, v):
