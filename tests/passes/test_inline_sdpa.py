@@ -19,6 +19,7 @@ from tests.utils import fresh_seed, rel_err
 transformers = pytest.importorskip("transformers")
 
 from tests.e2e.hf_zoo import ZOO, text  # noqa: E402
+from tests.runtime.test_dispatch import KINDS, _inputs, _pred_kw, fake_gpu  # noqa: E402,F401 (fake_gpu: fixture)
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
@@ -176,35 +177,17 @@ def test_eager_calls_after_tracing_get_real_tensors():
 
 # -- the choice (a fake GPU, no timing) -----------------------------------------------------------
 
-class _Backend:
-    def __init__(self, name, ok=True):
-        self.name, self.ok = name, ok
-
-    def supports(self, spec, q, preds=None):
-        return None if self.ok else "not this one"
-
-
 @pytest.fixture
-def fake_gpu(monkeypatch):
-    sdpa = _Backend("sdpa")
-    sdpa.inline_forward = get_backend("sdpa").inline_forward
-    backends = {"sdpa": sdpa, "triton": _Backend("triton"), "reference": _Backend("reference")}
-    monkeypatch.setattr(dispatch, "_gpu_arch", lambda q: "sm_90")
-    monkeypatch.setattr(dispatch, "triton_available", lambda: True)
-    monkeypatch.setattr(dispatch, "get_backend", lambda name: backends[name])
-
-    def no_timing(*a, **kw):
-        raise AssertionError("the inline choice must not time kernels")
-
-    monkeypatch.setattr(dispatch, "_time_candidates", no_timing)
-    dispatch.clear_rule_cache()
-    autotune.clear_memo()
+def inline_gpu(fake_gpu):
+    """A fake GPU (``tests/runtime/test_dispatch.py``) whose SDPA backend can be traced."""
+    backends, _, calls = fake_gpu
+    backends["sdpa"].inline_forward = get_backend("sdpa").inline_forward
     yield backends
-    dispatch.clear_rule_cache()
+    assert calls == [], "the inline choice timed kernels through the dense kernel choice"
     autotune.clear_memo()
 
 
-def test_gpu_inlines_only_a_stored_sdpa_winner(fake_gpu):
+def test_gpu_inlines_only_a_stored_sdpa_winner(inline_gpu):
     spec = AttentionSpec(causal=True)
     q = torch.empty(2, 8, 512, 64, dtype=torch.float16)
     k = torch.empty(2, 2, 512, 64, dtype=torch.float16)
@@ -221,12 +204,12 @@ def test_gpu_inlines_only_a_stored_sdpa_winner(fake_gpu):
     # another bucket (no padding: the causal kind) is not covered by that measurement
     assert not dispatch.inline_choice(spec, q, k, k, None)[0]
     # Triton cannot run it: SDPA whatever was measured
-    fake_gpu["triton"].ok = False
+    inline_gpu["triton"].ok = False
     ok, why = dispatch.inline_choice(spec, q, k, k, None)
     assert ok and "Triton does not run" in why, why
 
 
-def test_gpu_measures_sdpa_traced_against_the_op_once_per_bucket(fake_gpu, monkeypatch):
+def test_gpu_measures_sdpa_traced_against_the_op_once_per_bucket(inline_gpu, monkeypatch):
     timings = {"sdpa": 0.04, "triton": 0.09}   # a small call: the op's host time dominates
     calls = []
 
@@ -282,7 +265,7 @@ def test_inline_choice_on_cpu_and_as_asked():
     assert not dispatch.inline_choice(AttentionSpec(), q, q, torch.randn(1, 2, 8, 32))[0]
 
 
-def test_symbolic_sizes_are_chosen_at_their_hints(fake_gpu, monkeypatch):
+def test_symbolic_sizes_are_chosen_at_their_hints(inline_gpu, monkeypatch):
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
@@ -298,7 +281,6 @@ def test_symbolic_sizes_are_chosen_at_their_hints(fake_gpu, monkeypatch):
 
 # -- what a traced CUDA site computes, run on the CPU -----------------------------------------------
 
-from tests.runtime.test_dispatch import KINDS, _inputs, _pred_kw  # noqa: E402
 
 
 @pytest.mark.parametrize("kind", KINDS)
