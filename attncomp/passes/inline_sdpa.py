@@ -1,18 +1,23 @@
 """SDPA sites traced into the graph that Inductor compiles.
 
-Matches: every ``attncomp::attention`` node whose calls all run SDPA's kernel, as decided without
-timing anything (:func:`attncomp.runtime.dispatch.inline_choice`): on a CPU each ``dense`` or ``et``
-site without dropout; on a GPU where Triton cannot run the site, or where the autotune store holds
-SDPA as the measured winner for the site's shape bucket. A float ``attn_mask`` that requires grad
-keeps the op (SDPA's kernels give no gradient for it; the op does).
+Matches: every ``attncomp::attention`` node that runs SDPA's kernel traced
+(:func:`attncomp.runtime.dispatch.inline_choice`): on a CPU each ``dense`` or ``et`` site without
+dropout; on a GPU such a site where Triton cannot run it, where the autotune store holds SDPA's kernel
+as faster than Triton's for its shape bucket, or where SDPA's kernel traced measures faster per call
+than the op on Triton, host time included (measured here, once per shape bucket, at the sizes the
+graph was traced with; kept in the autotune store). A float ``attn_mask`` that requires grad keeps
+the op (SDPA's kernels give no gradient for it; the op does).
 
 Requires: :mod:`.select_backend` ran (the specs are final). Only the graph handed to Inductor goes
 through this pass: graphs kept for the report, ``CompiledModule.graphs`` and ``attncomp.export``
 keep the op, which chooses among every backend on the machine that runs it.
 
 Guarantees: each matched node calls the SDPA backend's ``inline_forward``
-(:func:`attncomp.codegen.sdpa.inline_attention`) with the op's tensors and spec instead of the op:
-the same torch ops the op runs on that backend, recorded by AOTAutograd like the rest of the model.
+(:func:`attncomp.codegen.sdpa.inline_attention`) with the op's tensors and spec instead of the op,
+and a mask plan node (``inline_plan``) that the sites with equal mask values share: the torch ops the
+op runs on that backend (on CUDA, for a graph that reads only the output, ``scaled_dot_product_attention``
+itself), recorded by AOTAutograd like the rest of the model. Scale reordering's runtime multiply of q
+goes back into SDPA's call.
 Inductor then builds the mask from the O(N) predicate vectors in its fused code and calls SDPA's
 kernel from its own wrapper, without the op's dispatch and per-call Python host path (on this
 project's CPU machine that path costs 80-280 us per call at a small model's shapes, most of it the
