@@ -7,7 +7,6 @@ import contextlib
 import copy
 import inspect
 import logging
-import os
 import threading
 import types
 import warnings
@@ -25,6 +24,7 @@ from .passes.capture import CaptureError, capture, split_inputs
 from .passes.inline_sdpa import enabled as inline_sdpa_enabled, inline_sdpa
 from .passes.pipeline import run_passes
 from .policy import Policy, get_policy
+from .runtime import env
 from .spec import BACKENDS
 
 log = logging.getLogger(__name__)
@@ -102,16 +102,9 @@ _CAPTURES = ("dynamo", "export", "fx")
 STORM = 8
 
 
-def _env_flag(name: str, default: bool) -> bool:
-    v = os.environ.get(name)
-    if v is None or v == "":
-        return default
-    return v.strip().lower() not in ("0", "false", "no", "off")
-
-
 def _inductor_default() -> bool:
     """Inductor compiles everything around the op unless ``ATTNCOMP_INDUCTOR=0``."""
-    return _env_flag("ATTNCOMP_INDUCTOR", True)
+    return env.flag("ATTNCOMP_INDUCTOR", True)
 
 
 class _GraphCompiler:
@@ -410,8 +403,9 @@ def revision_files() -> tuple:
     """The sources whose code a compiled graph depends on beyond the graph itself: ``attncomp/ops.py``
     (the fakes promise the op's output sizes and strides, which compiled code asserts) and the code
     that traced SDPA sites run (``codegen/sdpa.py``, ``codegen/reference.py``,
-    ``passes/inline_sdpa.py``: its ops are traced into the graph, but Inductor's caches key the graph
-    by the call's name, not the callee's code)."""
+    ``passes/inline_sdpa.py``), a precaution: the graph handed to Inductor names that code's functions,
+    not their source (AOTAutograd's cache bypasses such graphs on torch 2.13; Inductor's own keys the
+    traced aten graph)."""
     from .codegen import reference, sdpa
     from .passes import inline_sdpa as inline
 

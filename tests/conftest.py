@@ -51,3 +51,20 @@ def tvm_poisoned(tvm_cache_dir, monkeypatch):
 
     monkeypatch.setenv("ATTNCOMP_CACHE_DIR", str(tvm_cache_dir))
     monkeypatch.setattr(TB, "_empty", poisoned_empty)
+
+
+@pytest.fixture
+def op_calls(monkeypatch):
+    """The specs of the op's implementation calls (eager, or from compiled code after its first call)."""
+    from attncomp import ops
+
+    calls = []
+    real = ops._attention_impl
+
+    def counted(*args):
+        calls.append(args[ops.ARG_INDEX["spec"]])
+        return real(*args)
+
+    monkeypatch.setattr(ops, "_attention_impl", counted)
+    monkeypatch.setattr(ops, "_direct_impl", torch._disable_dynamo(counted))
+    return calls

@@ -172,11 +172,6 @@ class SdpaBackend:
         return None
 
     # -- forward ------------------------------------------------------------------------------
-    #: the forward in torch ops a tracer records, for compiled graphs: the mask plan shared by sites,
-    #: then each site (see :func:`inline_plan`, :func:`inline_attention`)
-    inline_plan = staticmethod(lambda *args: inline_plan(*args))
-    inline_forward = staticmethod(lambda *args: inline_attention(*args))
-
     def forward(self, spec, q, k, v, attn_mask, q_aux, k_aux, block_pattern, dropout_p, seed, preds=None):
         if dropout_p:
             raise RuntimeError("SDPA backend: dropout is not run here (attncomp's dropout draws differ)")
@@ -279,6 +274,12 @@ def inline_attention(q: Tensor, k: Tensor, v: Tensor, plan: tuple, spec_json: st
     if row_ok is not None:
         out = torch.where(row_ok[..., None], out, _const(0.0, out.dtype, out.device))
     return out, q.new_empty((0,), dtype=torch.float32)
+
+
+# the forward in torch ops a tracer records, for compiled graphs: the mask plan shared by sites, then
+# each site (``attncomp/passes/inline_sdpa.py`` calls them through the registered backend)
+SdpaBackend.inline_plan = staticmethod(inline_plan)
+SdpaBackend.inline_forward = staticmethod(inline_attention)
 
 
 def _public_plan(spec: AttentionSpec, q: Tensor, k: Tensor, attn_mask: Optional[Tensor],

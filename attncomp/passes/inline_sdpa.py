@@ -22,18 +22,17 @@ Inductor then builds the mask from the O(N) predicate vectors in its fused code 
 kernel from its own wrapper, without the op's dispatch and per-call Python host path (on this
 project's CPU machine that path costs 80-280 us per call at a small model's shapes, most of it the
 mask built op by op). Outputs are the op's ``(out, lse)``; the numerics are those of the op on the
-SDPA backend. ``ATTNCOMP_INLINE_SDPA=0`` keeps every op. Never imports triton or tvm.
+SDPA backend. ``ATTNCOMP_INLINE_SDPA=0`` keeps every op (:func:`enabled`: the caller does not run the
+pass then). Never imports triton or tvm.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch.fx as fx
 
 from .. import ops
 from ..codegen import get_backend
-from ..runtime import dispatch
+from ..runtime import dispatch, env
 from ..spec import Predicates
 from .base import CompileContext, PassResult
 from .node_info import attention_sites, meta_val, only_getitem0, site_report, spec_index
@@ -47,7 +46,7 @@ _A = ops.ARG_INDEX
 
 def enabled() -> bool:
     """Whether compiled graphs inline their SDPA sites (``ATTNCOMP_INLINE_SDPA``, default on)."""
-    return os.environ.get("ATTNCOMP_INLINE_SDPA", "1").strip().lower() not in ("0", "false", "no", "off")
+    return env.flag("ATTNCOMP_INLINE_SDPA", True)
 
 
 def _arg(node: fx.Node, name: str):
@@ -55,29 +54,27 @@ def _arg(node: fx.Node, name: str):
     return node.args[i] if i < len(node.args) else node.kwargs.get(name)
 
 
-def _why_not(node: fx.Node):
-    """``(None, why)`` where the site may be inlined (why: the choice's reason), else ``(reason, None)``."""
+def _choice(node: fx.Node):
+    """``(traced, why)`` for a site."""
     if any(_arg(node, n) is not None for n in ("q_aux", "k_aux", "block_pattern")):
-        return "the site brings policy tensors", None
+        return False, "the site brings policy tensors"
     dropout = _arg(node, "dropout_p")
     if not isinstance(dropout, (int, float)):
-        return "dropout rate not a constant", None
+        return False, "dropout rate not a constant"
     q, k, v = (meta_val(_arg(node, n)) for n in ("q", "k", "v"))
     if q is None or k is None or v is None:
-        return "no example value for q, k or v", None
+        return False, "no example value for q, k or v"
     mask_node = _arg(node, "attn_mask")
     mask = meta_val(mask_node)
     if mask_node is not None and mask is None:
-        return "no example value for the mask", None
+        return False, "no example value for the mask"
     if mask is not None and mask.is_floating_point() and mask.requires_grad:
-        return "the float mask requires grad (the op gives it one; SDPA's kernels do not)", None
+        return False, "the float mask requires grad (the op gives it one; SDPA's kernels do not)"
     # which predicates are present is what the choice reads of them (nodes the passes added have no
     # example value: the node stands in)
     preds = Predicates(*(_arg(node, n) for n in Predicates._fields))
     spec = ops._resolved(node.args[spec_index(node)], q.dtype)
-    ok, why = dispatch.inline_choice(spec, q, k, v, preds if preds.any() else None, float(dropout), mask,
-                                     measure=True)
-    return (None, why) if ok else (why, None)
+    return dispatch.inline_choice(spec, q, k, v, preds if preds.any() else None, float(dropout), mask, measure=True)
 
 
 _NOT_PURE = ("rand", "dropout", "bernoulli", "normal", "multinomial", "uniform", "exponential", "poisson",
@@ -147,15 +144,13 @@ def _take_back_scale(node: fx.Node) -> bool:
 def inline_sdpa(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
     """Replace each SDPA site's op call by the traceable SDPA forward (see the module docstring); the
     sites that share a mask plan (:func:`_plan_key`: a model's layers) share one plan node."""
-    if not enabled():
-        return PassResult(gm, False)
     modified = False
     plans: dict = {}
     for node in attention_sites(gm):
         rep = site_report(node, ctx)
-        no, why = _why_not(node)
-        if no is not None:
-            rep.details[NAME] = f"op kept: {no}"
+        traced, why = _choice(node)
+        if not traced:
+            rep.details[NAME] = f"op kept: {why}"
             ctx.count(NAME, "kept")
             continue
         unscaled = _take_back_scale(node)

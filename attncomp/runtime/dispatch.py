@@ -387,7 +387,7 @@ def inline_choice(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torc
         sd = get_backend("sdpa")
     except (ImportError, ValueError):
         return False, "no SDPA backend registered"
-    if not hasattr(sd, "inline_forward") or not _runs_sdpa(sd, spec, q, v, preds):
+    if not (hasattr(sd, "inline_plan") and hasattr(sd, "inline_forward")) or not _runs_sdpa(sd, spec, q, v, preds):
         return False, "SDPA's kernel does not run this call"
     if spec.backend == "sdpa":
         return True, "sdpa (as asked)"

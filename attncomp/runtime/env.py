@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-__all__ = ["raw", "get"]
+__all__ = ["raw", "get", "flag"]
 
 _DATA = getattr(os.environ, "_data", None)
 _KEYS: dict = {}
@@ -36,3 +36,11 @@ def get(name: str, default: Optional[str] = None) -> Optional[str]:
     if v is None:
         return default
     return v.decode(errors="surrogateescape") if isinstance(v, bytes) else v
+
+
+def flag(name: str, default: bool) -> bool:
+    """A switch: ``default`` when unset or empty, else off for ``0``/``false``/``no``/``off``."""
+    v = get(name)
+    if v is None or v == "":
+        return default
+    return v.strip().lower() not in ("0", "false", "no", "off")

@@ -29,6 +29,22 @@ def _rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
+def _assert_grads_match(model, out, ref):
+    """The user's parameters get eager's gradients from ``out`` (compiled) and ``ref`` (eager) through a
+    random projection as the loss (the mean square of a LayerNorm output is constant, so its gradients
+    would be rounding noise). Key biases have an exactly-zero true gradient (softmax shift
+    invariance): skipped."""
+    w = torch.randn_like(ref)
+    (out.float() * w).sum().backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    (ref.float() * w).sum().backward()
+    errs = {n: _rel(got[n], p.grad) for n, p in model.named_parameters()
+            if p.grad is not None and p.grad.norm() > 0 and not n.endswith("key.bias")}
+    bad = {n: e for n, e in errs.items() if e > 2e-2}
+    assert not bad, f"gradients differ from eager: {bad}"
+
+
 @pytest.mark.parametrize("impl", ["eager", "sdpa"])
 @pytest.mark.parametrize("name", ["bert", "gpt2"])
 def test_compiled_hf_model_on_gpu(name, impl):
@@ -46,18 +62,8 @@ def test_compiled_hf_model_on_gpu(name, impl):
     out = fast(**inputs).last_hidden_state
     ref = model(**inputs).last_hidden_state
     assert _rel(out, ref) < 5e-3  # the kernels' fp32 dot runs as tf32
-    # it trains: gradients reach the user's parameters and match eager's (a random projection as the
-    # loss: the mean square of a LayerNorm output is constant, so its gradients would be rounding noise)
-    w = torch.randn_like(ref)
-    (out.float() * w).sum().backward()
-    got = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad()
-    (ref.float() * w).sum().backward()
-    # key biases have an exactly-zero true gradient (softmax shift invariance): skip them
-    errs = {n: _rel(got[n], p.grad) for n, p in model.named_parameters()
-            if p.grad is not None and p.grad.norm() > 0 and not n.endswith("key.bias")}
-    bad = {n: e for n, e in errs.items() if e > 2e-2}
-    assert not bad, f"gradients differ from eager: {bad}"
+    # it trains: gradients reach the user's parameters and match eager's
+    _assert_grads_match(model, out, ref)
     # a new length runs without re-capturing
     ids2 = torch.randint(0, 1000, (3, 77), device="cuda")
     out2 = fast(input_ids=ids2, attention_mask=torch.ones_like(ids2)).last_hidden_state
@@ -112,13 +118,12 @@ def test_generate_llama_default_config_on_gpu(inductor, fresh_dynamo):
 
 
 @pytest.mark.parametrize("stored", [None, "sdpa", "triton"], ids=["measured", "sdpa-stored", "triton-stored"])
-def test_dense_sites_on_gpu_trace_sdpa_or_keep_the_op(stored, fresh_dynamo, monkeypatch, tmp_path):
+def test_dense_sites_on_gpu_trace_sdpa_or_keep_the_op(stored, fresh_dynamo, monkeypatch, tmp_path, op_calls):
     """Inductor's copy of a compiled graph calls SDPA's kernel traced in place of the op where the
     inline choice says so (stored, or measured at compile time with host time): outputs and gradients
     match eager either way, and the op runs at run time only where it was kept."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from attncomp import ops
     from attncomp.runtime import autotune, dispatch
 
     monkeypatch.setenv("ATTNCOMP_CACHE_DIR", str(tmp_path))
@@ -133,18 +138,9 @@ def test_dense_sites_on_gpu_trace_sdpa_or_keep_the_op(stored, fresh_dynamo, monk
         for kind in ("mask", "none"):
             key = dispatch.dense_choice_key(77, 77, 64, torch.float32, kind, dispatch._gpu_arch(ids), 1)
             autotune.record(dispatch.INLINE_CHOICE, key, {"best": stored, "timings": {stored: 1.0}})
-    calls = []
-    real = ops._attention_impl
-
-    def counted(*a):
-        calls.append(1)
-        return real(*a)
-
-    monkeypatch.setattr(ops, "_attention_impl", counted)
-    monkeypatch.setattr(ops, "_direct_impl", torch._disable_dynamo(counted))
     fast = attncomp.compile(model, policy="dense", inductor=True)
     out = fast(input_ids=ids, attention_mask=mask).last_hidden_state
-    calls.clear()
+    op_calls.clear()
     out = fast(input_ids=ids, attention_mask=mask).last_hidden_state
     ref = model(input_ids=ids, attention_mask=mask).last_hidden_state
     valid = mask.bool()
@@ -157,13 +153,5 @@ def test_dense_sites_on_gpu_trace_sdpa_or_keep_the_op(stored, fresh_dynamo, monk
         assert traced[0] == (stored == "sdpa"), details
     else:
         assert "ms" in details[0], details        # measured now, figures in the report
-    assert len(calls) == (0 if traced[0] else 2), (details, len(calls))
-    w = torch.randn_like(ref)
-    (out[valid] * w[valid]).sum().backward()
-    got = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad()
-    (ref[valid] * w[valid]).sum().backward()
-    errs = {n: _rel(got[n], p.grad) for n, p in model.named_parameters()
-            if p.grad is not None and p.grad.norm() > 0 and not n.endswith("key.bias")}
-    bad = {n: e for n, e in errs.items() if e > 2e-2}
-    assert not bad, f"gradients differ from eager: {bad}"
+    assert len(op_calls) == (0 if traced[0] else 2), (details, len(op_calls))
+    _assert_grads_match(model, out[valid], ref[valid])

@@ -24,21 +24,6 @@ from tests.runtime.test_dispatch import KINDS, _inputs, _pred_kw, fake_gpu  # no
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
-@pytest.fixture
-def op_calls(monkeypatch):
-    """The op's implementation calls (eager, or from compiled code after its first call)."""
-    calls = []
-    real = ops._attention_impl
-
-    def counted(*args):
-        calls.append(args[ops.ARG_INDEX["spec"]])
-        return real(*args)
-
-    monkeypatch.setattr(ops, "_attention_impl", counted)
-    monkeypatch.setattr(ops, "_direct_impl", torch._disable_dynamo(counted))
-    return calls
-
-
 def _outputs(out):
     return out.last_hidden_state if hasattr(out, "last_hidden_state") else out.logits
 
@@ -181,7 +166,8 @@ def test_eager_calls_after_tracing_get_real_tensors():
 def inline_gpu(fake_gpu):
     """A fake GPU (``tests/runtime/test_dispatch.py``) whose SDPA backend can be traced."""
     backends, _, calls = fake_gpu
-    backends["sdpa"].inline_forward = get_backend("sdpa").inline_forward
+    sd = get_backend("sdpa")
+    backends["sdpa"].inline_plan, backends["sdpa"].inline_forward = sd.inline_plan, sd.inline_forward
     yield backends
     assert calls == [], "the inline choice timed kernels through the dense kernel choice"
     autotune.clear_memo()
