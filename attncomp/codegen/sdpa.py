@@ -272,7 +272,10 @@ def inline_attention(q: Tensor, k: Tensor, v: Tensor, plan: tuple, spec_json: st
     is_causal, bias, row_ok = plan
     out = _public_run(spec, q, k, v, is_causal, bias)()
     if row_ok is not None:
-        out = torch.where(row_ok[..., None], out, _const(0.0, out.dtype, out.device))
+        # zeroed with the heads inner, SDPA's own output layout: a model's transpose(1, 2).reshape(...)
+        # of the result is then a view, not a second copy
+        out = torch.where(row_ok.transpose(1, 2)[..., None], out.transpose(1, 2),
+                          _const(0.0, out.dtype, out.device)).transpose(1, 2)
     return out, q.new_empty((0,), dtype=torch.float32)
 
 
