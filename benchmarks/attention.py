@@ -288,7 +288,7 @@ def warm_up(tasks, workers: int) -> None:
     print(f"warm-up of {len(tasks)} tasks: {time.perf_counter() - t0:.1f}s", flush=True)
 
 
-def candidate_pairs(policy, D, dtype, sweep: bool, tune: bool):
+def candidate_pairs(policy, D, dtype, sweep: bool, tune: bool, causal: bool = False):
     """The (fwd, bwd) configurations the run will launch: all candidates, or the defaults."""
     import torch
     from attncomp.codegen.triton import configs
@@ -297,8 +297,8 @@ def candidate_pairs(policy, D, dtype, sweep: bool, tune: bool):
     if policy == "dfss":
         nm_m = make_spec(policy, False, dtype).policy.m
     gpu = configs.gpu_tag(torch.device("cuda")) if torch.cuda.is_available() else ""
-    fw = configs.fwd_candidates(D, D, dtype, nm_m, gpu=gpu)
-    bw = configs.bwd_candidates(D, D, dtype, nm_m, gpu=gpu)
+    fw = configs.fwd_candidates(D, D, dtype, nm_m, gpu=gpu, bounded=causal)
+    bw = configs.bwd_candidates(D, D, dtype, nm_m, gpu=gpu, bounded=causal)
     if not (sweep or tune):
         fw, bw = fw[:1], bw[:1]
     n = max(len(fw), len(bw))
@@ -566,7 +566,7 @@ def main(argv=None):
         for D in dims:
             for causal in causals:
                 for passes in warm_passes:
-                    pairs = candidate_pairs(policy, D, dtype, args.sweep, args.tune)
+                    pairs = candidate_pairs(policy, D, dtype, args.sweep, args.tune, causal)
                     # one task per configuration: compile time spreads over the workers
                     for pair in pairs:
                         tasks.append(dict(kind="attncomp", policy=policy, D=D, causal=causal, passes=passes,

@@ -13,6 +13,7 @@ and dropout, whose keep pattern must equal the reference's bit for bit.
 from __future__ import annotations
 
 import os
+import types
 
 os.environ["TRITON_INTERPRET"] = "1"
 
@@ -360,6 +361,45 @@ def test_gpu_defaults_and_spion_blocks_order_the_candidates(monkeypatch):
         spion = fn(tier, tier, torch.bfloat16, 1, block=64, gpu="h100")
         inside = [max(c["BLOCK_M"], c["BLOCK_N"], *(c.get("DQ") or (0, 0))[:2]) <= 64 for c in spion]
         assert inside[0] and inside == sorted(inside, reverse=True)
+
+
+def test_nm_defaults_follow_the_right_bound(monkeypatch):
+    """An N:M list leads with its GPU's measured default for the site's masking (a right bound:
+    causal or a window) and keeps its own order otherwise; the set of candidates is the same."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    for (kind, tier, bounded), first in configs.GPU_DEFAULTS_NM["h100"].items():
+        fn = configs.fwd_candidates if kind == "fwd" else configs.bwd_candidates
+        plain = fn(tier, tier, torch.bfloat16, 4)
+        mine = fn(tier, tier, torch.bfloat16, 4, gpu="h100", bounded=bounded)
+        other = fn(tier, tier, torch.bfloat16, 4, gpu="h100", bounded=not bounded)
+        assert mine[0] == first and plain[0] != first
+        assert sorted(map(str, mine)) == sorted(map(str, plain))
+        if (kind, tier, not bounded) not in configs.GPU_DEFAULTS_NM["h100"]:
+            assert other == plain
+
+
+def test_a_causal_dfss_site_launches_its_gpu_default(monkeypatch):
+    """The backend asks for the candidates with the site's right bound: a causal DFSS forward on an
+    H100 (tuning off) launches the N:M causal default, a non-causal one the list's first."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(configs, "gpu_tag", lambda device: "h100")
+    monkeypatch.setattr(TB, "_config_memo", {})
+    asked = []
+    real = configs.fwd_candidates
+
+    def spy(*a):
+        asked.append(a)
+        return real(*a)
+
+    for causal in (True, False):
+        site = types.SimpleNamespace(D=64, Dv=64, dtype=torch.bfloat16, nm_m=4, spion_bs=0, device=torch.device("cpu"),
+                                     win_right=0 if causal else None, signature=lambda c=causal: ("spy", c),
+                                     tune_key=lambda: {})
+        launched = []
+        TB._run_tuned("fwd", site, launched.append, spy)
+        assert asked[-1][-1] is causal
+        want = configs.GPU_DEFAULTS_NM["h100"][("fwd", 64, True)] if causal else real(64, 64, torch.bfloat16, 4)[0]
+        assert launched == [want]
 
 
 def test_interpreter_never_tunes(monkeypatch):

@@ -630,7 +630,8 @@ def _run_tuned(kind: str, site: Site, launch, candidates_fn, config: Optional[di
         if config is not None:
             launch(config)
         else:
-            cands = candidates_fn(site.D, site.Dv, site.dtype, site.nm_m, site.spion_bs, configs.gpu_tag(site.device))
+            cands = candidates_fn(site.D, site.Dv, site.dtype, site.nm_m, site.spion_bs, configs.gpu_tag(site.device),
+                                  site.win_right is not None)
             config = configs.choose(f"triton_attention_{kind}", site.tune_key(), cands,
                                     _bencher(launch) if site.device.type == "cuda" else None)
             # last resort: the smallest tiles that hold whole N:M groups, one pipeline stage
