@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import difflib
 import inspect
 import logging
 import threading
@@ -88,7 +89,18 @@ def _make_report(ctx: CompileContext) -> Report:
                   counters={k: dict(v) for k, v in ctx.counters.items()}, notes=ctx.notes)
 
 
-def _check_options(policy, backend: str, fallback: str) -> Policy:
+def _check_options(policy, backend: str, fallback: str, mode: Optional[str], extra: Dict[str, Any],
+                   entry) -> Policy:
+    """The policy object of a compile's arguments, after checking them all: a misspelt keyword
+    (``extra``: what ``entry``'s signature did not name) or mode must not compile something else silently."""
+    if extra:
+        name = next(iter(extra))
+        known = [p for p in inspect.signature(entry).parameters if p not in ("model", "options")]
+        close = difflib.get_close_matches(name, known, n=1)
+        raise TypeError(f"attncomp.{entry.__name__}() got an unexpected keyword argument {name!r}"
+                        + (f"; did you mean {close[0]!r}?" if close else "") + f" (its keywords: {', '.join(known)})")
+    if mode is not None:
+        torch._inductor.list_mode_options(mode)  # raises, naming the valid modes, on an unknown one
     pol = get_policy(policy)
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; valid backends: {', '.join(BACKENDS)}")
@@ -112,9 +124,9 @@ class _GraphCompiler:
     as it is). Shared by :func:`compile` (capture="dynamo") and :func:`backend` (``torch.compile``)."""
 
     def __init__(self, policy: Policy, backend: str, inference: Optional[bool], inductor: bool,
-                 mode: Optional[str], options: Dict[str, Any], capture_name: str):
+                 mode: Optional[str], capture_name: str):
         self.policy, self.backend, self.inference = policy, backend, inference
-        self.inductor, self.mode, self.options = inductor, mode, dict(options)
+        self.inductor, self.mode = inductor, mode
         self.capture_name = capture_name
         self.contexts: List[CompileContext] = []
         self.graphs: List[fx.GraphModule] = []
@@ -128,7 +140,7 @@ class _GraphCompiler:
         inference = self._inference(example_inputs)
         where = "Inductor around the op" if self.inductor else "no Inductor (ATTNCOMP_INDUCTOR=0 / inductor=False)"
         ctx = CompileContext(policy=self.policy, backend=self.backend, inference=inference,
-                             options=dict(self.options), capture=f"{self.capture_name}; {where}")
+                             capture=f"{self.capture_name}; {where}")
         _propagate_fake(gm, example_inputs)
         frozen = _freeze_parameters(gm, example_inputs) if inference else 0
         _constant_mask_buffers(gm, example_inputs)
@@ -466,9 +478,9 @@ def _wrap(model: nn.Module, state: "_State") -> CompiledModule:
 class _State:
     """What a compiled module holds besides the model's own attributes."""
 
-    def __init__(self, model, policy, backend, fallback, inference, options, capture, inductor, mode, dynamic):
+    def __init__(self, model, policy, backend, fallback, inference, capture, inductor, mode, dynamic):
         self.model, self.policy, self.backend, self.fallback = model, policy, backend, fallback
-        self.inference, self.options, self.capture = inference, dict(options), capture
+        self.inference, self.capture = inference, capture
         self.inductor, self.mode, self.dynamic = inductor, mode, dynamic
         self.lock = threading.RLock()
         self.eager = False
@@ -477,7 +489,7 @@ class _State:
         self.keys: Dict[Any, str] = {}
         self.last: Optional[fx.GraphModule] = None
         self.last_ctx: Optional[CompileContext] = None
-        self.compiler = _GraphCompiler(policy, backend, inference, inductor, mode, options,
+        self.compiler = _GraphCompiler(policy, backend, inference, inductor, mode,
                                        "dynamo (the torch.compile mechanism)")
         self.compiled = None
         #: what compile() did besides capturing (listed in the report)
@@ -578,8 +590,7 @@ class _State:
         model.train(fast.training)
         inference = (not fast.training and not any(p.requires_grad for p in model.parameters())) \
             if self.inference is None else bool(self.inference)
-        ctx = CompileContext(policy=self.policy, backend=self.backend, inference=inference,
-                             options=dict(self.options))
+        ctx = CompileContext(policy=self.policy, backend=self.backend, inference=inference)
         example = call if call is not None else args
         gm = capture(model, example, ctx, route=self.capture)
         gm = run_passes(gm, ctx)
@@ -692,9 +703,11 @@ def compile(model: nn.Module, policy: Union[str, Policy] = "dense", *, example_i
     ``fallback="eager"`` returns the original module (with a warning) when the model cannot be
     captured. ``inference`` says whether weights are frozen (default: eval mode and no parameter
     requires grad), which lets rewrites fold constants into weights.
-    The user's parameters are never modified by compilation.
+    The user's parameters are never modified by compilation. Any other keyword, or an unknown
+    ``mode``, raises (``TypeError`` naming the closest keyword, Inductor's list of modes) before
+    anything is compiled.
     """
-    pol = _check_options(policy, backend, fallback)
+    pol = _check_options(policy, backend, fallback, mode, options, compile)
     if capture not in _CAPTURES:
         raise ValueError(f"capture must be one of {_CAPTURES}, got {capture!r}")
     if not isinstance(model, nn.Module):
@@ -703,7 +716,7 @@ def compile(model: nn.Module, policy: Union[str, Policy] = "dense", *, example_i
         raise ValueError("this module is already compiled by attncomp; compile the original "
                          "(compiled.original) instead")
     inductor = _inductor_default() if inductor is None else bool(inductor)
-    state = _State(model, pol, backend, fallback, inference, options, capture, inductor, mode, dynamic)
+    state = _State(model, pol, backend, fallback, inference, capture, inductor, mode, dynamic)
     fast = _wrap(model, state)
     if example_inputs is None:
         return fast
@@ -761,10 +774,14 @@ def backend(policy: Union[str, Policy] = "dense", *, backend: str = "auto", infe
             inductor: Optional[bool] = None, mode: Optional[str] = None, **options):
     """A backend for ``torch.compile(model, backend=attncomp.backend(policy=...))``: the same passes as
     :func:`compile`, then Inductor (``inductor``, default as in :func:`compile`). ``attncomp.report(the_backend)``
-    lists the sites of every graph it compiled (a site recompiled by dynamo for new shapes is listed once)."""
-    pol = _check_options(policy, backend, "error")
+    lists the sites of every graph it compiled (a site recompiled by dynamo for new shapes is listed once).
+    Its arguments are checked as :func:`compile`'s."""
+    pol = _check_options(policy, backend, "error", mode, options, _BACKEND_ENTRY)
     inductor = _inductor_default() if inductor is None else bool(inductor)
-    return _GraphCompiler(pol, backend, inference, inductor, mode, options, "torch.compile (dynamo)")
+    return _GraphCompiler(pol, backend, inference, inductor, mode, "torch.compile (dynamo)")
+
+
+_BACKEND_ENTRY = backend  # (inside backend() the name is its argument)
 
 
 def export(compiled: nn.Module, path: str, example_inputs=None) -> str:

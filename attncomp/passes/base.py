@@ -45,7 +45,7 @@ class SiteReport:
 
 @dataclass
 class CompileContext:
-    """What every pass may read: the policy, backend and options of this compile, and what it found."""
+    """What every pass may read: the policy and backend of this compile, and what it found."""
 
     policy: Policy = field(default_factory=Dense)
     backend: str = "auto"
@@ -57,7 +57,6 @@ class CompileContext:
     sites: List[SiteReport] = field(default_factory=list)
     #: free-form notes of passes for the report (e.g. cost model figures)
     notes: List[str] = field(default_factory=list)
-    options: Dict[str, Any] = field(default_factory=dict)
     capture: str = ""
 
     def count(self, pass_name: str, what: str, n: int = 1) -> None:

@@ -141,6 +141,25 @@ def test_unknown_fallback():
         attncomp.compile(Stack(), fallback="ignore")
 
 
+@pytest.mark.parametrize("entry", ["compile", "backend"])
+def test_a_misspelt_keyword_or_mode_raises_before_compiling(entry):
+    """``polcy="dfss"`` must not compile the default policy silently: the keyword is refused, with
+    the closest valid one; an unknown Inductor mode is refused at once, not at the first call."""
+    call = (lambda **kw: attncomp.compile(Stack(), **kw)) if entry == "compile" else attncomp.backend
+    before = dict(counters)
+    with pytest.raises(TypeError) as ei:
+        call(polcy="dfss")
+    msg = str(ei.value)
+    assert f"attncomp.{entry}()" in msg and "'polcy'" in msg and "did you mean 'policy'" in msg, msg
+    assert "inductor" in msg and "mode" in msg, msg  # the valid keywords are listed
+    with pytest.raises(TypeError, match="'num_buckets'"):
+        call(policy="hash", num_buckets=4)
+    with pytest.raises(RuntimeError, match="reduce-overhead"):
+        call(mode="reduce_overhead")
+    assert dict(counters) == before  # nothing was compiled
+    call(mode="reduce-overhead", inductor=True)  # the valid spellings are taken
+
+
 @pytest.mark.parametrize("obj", [lambda x: x, torch.randn(3), "bert-base", None], ids=["lambda", "tensor", "str", "None"])
 def test_not_a_module(obj):
     with pytest.raises((TypeError, ValueError)) as ei:
