@@ -140,7 +140,7 @@ class _GraphCompiler:
         inference = self._inference(example_inputs)
         where = "Inductor around the op" if self.inductor else "no Inductor (ATTNCOMP_INDUCTOR=0 / inductor=False)"
         ctx = CompileContext(policy=self.policy, backend=self.backend, inference=inference,
-                             capture=f"{self.capture_name}; {where}")
+                             capture=f"{self.capture_name}; {where}", cuda_graphs=self._cuda_graphs())
         _propagate_fake(gm, example_inputs)
         frozen = _freeze_parameters(gm, example_inputs) if inference else 0
         _constant_mask_buffers(gm, example_inputs)
@@ -194,6 +194,12 @@ class _GraphCompiler:
         from torch._dynamo.utils import guard_failures
 
         return [str(r) for r in guard_failures.get(self.code, [])]
+
+    def _cuda_graphs(self) -> bool:
+        """Whether Inductor runs the compiled graphs as CUDA graphs (``mode="reduce-overhead"``)."""
+        if not (self.inductor and self.mode):
+            return False
+        return bool(torch._inductor.list_mode_options(self.mode).get("triton.cudagraphs"))
 
     def report(self) -> Report:
         ctx = CompileContext(policy=self.policy, backend=self.backend,

@@ -16,6 +16,7 @@ Usage::
     python benchmarks/models.py                 # CPU configs on a CPU, GPU configs on a GPU
     python benchmarks/models.py --smoke         # tiny shapes, seconds (CI)
     python benchmarks/models.py --policies dense,dfss --only llama
+    python benchmarks/models.py --inductor-mode reduce-overhead   # both compilers with CUDA graphs (rows keyed apart)
 """
 
 from __future__ import annotations
@@ -167,7 +168,7 @@ def model_and_step(c, device, dtype):
     return model, step
 
 
-def run_config(c, policies, device, dtype, iters):
+def run_config(c, policies, device, dtype, iters, imode=None):
     """Rows of one model configuration: eager and ``torch.compile`` timed once, then ``attncomp.compile``
     per policy (a policy that fails records its error and the others go on)."""
     model, step = model_and_step(c, device, dtype)
@@ -175,14 +176,14 @@ def run_config(c, policies, device, dtype, iters):
     base = dict(model=c["model"], device=device_name(), mode=c["mode"], B=c["B"], N=c["N"])
     base["eager_ms"] = timed_ms(lambda: step(model), iters, device)
     torch._dynamo.reset()
-    compiled = torch.compile(model)
+    compiled = torch.compile(model, mode=imode)
     base["compile_ms"] = timed_ms(lambda: step(compiled), iters, device)
     del compiled
     torch._dynamo.reset()
     for policy in policies:
         row = dict(base, policy=policy)
         try:
-            fast = attncomp.compile(model, policy=policy, inductor=True)
+            fast = attncomp.compile(model, policy=policy, inductor=True, mode=imode)
             row["attncomp_ms"] = timed_ms(lambda: step(fast), iters, device)
             rep = attncomp.report(fast)
             row["sites"], row["rewritten"] = len(rep.sites), rep.rewritten
@@ -195,17 +196,17 @@ def run_config(c, policies, device, dtype, iters):
         yield row
 
 
-def run_interleaved(c, policies, device, dtype, iters, rounds):
+def run_interleaved(c, policies, device, dtype, iters, rounds, imode=None):
     """Rows of one configuration with eager, ``torch.compile`` and every policy compiled first and then
     timed in turn, ``rounds`` times (each figure the median of its rounds): on a noisy host the ratios
     then come from times taken side by side, not minutes apart."""
     model, step = model_and_step(c, device, dtype)
     torch._dynamo.reset()
-    variants = {"eager": model, "compile": torch.compile(model)}
+    variants = {"eager": model, "compile": torch.compile(model, mode=imode)}
     errors = {}
     for policy in policies:
         try:
-            variants[policy] = attncomp.compile(model, policy=policy, inductor=True)
+            variants[policy] = attncomp.compile(model, policy=policy, inductor=True, mode=imode)
             step(variants[policy])
         except Exception as e:  # recorded in the row; the table shows it as failed
             errors[policy] = f"{type(e).__name__}: {e}"[:500]
@@ -230,7 +231,7 @@ def run_interleaved(c, policies, device, dtype, iters, rounds):
 
 
 def _row_key(r):
-    return (r["model"], r["mode"], r["B"], r["N"], r["policy"])
+    return (r["model"], r["mode"], r["B"], r["N"], r["policy"], r.get("inductor_mode"))
 
 
 def main(argv=None) -> int:
@@ -245,6 +246,8 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=None, help="timed calls per measurement (default 7 CPU, 20 GPU)")
     ap.add_argument("--rounds", type=int, default=1, help="with more than 1: every variant compiled first, then "
                                                          "timed in turn that many times (medians)")
+    ap.add_argument("--inductor-mode", default=None,
+                    help="Inductor's mode for torch.compile and attncomp alike (e.g. reduce-overhead: CUDA graphs)")
     ap.add_argument("--json", default=None, help="output path (default benchmarks/results/models_<device>.json; "
                                                   "--smoke writes nothing unless given)")
     args = ap.parse_args(argv)
@@ -274,9 +277,11 @@ def main(argv=None) -> int:
             continue
         pols = args.policies.split(",") if args.policies else (
             ["dense"] if device.type == "cpu" else ["dense", "dfss"] + (["hash", "drop"] if c["N"] >= 4096 else []))
-        rows_of = run_config(c, pols, device, dtype, iters) if args.rounds <= 1 else \
-            run_interleaved(c, pols, device, dtype, iters, args.rounds)
+        rows_of = run_config(c, pols, device, dtype, iters, args.inductor_mode) if args.rounds <= 1 else \
+            run_interleaved(c, pols, device, dtype, iters, args.rounds, args.inductor_mode)
         for row in rows_of:
+            if args.inductor_mode:
+                row["inductor_mode"] = args.inductor_mode
             rows.append(row)
             key = _row_key(row)
             kept = [r for r in kept if _row_key(r) != key]

@@ -58,6 +58,9 @@ class CompileContext:
     #: free-form notes of passes for the report (e.g. cost model figures)
     notes: List[str] = field(default_factory=list)
     capture: str = ""
+    #: the compiled graphs run as CUDA graphs (Inductor's ``mode="reduce-overhead"``): no host time
+    #: between kernels, so choices between kernels compare device time only
+    cuda_graphs: bool = False
 
     def count(self, pass_name: str, what: str, n: int = 1) -> None:
         self.counters[pass_name][what] += n

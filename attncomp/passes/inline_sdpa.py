@@ -54,8 +54,8 @@ def _arg(node: fx.Node, name: str):
     return node.args[i] if i < len(node.args) else node.kwargs.get(name)
 
 
-def _choice(node: fx.Node):
-    """``(traced, why)`` for a site."""
+def _choice(node: fx.Node, cuda_graphs: bool):
+    """``(traced, why)`` for a site (``cuda_graphs``: the graph runs as a CUDA graph)."""
     if any(_arg(node, n) is not None for n in ("q_aux", "k_aux", "block_pattern")):
         return False, "the site brings policy tensors"
     dropout = _arg(node, "dropout_p")
@@ -74,7 +74,8 @@ def _choice(node: fx.Node):
     # example value: the node stands in)
     preds = Predicates(*(_arg(node, n) for n in Predicates._fields))
     spec = ops._resolved(node.args[spec_index(node)], q.dtype)
-    return dispatch.inline_choice(spec, q, k, v, preds if preds.any() else None, float(dropout), mask, measure=True)
+    return dispatch.inline_choice(spec, q, k, v, preds if preds.any() else None, float(dropout), mask, measure=True,
+                                  device_only=cuda_graphs)
 
 
 _NOT_PURE = ("rand", "dropout", "bernoulli", "normal", "multinomial", "uniform", "exponential", "poisson",
@@ -148,7 +149,7 @@ def inline_sdpa(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
     plans: dict = {}
     for node in attention_sites(gm):
         rep = site_report(node, ctx)
-        traced, why = _choice(node)
+        traced, why = _choice(node, ctx.cuda_graphs)
         if not traced:
             rep.details[NAME] = f"op kept: {why}"
             ctx.count(NAME, "kept")

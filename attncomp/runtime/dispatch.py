@@ -42,6 +42,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import time
 from typing import Any, Dict, Optional, Tuple
 
 import torch
@@ -369,14 +370,16 @@ def _auto_explained(spec, q, n_keys, v=None, preds=None, dropout_p=None, k=None,
 
 def inline_choice(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, preds=None,
                   dropout_p: float = 0.0, attn_mask: Optional[torch.Tensor] = None,
-                  measure: bool = False) -> Tuple[bool, str]:
+                  measure: bool = False, device_only: bool = False) -> Tuple[bool, str]:
     """Whether a compiled site with these (fake or real) tensors runs SDPA's kernel traced into its
     graph (``attncomp/passes/inline_sdpa.py``), and why (or why not). On a CPU: every keep-everything
     call without dropout. On a GPU: where Triton cannot run it; where the autotune store holds SDPA's
     kernel as faster than Triton's for its shape bucket (the op would run SDPA then); otherwise by
     the stored :data:`INLINE_CHOICE` for the bucket, measured now when absent and ``measure`` is set
     (:func:`_inline_times`: per call, host time included, where a model with small attention calls
-    waits on the host). Symbolic sizes are measured at their hints (the sizes of the first call)."""
+    waits on the host; with ``device_only``, for graphs replayed as CUDA graphs, which issue no host
+    work between kernels, device time alone, stored apart). Symbolic sizes are measured at their hints
+    (the sizes of the first call)."""
     if dropout_p or spec.dropout_p:
         return False, "dropout (attncomp's draws differ from SDPA's)"
     if not keeps_all(spec):
@@ -410,6 +413,9 @@ def inline_choice(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torc
     key = dense_choice_key(nq, nk, d, q.dtype, kind, arch, hq // hk)
     if dense_choice(key) == "sdpa":
         return True, "SDPA's kernel measured faster than Triton's for this shape bucket (autotune store)"
+    per = "per call on the device (CUDA graphs)" if device_only else "per call"
+    if device_only:
+        key = dict(key, cuda_graphs=True)
     val = _autotune_lookup(INLINE_CHOICE, key)
     best = _winner(val)
     if best is None:
@@ -418,7 +424,8 @@ def inline_choice(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torc
         hold = _no_measuring()
         if hold is not None:
             return False, f"SDPA traced against the op on Triton not measured {hold}"
-        times = _inline_times(spec, q, k, v, preds, attn_mask, (B, hq, nq, d, hk, nk, _hint(v.shape[-1]) or d))
+        times = _inline_times(spec, q, k, v, preds, attn_mask, (B, hq, nq, d, hk, nk, _hint(v.shape[-1]) or d),
+                              device_only)
         if not times:
             return False, "timing SDPA against the op on Triton failed"
         best = _winner({"timings": times})
@@ -429,8 +436,8 @@ def inline_choice(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torc
     t = val.get("timings") or {}
     figures = ", ".join(f"{n} {float(x):.3g} ms" for n, x in sorted(t.items()) if x is not None)
     if best == "sdpa":
-        return True, f"SDPA's kernel, traced, measured faster per call than the op on Triton ({figures})"
-    return False, f"the op on Triton measured faster per call than SDPA's kernel traced ({figures})"
+        return True, f"SDPA's kernel, traced, measured faster {per} than the op on Triton ({figures})"
+    return False, f"the op on Triton measured faster {per} than SDPA's kernel traced ({figures})"
 
 
 def _hint(x) -> Optional[int]:
@@ -441,9 +448,9 @@ def _hint(x) -> Optional[int]:
     return int(hint) if isinstance(hint, int) else None
 
 
-def _inline_times(spec, q, k, v, preds, attn_mask, sizes) -> Dict[str, float]:
+def _inline_times(spec, q, k, v, preds, attn_mask, sizes, device_only: bool = False) -> Dict[str, float]:
     """Milliseconds per call, calls back to back (host and device time together, as a compiled
-    graph issues them), at ``sizes`` ``(B, Hq, Nq, D, Hk, Nk, Dv)`` on new real tensors of q's
+    graph issues them; with ``device_only`` the device's time alone, as a CUDA graph replays them), at ``sizes`` ``(B, Hq, Nq, D, Hk, Nk, Dv)`` on new real tensors of q's
     dtype and device: SDPA's kernel with its mask built beforehand (a traced site's compiled code
     builds it in one fused kernel of its own) against ``attncomp::attention`` on Triton (its host
     path included). Where the predicates or the mask are present, they allow every entry."""
@@ -482,23 +489,29 @@ def _inline_times(spec, q, k, v, preds, attn_mask, sizes) -> Dict[str, float]:
                 "triton": lambda: torch.ops.attncomp.attention(*args)}
         for nm, run in runs.items():
             try:
-                times[nm] = _per_call_ms(run, dev)
+                times[nm] = _per_call_ms(run, dev, device_only=device_only)
             except Exception as e:  # a candidate that fails is not chosen
                 log.warning("attncomp: timing %s for %s failed: %s", nm, spec.describe(), e)
     return times
 
 
-def _per_call_ms(run, device, budget_ms: float = 50.0) -> float:
-    """Milliseconds per call of ``run`` issued back to back (CUDA events), after warm-up calls."""
+def _per_call_ms(run, device, budget_ms: float = 50.0, device_only: bool = False) -> float:
+    """Milliseconds per call of ``run`` issued back to back (CUDA events), after warm-up calls. With
+    ``device_only`` the device first spins for longer than the host takes to issue every call, so
+    that the events time the kernels alone, back to back (as a CUDA graph's replay runs them)."""
     for _ in range(3):
         run()
     torch.cuda.synchronize(device)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
     start.record()
     run()
     end.record()
+    issue_ms = (time.perf_counter() - t0) * 1e3
     torch.cuda.synchronize(device)
     reps = max(5, min(50, int(budget_ms / max(start.elapsed_time(end), 1e-3))))
+    if device_only:  # ~3e6 cycles per ms: more than the issue time at any clock up to 3 GHz
+        torch.cuda._sleep(int(3e6 * issue_ms * (reps + 2)) + 1_000_000)
     start.record()
     for _ in range(reps):
         run()

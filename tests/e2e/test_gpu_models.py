@@ -155,3 +155,38 @@ def test_dense_sites_on_gpu_trace_sdpa_or_keep_the_op(stored, fresh_dynamo, monk
         assert "ms" in details[0], details        # measured now, figures in the report
     assert len(op_calls) == (0 if traced[0] else 2), (details, len(op_calls))
     _assert_grads_match(model, out[valid], ref[valid])
+
+
+@pytest.mark.parametrize("policy", ["dense", "dfss"])
+def test_reduce_overhead_mode_runs_as_cuda_graphs(policy, fresh_dynamo, monkeypatch, tmp_path):
+    """``mode="reduce-overhead"``: Inductor replays the compiled graph as a CUDA graph (no graph
+    skipped), the op included for sites that keep it; outputs match eager on fresh inputs over
+    several calls; dense sites are chosen by device time, as the replay runs them."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from torch._dynamo.utils import counters as dynamo_counters
+
+    from attncomp.runtime import autotune, dispatch
+
+    monkeypatch.setenv("ATTNCOMP_CACHE_DIR", str(tmp_path))
+    dispatch.clear_rule_cache()
+    autotune.clear_memo()
+    torch.manual_seed(fresh_seed())
+    model = _models()["bert"]("sdpa").cuda().eval()
+    fast = attncomp.compile(model, policy=policy, inductor=True, mode="reduce-overhead")
+    # the policy's own result, eagerly through the op (dense: the model itself)
+    eager = model if policy == "dense" else attncomp.compile(model, policy=policy, inductor=False)
+    dynamo_counters["inductor"].clear()
+    for _ in range(4):
+        ids = torch.randint(0, 1000, (4, 64), device="cuda")
+        mask = torch.ones_like(ids)
+        mask[1::2, int(torch.randint(20, 64, ())):] = 0
+        with torch.no_grad():
+            out = fast(input_ids=ids, attention_mask=mask).last_hidden_state.clone()
+            ref = eager(input_ids=ids, attention_mask=mask).last_hidden_state
+        valid = mask.bool()
+        assert _rel(out[valid], ref[valid]) < 5e-3
+    assert dynamo_counters["inductor"]["cudagraph_skips"] == 0, dict(dynamo_counters["inductor"])
+    if policy == "dense":
+        details = [s.details["inline_sdpa"] for s in attncomp.report(fast).sites]
+        assert all("per call on the device (CUDA graphs)" in d for d in details), details

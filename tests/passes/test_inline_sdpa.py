@@ -199,7 +199,7 @@ def test_gpu_measures_sdpa_traced_against_the_op_once_per_bucket(inline_gpu, mon
     timings = {"sdpa": 0.04, "triton": 0.09}   # a small call: the op's host time dominates
     calls = []
 
-    def inline_times(spec, q, k, v, preds, attn_mask, sizes):
+    def inline_times(spec, q, k, v, preds, attn_mask, sizes, device_only=False):
         calls.append(sizes)
         return dict(timings)
 
@@ -256,13 +256,54 @@ def test_symbolic_sizes_are_chosen_at_their_hints(inline_gpu, monkeypatch):
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
     seen = []
-    monkeypatch.setattr(dispatch, "_inline_times", lambda *a: seen.append(a[-1]) or {"sdpa": 1.0, "triton": 2.0})
+    monkeypatch.setattr(dispatch, "_inline_times", lambda *a: seen.append(a[6]) or {"sdpa": 1.0, "triton": 2.0})
     mode = FakeTensorMode(shape_env=ShapeEnv())
     dyn = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC] * 4)
     q = mode.from_tensor(torch.empty(3, 4, 200, 64, dtype=torch.float16), symbolic_context=dyn)
     assert not isinstance(q.shape[2], int)
     ok, why = dispatch.inline_choice(AttentionSpec(), q, q, q, measure=True)
     assert ok and seen == [(3, 4, 200, 64, 4, 200, 64)], (why, seen)
+
+
+def test_under_cuda_graphs_the_choice_compares_device_time(inline_gpu, monkeypatch):
+    """A graph replayed as a CUDA graph (``mode="reduce-overhead"``) issues no host work between
+    kernels: its sites are chosen by device time, measured and stored apart from the per-call
+    choice of the same bucket, which stays as it was."""
+    calls = []
+
+    def inline_times(spec, q, k, v, preds, attn_mask, sizes, device_only=False):
+        calls.append(device_only)
+        # the op's host path makes it slower per call; its kernel alone is the faster one
+        return {"sdpa": 0.045, "triton": 0.035} if device_only else {"sdpa": 0.05, "triton": 0.1}
+
+    monkeypatch.setattr(dispatch, "_inline_times", inline_times)
+    spec = AttentionSpec()
+    q = torch.empty(8, 16, 512, 64, dtype=torch.bfloat16)
+    ok, why = dispatch.inline_choice(spec, q, q, q, measure=True)
+    assert ok and "measured faster per call than" in why and calls == [False], why
+    ok, why = dispatch.inline_choice(spec, q, q, q, measure=True, device_only=True)
+    assert not ok and "per call on the device (CUDA graphs)" in why and calls == [False, True], why
+    # both stored: neither is measured again, and each keeps its own answer
+    assert dispatch.inline_choice(spec, q, q, q, measure=True)[0]
+    assert not dispatch.inline_choice(spec, q, q, q, measure=True, device_only=True)[0]
+    assert calls == [False, True]
+
+
+@pytest.mark.parametrize("mode,graphs", [(None, False), ("default", False), ("reduce-overhead", True)])
+def test_the_compile_mode_reaches_the_choice(mode, graphs, monkeypatch):
+    seen = []
+    real = dispatch.inline_choice
+
+    def spy(*a, device_only=False, **kw):
+        seen.append(device_only)
+        return real(*a, device_only=device_only, **kw)
+
+    monkeypatch.setattr(dispatch, "inline_choice", spy)
+    torch.manual_seed(0)
+    fast = attncomp.compile(ZOO["gpt2"].build().eval(), inductor=True, mode=mode)
+    with torch.no_grad():
+        fast(**text(1, 8, side="right"))
+    assert seen and set(seen) == {graphs}
 
 
 # -- what a traced CUDA site computes, run on the CPU -----------------------------------------------
