@@ -6,6 +6,11 @@ import torch
 # Tests that check rewrites compile without Inductor (its compile time would dominate the suite);
 # tests/e2e/test_inductor.py compiles a representative set with it (inductor=True).
 os.environ.setdefault("ATTNCOMP_INDUCTOR", "0")
+# Without a GPU the Triton kernels run under the interpreter. Set here, before any test module is
+# collected: the modules that set it themselves on import would otherwise depend on being collected
+# before the first import of Triton (a subset collected in another order got compiled-mode kernels).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):
