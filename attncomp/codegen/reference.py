@@ -47,14 +47,28 @@ def tracing() -> bool:
     return torch._C._len_torch_dispatch_stack() > 0
 
 
+def cacheable(device) -> bool:
+    """Whether a tensor made now on ``device`` may enter a cache that later calls read. Not while a
+    dispatch mode traces (:func:`tracing`), nor on a CUDA device while a CUDA graph is captured or work
+    runs on a stream other than the default one: CUDA graph trees (Inductor's ``mode="reduce-overhead"``)
+    warm up on a stream of their own with memory from the graph's private pool, and a tensor kept from
+    then is one that the graph does not track (it refuses to replay). Such calls build their tensors
+    afresh; the caches fill on the default stream."""
+    if tracing():
+        return False
+    device = torch.device(device)
+    if device.type != "cuda":
+        return True
+    return not torch.cuda.is_current_stream_capturing() and torch.cuda.current_stream(device) == \
+        torch.cuda.default_stream(device)
+
+
 def default_positions(spec: AttentionSpec, nq: int, nk: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(q_pos, k_pos)`` as ``(1, Nq)``/``(1, Nk)`` int64 when the caller gives none: ``arange``, the
     queries shifted by ``Nk - Nq`` under bottom-right alignment (the last query sees the last key)."""
     off = (nk - nq) if spec.causal_align == "bottom_right" else 0
     device = torch.device(device)
-    if tracing() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        # a traced call (fake or functional tensors) records its own; memory allocated inside a CUDA
-        # graph capture belongs to the graph: neither is for a cache
+    if not cacheable(device):
         return _positions.__wrapped__(nq, off, device), _positions.__wrapped__(nk, 0, device)
     return _positions(nq, off, device), _positions(nk, 0, device)
 

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from ..spec import AttentionSpec, Predicates
-from .reference import default_positions, predicate_mask, tracing
+from .reference import cacheable, default_positions, predicate_mask, tracing
 
 __all__ = ["SdpaBackend", "inline_attention", "inline_plan", "keeps_all", "top_left_causal_only"]
 
@@ -59,15 +59,15 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
 
 def _const(value: float, dtype: torch.dtype, device) -> Tensor:
     """A 0-dim tensor of ``value``, cached per dtype and device (a Python scalar in ``torch.where``
-    costs a host-to-device copy per call on CUDA); built fresh while a CUDA graph is captured or the
-    call is traced (a fake or functional tensor must not reach real calls)."""
+    costs a host-to-device copy per call on CUDA); built fresh where no tensor may be cached
+    (:func:`.reference.cacheable`: a traced call, a CUDA graph's capture or warm-up)."""
     if tracing():
         return torch.full((), value, dtype=dtype, device=device)
     key = (value, dtype, device)
     t = _CONSTS.get(key)
     if t is None:
         t = torch.full((), value, dtype=dtype, device=device)
-        if not (t.is_cuda and torch.cuda.is_current_stream_capturing()):
+        if cacheable(device):
             _CONSTS[key] = t
     return t
 

@@ -135,6 +135,34 @@ def test_sites_that_keep_the_op_say_why(op_calls):
     assert detail == "op kept: policy 'dfss' does not keep every allowed entry", detail
 
 
+def test_no_cache_takes_a_tensor_made_in_a_cuda_graph_pool(monkeypatch):
+    """CUDA graph trees warm up on a stream of their own, with memory from the graph's private pool:
+    a tensor cached then is one the graph does not track. ``cacheable`` says no on a side stream and
+    during a capture, and the caches of constants and positions then build afresh (a CPU tensor stands
+    in for the device's here: the cache key is the device the caller names)."""
+    from attncomp.codegen import reference as ref
+    from attncomp.codegen import sdpa as sdm
+
+    main, side = object(), object()
+    state = {"stream": main, "capturing": False}
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: state["capturing"])
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: state["stream"])
+    monkeypatch.setattr(torch.cuda, "default_stream", lambda device=None: main)
+    assert ref.cacheable("cuda:0") and ref.cacheable("cpu")
+    for st, cap in ((side, False), (main, True)):
+        state.update(stream=st, capturing=cap)
+        assert not ref.cacheable("cuda:0") and ref.cacheable("cpu")
+    full = torch.full
+    monkeypatch.setattr(torch, "full", lambda size, v, dtype=None, device=None: full(size, v, dtype=dtype))
+    monkeypatch.setattr(sdm, "_CONSTS", {})
+    state.update(stream=side, capturing=False)
+    a, b = sdm._const(1.5, torch.float32, "cuda:0"), sdm._const(1.5, torch.float32, "cuda:0")
+    assert a is not b and not sdm._CONSTS
+    state.update(stream=main)
+    a, b = sdm._const(1.5, torch.float32, "cuda:0"), sdm._const(1.5, torch.float32, "cuda:0")
+    assert a is b and len(sdm._CONSTS) == 1
+
+
 def test_eager_calls_after_tracing_get_real_tensors():
     """Tracing the SDPA forward makes constants and positions under fake tensors: none may enter the
     caches that eager calls read (and eager calls' cached ones may not enter a trace)."""

@@ -30,6 +30,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ...ops import bounded_put as _put, bucket_range, call_signature, output_strides
 from ...policy import DFSS, SPION, Hash
 from ...spec import AttentionSpec
+from ..reference import cacheable
 from . import configs
 from .common import LOG2E, MASK_BOOL, MASK_FLOAT, MASK_NONE
 from .common import cdiv as _cdiv, next_pow2 as _next_pow2, pow2_block as _pow2, seed_word as _seed_word
@@ -260,7 +261,7 @@ class Site:
                 _LIST_CACHE.move_to_end(key)
                 return hit[1]
         lists = self._build_lists(block_m, block_n, outer_q)
-        if key is not None:
+        if key is not None and cacheable(self.device):
             _LIST_CACHE[key] = (self.pattern, lists)  # the entry holds the pattern: its memory stays its own
             if len(_LIST_CACHE) > _LIST_CACHE_SIZE:
                 _LIST_CACHE.popitem(last=False)
@@ -708,7 +709,10 @@ def _layout_for(spec: AttentionSpec, q_aux, k_aux, window=None) -> Layout:
 
 
 def _remember(key, entry) -> None:
-    _put(_LAYOUT_CACHE, key, entry, _LAYOUT_CACHE_SIZE)
+    """Keep a layout for the backward of the same call (not one made where no tensor may be cached:
+    :func:`...codegen.reference.cacheable`)."""
+    if cacheable(entry[2].lo.device):
+        _put(_LAYOUT_CACHE, key, entry, _LAYOUT_CACHE_SIZE)
 
 
 def _derived_for(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, window=None) -> Layout:
