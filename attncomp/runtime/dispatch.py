@@ -450,10 +450,11 @@ def _hint(x) -> Optional[int]:
 
 def _inline_times(spec, q, k, v, preds, attn_mask, sizes, device_only: bool = False) -> Dict[str, float]:
     """Milliseconds per call, calls back to back (host and device time together, as a compiled
-    graph issues them; with ``device_only`` the device's time alone, as a CUDA graph replays them), at ``sizes`` ``(B, Hq, Nq, D, Hk, Nk, Dv)`` on new real tensors of q's
-    dtype and device: SDPA's kernel with its mask built beforehand (a traced site's compiled code
-    builds it in one fused kernel of its own) against ``attncomp::attention`` on Triton (its host
-    path included). Where the predicates or the mask are present, they allow every entry."""
+    graph issues them; with ``device_only`` the device's time alone, as a CUDA graph replays them),
+    at ``sizes`` ``(B, Hq, Nq, D, Hk, Nk, Dv)`` on new real tensors of q's dtype and device: SDPA's
+    kernel with its mask built beforehand (a traced site's compiled code builds it in one fused kernel
+    of its own) against ``attncomp::attention`` on Triton (its host path included). Where the
+    predicates or the mask are present, they allow every entry."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     from ..codegen.reference import default_positions
