@@ -117,11 +117,10 @@ def test_generate_llama_default_config_on_gpu(inductor, fresh_dynamo):
     assert rep.rewritten == 2 and all(s.policy == "hash" for s in rep.sites), str(rep)
 
 
-@pytest.mark.parametrize("stored", [None, "sdpa", "triton"], ids=["measured", "sdpa-stored", "triton-stored"])
-def test_dense_sites_on_gpu_trace_sdpa_or_keep_the_op(stored, fresh_dynamo, monkeypatch, tmp_path, op_calls):
-    """Inductor's copy of a compiled graph calls SDPA's kernel traced in place of the op where the
-    inline choice says so (stored, or measured at compile time with host time): outputs and gradients
-    match eager either way, and the op runs at run time only where it was kept."""
+@pytest.fixture
+def empty_store(monkeypatch, tmp_path):
+    """On a GPU: an empty autotune store of the test's own (every choice measured or recorded here) and
+    a fresh seed; ``(autotune, dispatch)``."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from attncomp.runtime import autotune, dispatch
@@ -130,6 +129,15 @@ def test_dense_sites_on_gpu_trace_sdpa_or_keep_the_op(stored, fresh_dynamo, monk
     dispatch.clear_rule_cache()
     autotune.clear_memo()
     torch.manual_seed(fresh_seed())
+    return autotune, dispatch
+
+
+@pytest.mark.parametrize("stored", [None, "sdpa", "triton"], ids=["measured", "sdpa-stored", "triton-stored"])
+def test_dense_sites_on_gpu_trace_sdpa_or_keep_the_op(stored, fresh_dynamo, empty_store, op_calls):
+    """Inductor's copy of a compiled graph calls SDPA's kernel traced in place of the op where the
+    inline choice says so (stored, or measured at compile time with host time): outputs and gradients
+    match eager either way, and the op runs at run time only where it was kept."""
+    autotune, dispatch = empty_store
     model = _models()["bert"]("sdpa").cuda()
     ids = torch.randint(0, 1000, (4, 77), device="cuda")
     mask = torch.ones_like(ids)
@@ -158,22 +166,15 @@ def test_dense_sites_on_gpu_trace_sdpa_or_keep_the_op(stored, fresh_dynamo, monk
 
 
 @pytest.mark.parametrize("name,policy", [("bert", "dense"), ("bert", "dfss"), ("gpt2", "dense")])
-def test_reduce_overhead_mode_runs_as_cuda_graphs(name, policy, fresh_dynamo, monkeypatch, tmp_path):
+def test_reduce_overhead_mode_runs_as_cuda_graphs(name, policy, fresh_dynamo, empty_store):
     """``mode="reduce-overhead"``: Inductor replays the compiled graph as a CUDA graph (no graph
     skipped), the op included for sites that keep it; outputs match eager on fresh inputs over
     several calls; dense sites are chosen by device time, as the replay runs them. With an empty
     autotune store the op's first call measures its kernels inside the graph's warm-up, whose memory
     is the graph's: nothing made then may stay in a cache (GPT-2's causal sites keep the op)."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
     from torch._dynamo.utils import counters as dynamo_counters
 
-    from attncomp.runtime import autotune, dispatch
-
-    monkeypatch.setenv("ATTNCOMP_CACHE_DIR", str(tmp_path))
-    dispatch.clear_rule_cache()
-    autotune.clear_memo()
-    torch.manual_seed(fresh_seed())
+    autotune, dispatch = empty_store
     model = _models()[name]("sdpa").cuda().eval()
     if name == "gpt2":  # the op kept (Triton measured faster under CUDA graphs), its own choice not yet made
         arch = dispatch._gpu_arch(torch.empty(1, device="cuda"))
