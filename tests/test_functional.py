@@ -617,6 +617,8 @@ def test_predicates_equal_their_materialised_mask(pname, kind):
     go = torch.randn(out.shape, generator=g, dtype=F64)
     for nm, a, b in zip("qkv", torch.autograd.grad(out, (q, k, v), go), torch.autograd.grad(want, (q, k, v), go)):
         assert_close(a, b, F64, msg=f"d{nm} {msg}")
-    # negative twin: without the predicates the result differs
+    # negative twin: without the predicates the result differs, wherever the reference says it should
+    # (a random SPION pattern can keep only blocks that the predicates allow entirely)
     free = attention(q, k, v, enable_gqa=True, policy=pol, **kw)
-    assert not torch.allclose(free, out), msg
+    if not torch.allclose(attention(q, k, v, enable_gqa=True, policy=pol, backend="reference", **kw), want):
+        assert not torch.allclose(free, out), msg
