@@ -269,14 +269,7 @@ def inline_attention(q: Tensor, k: Tensor, v: Tensor, plan: tuple, spec_json: st
     if not _public(q, need_lse) or q.shape[-2] == 0 or k.shape[-2] == 0:
         out, lse, _ = SdpaBackend()._forward(spec, q, k, v, None, None, plan=plan)
         return out, lse
-    is_causal, bias, row_ok = plan
-    out = _public_run(spec, q, k, v, is_causal, bias)()
-    if row_ok is not None:
-        # zeroed with the heads inner, SDPA's own output layout: a model's transpose(1, 2).reshape(...)
-        # of the result is then a view, not a second copy
-        out = torch.where(row_ok.transpose(1, 2)[..., None], out.transpose(1, 2),
-                          _const(0.0, out.dtype, out.device)).transpose(1, 2)
-    return out, q.new_empty((0,), dtype=torch.float32)
+    return _public_forward(spec, q, k, v, plan), q.new_empty((0,), dtype=torch.float32)
 
 
 # the forward in torch ops a tracer records, for compiled graphs: the mask plan shared by sites, then
@@ -301,22 +294,21 @@ def _public_plan(spec: AttentionSpec, q: Tensor, k: Tensor, attn_mask: Optional[
     return is_causal, bias, row_ok
 
 
-def _public_run(spec: AttentionSpec, q: Tensor, k: Tensor, v: Tensor, is_causal: bool, bias: Optional[Tensor]):
-    """A callable computing ``scaled_dot_product_attention`` (torch's own kernel choice) for a
-    :func:`_public_plan`."""
+def _public_forward(spec: AttentionSpec, q: Tensor, k: Tensor, v: Tensor, plan: tuple) -> Tensor:
+    """``scaled_dot_product_attention`` (torch's own kernel choice) for a :func:`_public_plan`, the rows
+    with no allowed key zeroed."""
+    is_causal, bias, row_ok = plan
     hq = q.shape[1]
-    kk, vv = _expand(k, hq), _expand(v, hq)
-    scale = _scale(spec, q.shape[-1])
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    return lambda: sdpa(q, kk, vv, attn_mask=bias, is_causal=is_causal, scale=scale)
-
-
-def _public_call(spec: AttentionSpec, q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
-                 preds: Optional[Predicates]):
-    """``(run, row_ok)``: :func:`_public_run` of the call's :func:`_public_plan`, and the rows that
-    have an allowed key (None when all do): the caller zeroes the others' output."""
-    is_causal, bias, row_ok = _public_plan(spec, q, k, attn_mask, preds)
-    return _public_run(spec, q, k, v, is_causal, bias), row_ok
+    out = torch.nn.functional.scaled_dot_product_attention(q, _expand(k, hq), _expand(v, hq), attn_mask=bias,
+                                                           is_causal=is_causal, scale=_scale(spec, q.shape[-1]))
+    if row_ok is not None:
+        # zeroed with the heads inner, SDPA's own output layout: a model's transpose(1, 2).reshape(...)
+        # of the result is then a view, not a second copy (row_ok has the mask's leading dims: (B|1, H|1, Nq) at most)
+        while row_ok.dim() < 3:
+            row_ok = row_ok.unsqueeze(0)
+        out = torch.where(row_ok.transpose(1, 2)[..., None], out.transpose(1, 2),
+                          _const(0.0, out.dtype, out.device)).transpose(1, 2)
+    return out
 
 
 # -- CUDA (run by the GPU issue; the CPU tests cover the choice logic) ----------------------------
@@ -324,9 +316,11 @@ def _public_call(spec: AttentionSpec, q: Tensor, k: Tensor, v: Tensor, attn_mask
 def prepared_forward(spec: AttentionSpec, q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
                      preds: Optional[Predicates]):
     """A callable that runs SDPA on these tensors as a traced site's compiled code runs it per call
-    (:func:`inline_attention` without ``lse``), its mask built once beforehand (the compiled code builds
-    it in one fused kernel of its own): ``attncomp.runtime.dispatch`` times it against the op."""
-    return _public_call(spec, q, k, v, attn_mask, preds)[0]
+    (:func:`inline_attention` without ``lse``: the kernel and the zeroing of empty rows), its mask built
+    once beforehand (the compiled code builds it in one fused kernel of its own):
+    ``attncomp.runtime.dispatch`` times it against the op."""
+    plan = _public_plan(spec, q, k, attn_mask, preds)
+    return lambda: _public_forward(spec, q, k, v, plan)
 
 
 def _aligned_bias(bias: Tensor, q: Tensor, nk: int) -> Tensor:
