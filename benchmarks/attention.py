@@ -307,12 +307,17 @@ def candidate_pairs(policy, D, dtype, sweep: bool, tune: bool, causal: bool = Fa
 
 # ---------------------------------------------------------------------------------------------
 
+def _atomic_name(mode) -> str:
+    return "" if not mode else ("+tmadq" if int(mode) == 2 else "+atomic")
+
+
 def config_name(c: dict) -> str:
     """``128x64w8s3+tma``: a launch configuration in a word (``T``: key tiles outer, ``NATURAL=0``;
-    ``+dq...``: the dQ launch's tiles, warps and stages)."""
+    ``+dq...``: the dQ launch's tiles, warps and stages; ``+atomic``/``+tmadq``: dQ added in the dK/dV
+    launch by element atomics / TMA bulk reductions)."""
     return (f"{c['BLOCK_M']}x{c['BLOCK_N']}w{c['num_warps']}s{c['num_stages']}{'T' if c.get('NATURAL') == 0 else ''}"
             f"{'+dq' + 'x'.join(map(str, c['DQ'])) if c.get('DQ') else ''}{'+tma' if c.get('TMA') else ''}"
-            f"{'+tmaq' if c.get('TMA_Q') else ''}{'+atomic' if c.get('DQ_ATOMIC') else ''}"
+            f"{'+tmaq' if c.get('TMA_Q') else ''}{_atomic_name(c.get('DQ_ATOMIC'))}"
             f"{'+nmexp' if c.get('NM_EXP') else ''}")
 
 

@@ -7,12 +7,15 @@ same pass measured in the same run, with TFLOP/s and the fraction of the GEMM ce
 * ``dense fwd``: the default configuration for this GPU, and the first TMA candidate (key/value tiles
   through tensor descriptors) when the default does not use TMA;
 * ``dense bwd`` / ``dense fwd+bwd``: the two-pass backward (dK/dV, then dQ; deterministic) against the
-  one-pass backward that adds dQ with float32 atomics (config key ``DQ_ATOMIC``), and the backward
-  with Q and dO streamed through TMA descriptors in the dK/dV pass (``TMA_Q``);
+  one-pass backward that adds dQ with float32 atomics (config key ``DQ_ATOMIC``), the one-pass backward
+  whose dQ shares are TMA bulk reductions (``DQ_ATOMIC=2``, every such candidate of the tuning store:
+  ``tma-reduce dq <i>``), and the backward with Q and dO streamed through TMA descriptors in the dK/dV
+  pass (``TMA_Q``);
 * the DFSS 2:4 breakdown (forward, one tile configuration for all three): dense on the same tiles (no
   selection), the selection applied to the logits before the softmax (default), and the selection
   fused with the exponentials so that only kept logits are exponentiated (config key ``NM_EXP``). The
-  first difference is what the selection costs, the second what the saved exponentials give back.
+  first difference is what the selection costs, the second what the saved exponentials give back;
+  and the DFSS backward alone, two-pass (the default) against every ``DQ_ATOMIC=2`` candidate.
 
     python benchmarks/hopper.py                      # GPU: D 64/128, causal and not, N=16384
     python benchmarks/hopper.py --ns 4096,16384 --out results.json
@@ -33,7 +36,7 @@ from typing import Dict, List, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from attention import bench_ms, flops, make_inputs, make_spec, sdpa_fn  # noqa: E402
+from attention import bench_ms, config_name, flops, make_inputs, make_spec, sdpa_fn  # noqa: E402
 
 
 def gemm_tflops(smoke: bool) -> Optional[float]:
@@ -65,11 +68,13 @@ def variants(D: int, dtype, gpu: str):
     tma = _first(fw, "TMA")
     if tma is not None and not fw[0].get("TMA"):
         out.append(("dense tma", "dense", "fwd", tma, None))
-    atomic = _first(bw, "DQ_ATOMIC") or dict(bw[0], DQ_ATOMIC=1)
+    atomic = next((c for c in bw if c.get("DQ_ATOMIC") == 1), None) or dict(bw[0], DQ_ATOMIC=1)
+    reduce = [c for c in bw if c.get("DQ_ATOMIC") == 2] or [dict(bw[0], DQ_ATOMIC=2)]
     out += [("dense two-pass", "dense", "bwd", fw[0], bw[0]),
             ("dense atomic dq", "dense", "bwd", fw[0], atomic),
-            ("dense tma q/do", "dense", "bwd", fw[0], _first(bw, "TMA_Q") or dict(bw[0], TMA=1, TMA_Q=1)),
-            ("dense two-pass", "dense", "fwd+bwd", fw[0], bw[0]),
+            ("dense tma q/do", "dense", "bwd", fw[0], _first(bw, "TMA_Q") or dict(bw[0], TMA=1, TMA_Q=1))]
+    out += [(f"dense tma-reduce dq {i}", "dense", "bwd", fw[0], c) for i, c in enumerate(reduce)]
+    out += [("dense two-pass", "dense", "fwd+bwd", fw[0], bw[0]),
             ("dense atomic dq", "dense", "fwd+bwd", fw[0], atomic)]
     # the DFSS breakdown: one tile shape (DFSS's default) for all three
     tiles = {k: nm_fw[0][k] for k in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")}
@@ -77,7 +82,10 @@ def variants(D: int, dtype, gpu: str):
             ("dfss select", "dfss", "fwd", tiles, None),
             ("dfss select+exp fused", "dfss", "fwd", dict(tiles, NM_EXP=1), None),
             ("dfss select", "dfss", "fwd+bwd", tiles, nm_bw[0]),
-            ("dfss select+exp fused", "dfss", "fwd+bwd", dict(tiles, NM_EXP=1), nm_bw[0])]
+            ("dfss select+exp fused", "dfss", "fwd+bwd", dict(tiles, NM_EXP=1), nm_bw[0]),
+            ("dfss two-pass", "dfss", "bwd", tiles, nm_bw[0])]
+    nm_reduce = [c for c in nm_bw if c.get("DQ_ATOMIC") == 2] or [dict(nm_bw[0], DQ_ATOMIC=2)]
+    out += [(f"dfss tma-reduce dq {i}", "dfss", "bwd", tiles, c) for i, c in enumerate(nm_reduce)]
     return out
 
 
@@ -130,7 +138,7 @@ def run(args) -> List[Dict]:
                         fcfg = dict(configs.interpret_config(4 if policy == "dfss" else 1), **{
                             k: fcfg[k] for k in ("TMA", "NM_EXP") if k in fcfg})
                         bcfg = None if bcfg is None else dict(configs.interpret_config(4 if policy == "dfss" else 1),
-                                                              **{k: bcfg[k] for k in ("DQ_ATOMIC", "TMA", "TMA_Q")
+                                                              **{k: bcfg[k] for k in ("DQ_ATOMIC", "TMA", "TMA_Q", "NATURAL")
                                                                  if k in bcfg})
                     try:
                         ms = bench_ms(_step(policy, causal, q, k, v, do, passes, fcfg, bcfg), smoke)
@@ -181,7 +189,8 @@ def _fmt(r) -> str:
 
     return (f"{r['variant']:24s} {r['passes']:8s} D{r['D']:<4d} N{r['N']:<6d} {'causal' if r['causal'] else 'full':6s}"
             f" {num(r['ms'], '9.3f')} ms  cudnn {num(r['cudnn_ms'], '8.3f')}  x{num(r['x_cudnn'], '.2f')}"
-            f"  {num(r['tflops'], '6.0f')} TF/s  {num(r['of_gemm'], '.2f')} of GEMM")
+            f"  {num(r['tflops'], '6.0f')} TF/s  {num(r['of_gemm'], '.2f')} of GEMM"
+            f"  {config_name(r['bwd_config'] or r['fwd_config'])}")
 
 
 def main(argv=None) -> int:

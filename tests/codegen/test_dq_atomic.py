@@ -4,8 +4,9 @@ interpreter.
 Forced ``DQ_ATOMIC`` configurations against the reference run in float64: dense causal with GQA, padding
 (``k_valid``/``q_valid``), 2:4 DFSS (queries-by-keys tiles), ``hash`` (a sorted layout: the atomics scatter
 to permuted rows), dropout, lengths that are not a multiple of the tile and a head dim that is not a power
-of two, with every buffer the backend allocates poisoned (NaN) so that a row left unwritten fails. The
-dQ launch must be skipped. Under PyTorch's deterministic mode the candidates hold no ``DQ_ATOMIC``
+of two, with every buffer the backend allocates poisoned (NaN) so that a row left unwritten fails, each
+with per-element atomics and with one TMA bulk reduction per tile (``DQ_ATOMIC=2``; the interpreter's
+emulation of it in ``common``). The dQ launch must be skipped. Under PyTorch's deterministic mode the candidates hold no ``DQ_ATOMIC``
 configuration and a forced one runs the two launches, with the same result.
 """
 
@@ -33,7 +34,8 @@ ATOMIC = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 1, "num_stages": 1, "DQ_ATO
 
 
 class _Launches:
-    """Stands in for the backend's ``_attention_kernel``: records ``(MODE, DQ_ATOMIC)`` of every launch."""
+    """Stands in for the backend's ``_attention_kernel``: records ``(MODE, DQ_ATOMIC)`` of every launch
+    (``DQ_ATOMIC`` as launched: 0, 1, or 2 with a TMA descriptor as the ``DQ`` argument)."""
 
     def __init__(self, kernel):
         self.kernel, self.seen = kernel, []
@@ -42,7 +44,9 @@ class _Launches:
         launch = self.kernel[grid]
 
         def run(*args, **kw):
-            self.seen.append((kw["MODE"], bool(kw.get("DQ_ATOMIC", False))))
+            mode = int(kw.get("DQ_ATOMIC", 0))
+            assert (mode == 2) == (type(args[7]).__name__ == "TensorDescriptor"), "DQ_ATOMIC=2 takes a descriptor"
+            self.seen.append((kw["MODE"], mode))
             return launch(*args, **kw)
 
         return run
@@ -91,9 +95,14 @@ def _check(policy, kinds, B, Hq, Hk, N, D, dtype, dropout_p, cfg, launches):
     ("hash", ("causal",), 2, 4, 2, 40, 32, torch.float32, 0.0, {}),
     ("dense", ("causal",), 1, 2, 1, 45, 32, torch.float32, 0.2, {}),
 ], ids=["dense-causal-gqa-D40", "padding-fp16", "dfss24-natural", "hash-causal-gqa", "dropout-causal"])
-def test_dq_atomic_matches_the_reference(launches, policy, kinds, B, Hq, Hk, N, D, dtype, dropout_p, extra):
-    seen = _check(policy, kinds, B, Hq, Hk, N, D, dtype, dropout_p, dict(ATOMIC, **extra), launches)
-    assert seen == [(MODE_DKDV, True)], f"expected one dK/dV launch with atomic dQ, got {seen}"
+@pytest.mark.parametrize("atomic", [1, 2], ids=["elements", "tma-reduce"])
+def test_dq_atomic_matches_the_reference(launches, policy, kinds, B, Hq, Hk, N, D, dtype, dropout_p, extra, atomic):
+    """Both forms: per-element atomics, and one TMA bulk reduction per tile (``DQ_ATOMIC=2``), which a
+    sorted layout (``hash``: query rows permuted) declines for the element atomics."""
+    seen = _check(policy, kinds, B, Hq, Hk, N, D, dtype, dropout_p, dict(ATOMIC, DQ_ATOMIC=atomic, **extra),
+                  launches)
+    want = 1 if policy == "hash" else atomic
+    assert seen == [(MODE_DKDV, want)], f"expected one dK/dV launch with DQ_ATOMIC={want}, got {seen}"
 
 
 def test_deterministic_mode_drops_atomic_dq(launches, monkeypatch):
@@ -114,5 +123,5 @@ def test_deterministic_mode_drops_atomic_dq(launches, monkeypatch):
         seen = _check("dense", ("causal",), 1, 4, 2, 45, 40, torch.float32, 0.0, ATOMIC, launches)
     finally:
         torch.use_deterministic_algorithms(was, warn_only=warn_only)
-    assert seen == [(MODE_DKDV, False), (MODE_DQ, False)], seen
+    assert seen == [(MODE_DKDV, 0), (MODE_DQ, 0)], seen
     assert torch.are_deterministic_algorithms_enabled() == was

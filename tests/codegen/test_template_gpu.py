@@ -124,16 +124,19 @@ def test_hopper_candidates(_setup, monkeypatch, D, kinds):
             monkeypatch.setattr(TB, "attention_backward", real_bwd)
 
 
-# every one-launch backward candidate (dQ by float32 atomics in the dK/dV pass) of the tuning store, forced
+# every one-launch backward candidate (dQ by float32 atomics or TMA bulk reductions in the dK/dV pass) of
+# the tuning store, forced; ``hash`` (a sorted layout) declines the TMA form for the element atomics
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("policy,kinds", [("dense", ()), ("dense", ("causal",)), ("dense", ("window", "k_valid")),
-                                          ("hash", ("causal",))], ids=["full", "causal", "window", "hash"])
+                                          ("hash", ("causal",)), ("dfss", ("causal",))],
+                         ids=["full", "causal", "window", "hash", "dfss"])
 def test_atomic_dq_candidates(_setup, monkeypatch, D, policy, kinds):
     from attncomp.codegen.triton import configs
 
     TB = _setup
-    bwd = [c for c in configs.bwd_candidates(D, D, torch.bfloat16, 1) if c.get("DQ_ATOMIC")]
-    assert bwd
+    nm = 4 if policy == "dfss" else 1
+    bwd = [c for c in configs.bwd_candidates(D, D, torch.bfloat16, nm) if c.get("DQ_ATOMIC")]
+    assert bwd and any(c["DQ_ATOMIC"] == 2 for c in bwd)
     for cfg in bwd:
         real_bwd = TB.attention_backward
         monkeypatch.setattr(TB, "attention_backward",

@@ -558,7 +558,8 @@ def attention_backward(spec: AttentionSpec, q, k, v, attn_mask, out, lse, grad_o
     """``(dq, dk, dv)`` of :func:`attention_forward`'s ``out`` for ``grad_out``.
 
     Two launches (dK/dV, then dQ), or with a ``DQ_ATOMIC`` configuration one: the dK/dV pass adds dQ
-    into a float32 buffer with atomics. The atomics' order varies, so while PyTorch's deterministic
+    into a float32 buffer with atomics (``DQ_ATOMIC=2``: one TMA bulk reduction per tile where the query
+    rows are in order, else per-element atomics). The atomics' order varies, so while PyTorch's deterministic
     algorithms are enabled (``torch.use_deterministic_algorithms``) such configurations are not
     candidates (:func:`.configs.bwd_candidates`) and a forced one runs the two-pass path.
     """
@@ -592,12 +593,17 @@ def attention_backward(spec: AttentionSpec, q, k, v, attn_mask, out, lse, grad_o
         lst, cnt = site.lists(bm, bn, False)
         qd, dod, tma = site.q_descriptors(cfg, bm, q, grad_out)
         if cfg.get("DQ_ATOMIC") and not torch.are_deterministic_algorithms_enabled():
-            # dQ in the dK/dV pass: float32 atomics into a zeroed buffer (rows no tile visits stay 0)
+            # dQ in the dK/dV pass: float32 atomics into a zeroed buffer (rows no tile visits stay 0);
+            # DQ_ATOMIC=2: one TMA bulk reduction per tile, where the query rows are in order
             dq32 = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+            dq_arg, mode = dq32, 1
+            if (int(cfg["DQ_ATOMIC"]) == 2 and site.policy != POLICY_SORTED and _has_tma(q.device)
+                    and _tma_aligned(dq32)):
+                dq_arg, mode = _descriptor(dq32, bm, site.block_d), 2
             _attention_kernel[(_cdiv(Nk, bn), B * Hk)](
-                *tensors[:7], dq32, dk, dv, qd, dod, *_strides(q, k, v, None, grad_out, dq32, dk, dv),
+                *tensors[:7], dq_arg, dk, dv, qd, dod, *_strides(q, k, v, None, grad_out, dq32, dk, dv),
                 *site.pred_args(lst, cnt), *scalars,
-                BLOCK_M=bm, BLOCK_N=bn, MODE=MODE_DKDV, NATURAL=natural, num_warps=w, num_stages=st, DQ_ATOMIC=True,
+                BLOCK_M=bm, BLOCK_N=bn, MODE=MODE_DKDV, NATURAL=natural, num_warps=w, num_stages=st, DQ_ATOMIC=mode,
                 TMA=tma, **site.meta(bm, bn),
             )
             dq.copy_(dq32)

@@ -35,6 +35,33 @@ MASK_FLOAT = 2
 
 LOG2E = 1.4426950408889634
 
+def _interpreter_descriptor_reduce() -> None:
+    """Triton 3.6's CPU interpreter emulates TMA descriptor loads and stores but not their bulk
+    reductions (``desc.atomic_add``, the backward's ``DQ_ATOMIC=2``): add the addition it lacks, as the
+    element atomics over the descriptor's block (positions past the tensor's shape dropped, as TMA does)."""
+    try:
+        from triton._C.libtriton import ir
+        from triton.runtime import interpreter
+    except ImportError:  # pragma: no cover - an interpreter without these modules has nothing to patch
+        return
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    if builder is None or hasattr(builder, "create_descriptor_reduce"):
+        return
+
+    def create_descriptor_reduce(self, kind, desc, value, indices):
+        if kind != ir.DESCRIPTOR_REDUCE_KIND.ADD:
+            raise NotImplementedError(f"descriptor reduction {kind} under the interpreter")
+        ptrs, mask = desc.materialize_pointers(indices)
+        op = ir.ATOMIC_OP.FADD if value.dtype.scalar.is_floating() else ir.ATOMIC_OP.ADD
+        return self.create_atomic_rmw(op, ptrs, value, interpreter.TensorHandle(mask, tl.int1),
+                                      ir.MEM_SEMANTIC.RELAXED, ir.MEM_SYNC_SCOPE.GPU)
+
+    builder.create_descriptor_reduce = create_descriptor_reduce
+
+
+if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    _interpreter_descriptor_reduce()
+
 # Triton's CPU interpreter multiplies bfloat16 tiles as raw 16-bit integers; it gets float32 copies
 # (exact: products of bfloat16 values are exact in float32, as on the tensor cores).
 _INTERPRET_UPCAST = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")

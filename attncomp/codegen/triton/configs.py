@@ -84,10 +84,16 @@ BWD_CONFIGS[64] += [dict(_cfg(64, 64, 4, 3), TMA=1, TMA_Q=1)]
 BWD_CONFIGS[128] += [dict(_cfg(64, 64, 4, 2), TMA=1, TMA_Q=1), dict(_cfg(64, 128, 8, 2), DQ=(128, 64, 8, 3), TMA=1,
                                                                    TMA_Q=1)]
 # One backward launch: dQ added with float32 atomics in the dK/dV pass (``DQ_ATOMIC``, see
-# backend.attention_backward); timed next to the two-launch candidates, never the default. Not
-# reproducible bit for bit, so :func:`bwd_candidates` drops them under PyTorch's deterministic mode.
+# backend.attention_backward); timed next to the two-launch candidates (a default only where a GPU entry
+# below says so). Not reproducible bit for bit (as SDPA's own flash and efficient backwards), so
+# :func:`bwd_candidates` drops them under PyTorch's deterministic mode.
 BWD_CONFIGS[64] += [dict(_cfg(64, 128, 8, 2), DQ_ATOMIC=1), dict(_cfg(64, 64, 4, 3), DQ_ATOMIC=1)]
 BWD_CONFIGS[128] += [dict(_cfg(64, 128, 8, 2), DQ_ATOMIC=1), dict(_cfg(64, 64, 4, 3), DQ_ATOMIC=1)]
+# ``DQ_ATOMIC=2``: the same one launch with each tile's dQ added by one TMA bulk reduction (Hopper; query
+# rows in order, else per-element atomics). H100, D=64, N=16384 (``hopper.py``, backward alone): with Q and
+# dO through TMA too, 28.9 / 16.7 ms (full / causal) against 30.6 / 16.6 ms for two launches. At D=128 the
+# extra float32 dQ tile spills every such kernel (0.36-0.50x cuDNN against 0.69-0.81x): none there.
+BWD_CONFIGS[64] += [dict(_cfg(64, 64, 4, 3), DQ_ATOMIC=2, TMA=1, TMA_Q=1), dict(_cfg(64, 64, 4, 3), DQ_ATOMIC=2)]
 BWD_CONFIGS_NM: Dict[int, List[Config]] = {
     64: [_cfg(64, 64, 4, 3), dict(_cfg(64, 128, 8, 2), DQ=(128, 64, 8, 3)),
          dict(_cfg(128, 64, 8, 2), DQ=(128, 64, 8, 3)), dict(_cfg(64, 64, 4, 3), NATURAL=0),
@@ -96,6 +102,12 @@ BWD_CONFIGS_NM: Dict[int, List[Config]] = {
           dict(_cfg(64, 64, 8, 3), DQ=(128, 64, 8, 2)), dict(_cfg(32, 64, 4, 2), NATURAL=0)],
     256: [_cfg(64, 64, 8, 2), _cfg(32, 64, 4, 2), _cfg(32, 32, 4, 2)],
 }
+# DFSS, D=64: the one-launch backward saves the dQ launch's second selection; H100, N=16384: 30.0 / 16.7 ms
+# (full / causal, with Q and dO through TMA) against 38.5 / 19.8 ms for two launches. Not at D=128 (above).
+BWD_CONFIGS_NM[64] += [dict(_cfg(64, 64, 4, 3), DQ_ATOMIC=2, TMA=1, TMA_Q=1), dict(_cfg(64, 64, 4, 3), DQ_ATOMIC=2)]
+# two launches with Q and dO through TMA in the dK/dV pass (K and V of an N:M site never are: key order)
+BWD_CONFIGS_NM[64] += [dict(_cfg(64, 64, 4, 3), TMA=1, TMA_Q=1)]
+BWD_CONFIGS_NM[128] += [dict(_cfg(128, 64, 8, 2), DQ=(128, 64, 8, 2), TMA=1, TMA_Q=1)]
 
 
 # Per-GPU defaults: the first candidate of a dense-tile kernel (no N:M selection) where tuning is off.
@@ -111,9 +123,13 @@ GPU_DEFAULTS: Dict[str, Dict[tuple, Config]] = {
 # right bound (causal or a window), which changes what the tiles skip. H100, ``attention.py --sweep
 # --policies dfss --dims 64 --ns 16384 --causal 0,1`` (bf16, B=4, H=16): causal forward 128x64w8s3 7.44 ms
 # against the list's first (128x64w4s3) 8.14 ms; without a bound the list's first stays (13.61 against
-# 14.45 ms); the list's first backward was the fastest in both.
+# 14.45 ms); the list's first backward was the fastest in both. Backward (a later run, ``hopper.py``): the
+# one launch with dQ by TMA bulk reductions (above), 22 % / 16 % less time; under PyTorch's deterministic
+# mode it is no candidate, so the list's first (two launches) runs.
 GPU_DEFAULTS_NM: Dict[str, Dict[tuple, Config]] = {
-    "h100": {("fwd", 64, True): _cfg(128, 64, 8, 3)},
+    "h100": {("fwd", 64, True): _cfg(128, 64, 8, 3),
+             ("bwd", 64, True): dict(_cfg(64, 64, 4, 3), DQ_ATOMIC=2, TMA=1, TMA_Q=1),
+             ("bwd", 64, False): dict(_cfg(64, 64, 4, 3), DQ_ATOMIC=2, TMA=1, TMA_Q=1)},
 }
 _GPU_TAGS: Dict[int, str] = {}
 

@@ -344,8 +344,11 @@ def _attention_kernel(
 
     With ``DQ_ATOMIC`` the dK/dV mode also computes dQ: each tile's ``dS^T K * sm_scale`` is added with
     float32 atomics to the buffer at ``DQ`` (strides ``sdq*``, rows in original query order), so that
-    the backward needs no dQ launch (which would recompute ``QK^T``, ``P`` and ``dP``). The order of
-    the additions varies from run to run: not deterministic (see backend.attention_backward).
+    the backward needs no dQ launch (which would recompute ``QK^T``, ``P`` and ``dP``). With
+    ``DQ_ATOMIC == 2`` ``DQ`` is a TMA descriptor of that buffer (``(B, Hq, Nq, D)``, blocks of ``(1, 1,
+    BLOCK_M, BLOCK_D)``; query rows in order) and each tile's share is one bulk reduction
+    (``cp.reduce.async.bulk``) instead of per-element atomics. The order of the additions varies from
+    run to run: not deterministic (see backend.attention_backward).
     """
     PERMUTED: tl.constexpr = POLICY == 2
     # NM_EXP (forward, 2:4 only): the selection is fused with the exponentials instead of applied in _entry
@@ -436,10 +439,15 @@ def _attention_kernel(
                         dq = _dot(ds.to(k.dtype), k, tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32))
                     else:
                         dq = _dot(tl.trans(ds.to(k.dtype)), k, tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32))
-                    dq_ptrs = (DQ + b.to(tl.int64) * sdqb + h.to(tl.int64) * sdqh + qi[:, None].to(tl.int64) * sdqm
-                               + offs_d[None, :])
-                    tl.atomic_add(dq_ptrs, dq * sm_scale, mask=mval[:, None] & (offs_d[None, :] < HEAD_D),
-                                  sem="relaxed")
+                    if DQ_ATOMIC == 2:
+                        # one bulk reduction through TMA (``DQ`` is a descriptor of the buffer): rows past
+                        # Nq and columns past the head dim fall outside it and are dropped
+                        DQ.atomic_add([b, h, start_m, 0], tl.reshape(dq * sm_scale, (1, 1, BLOCK_M, BLOCK_D)))
+                    else:
+                        dq_ptrs = (DQ + b.to(tl.int64) * sdqb + h.to(tl.int64) * sdqh
+                                   + qi[:, None].to(tl.int64) * sdqm + offs_d[None, :])
+                        tl.atomic_add(dq_ptrs, dq * sm_scale, mask=mval[:, None] & (offs_d[None, :] < HEAD_D),
+                                      sem="relaxed")
         _store_tile(DK + b.to(tl.int64) * sdkb + hk.to(tl.int64) * sdkh, kj, nval, sdkn, offs_d, dk * sm_scale,
                     HEAD_D, BLOCK_D, CHECK_K)
         _store_tile(DV + b.to(tl.int64) * sdvb + hk.to(tl.int64) * sdvh, kj, nval, sdvn, offs_dv, dv,
