@@ -126,17 +126,19 @@ def test_hopper_candidates(_setup, monkeypatch, D, kinds):
 
 # every one-launch backward candidate (dQ by float32 atomics or TMA bulk reductions in the dK/dV pass) of
 # the tuning store, forced; ``hash`` (a sorted layout) declines the TMA form for the element atomics
-@pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("policy,kinds", [("dense", ()), ("dense", ("causal",)), ("dense", ("window", "k_valid")),
-                                          ("hash", ("causal",)), ("dfss", ("causal",))],
-                         ids=["full", "causal", "window", "hash", "dfss"])
+# (D=64 only for DFSS and for the TMA form: at D=128 neither is a candidate, see configs)
+@pytest.mark.parametrize("policy,kinds,D", [
+    ("dense", (), 64), ("dense", ("causal",), 64), ("dense", ("window", "k_valid"), 64), ("hash", ("causal",), 64),
+    ("dfss", ("causal",), 64), ("dfss", ("window", "k_valid"), 64),
+    ("dense", (), 128), ("dense", ("causal",), 128), ("dense", ("window", "k_valid"), 128), ("hash", ("causal",), 128),
+], ids=lambda x: ("+".join(x) or "full") if isinstance(x, tuple) else str(x))
 def test_atomic_dq_candidates(_setup, monkeypatch, D, policy, kinds):
     from attncomp.codegen.triton import configs
 
     TB = _setup
     nm = 4 if policy == "dfss" else 1
     bwd = [c for c in configs.bwd_candidates(D, D, torch.bfloat16, nm) if c.get("DQ_ATOMIC")]
-    assert bwd and any(c["DQ_ATOMIC"] == 2 for c in bwd)
+    assert bwd and (D != 64 or any(c["DQ_ATOMIC"] == 2 for c in bwd))
     for cfg in bwd:
         real_bwd = TB.attention_backward
         monkeypatch.setattr(TB, "attention_backward",

@@ -125,11 +125,16 @@ GPU_DEFAULTS: Dict[str, Dict[tuple, Config]] = {
 # against the list's first (128x64w4s3) 8.14 ms; without a bound the list's first stays (13.61 against
 # 14.45 ms); the list's first backward was the fastest in both. Backward (a later run, ``hopper.py``): the
 # one launch with dQ by TMA bulk reductions (above), 22 % / 16 % less time; under PyTorch's deterministic
-# mode it is no candidate, so the list's first (two launches) runs.
+# mode it is no candidate, so the list's first (two launches) runs. D=128 (the same sweep with ``--dims
+# 64,128 --passes fwd+bwd``): forward 128x128w8s3 20.44 / 10.14 ms (full / causal) against the list's first
+# 24.17 / 12.48; backward without a bound with Q and dO through TMA 65.89 against 67.60 ms (causal: 34.54
+# against 33.55, the list's first stays).
 GPU_DEFAULTS_NM: Dict[str, Dict[tuple, Config]] = {
     "h100": {("fwd", 64, True): _cfg(128, 64, 8, 3),
              ("bwd", 64, True): dict(_cfg(64, 64, 4, 3), DQ_ATOMIC=2, TMA=1, TMA_Q=1),
-             ("bwd", 64, False): dict(_cfg(64, 64, 4, 3), DQ_ATOMIC=2, TMA=1, TMA_Q=1)},
+             ("bwd", 64, False): dict(_cfg(64, 64, 4, 3), DQ_ATOMIC=2, TMA=1, TMA_Q=1),
+             ("fwd", 128, True): _cfg(128, 128, 8, 3), ("fwd", 128, False): _cfg(128, 128, 8, 3),
+             ("bwd", 128, False): dict(_cfg(128, 64, 8, 2), DQ=(128, 64, 8, 2), TMA=1, TMA_Q=1)},
 }
 _GPU_TAGS: Dict[int, str] = {}
 
