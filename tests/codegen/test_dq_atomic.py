@@ -3,11 +3,12 @@ interpreter.
 
 Forced ``DQ_ATOMIC`` configurations against the reference run in float64: dense causal with GQA, padding
 (``k_valid``/``q_valid``), 2:4 DFSS (queries-by-keys tiles), ``hash`` (a sorted layout: the atomics scatter
-to permuted rows), dropout, lengths that are not a multiple of the tile and a head dim that is not a power
-of two, with every buffer the backend allocates poisoned (NaN) so that a row left unwritten fails, each
-with per-element atomics and with one TMA bulk reduction per tile (``DQ_ATOMIC=2``; the interpreter's
-emulation of it in ``common``). The dQ launch must be skipped. Under PyTorch's deterministic mode the candidates hold no ``DQ_ATOMIC``
-configuration and a forced one runs the two launches, with the same result.
+to permuted rows), SPION (a block pattern's tile lists), dropout, lengths that are not a multiple of the
+tile and a head dim that is not a power of two, with every buffer the backend allocates poisoned (NaN) so
+that a row left unwritten fails; each with per-element atomics and with one TMA bulk reduction per tile
+(``DQ_ATOMIC=2``; the interpreter's emulation of it in ``common``). The dQ launch must be skipped. Under
+PyTorch's deterministic mode the candidates hold no ``DQ_ATOMIC`` configuration and a forced one runs the
+two launches, with the same result.
 """
 
 from __future__ import annotations
@@ -94,7 +95,9 @@ def _check(policy, kinds, B, Hq, Hk, N, D, dtype, dropout_p, cfg, launches):
     ("dfss", (), 1, 2, 1, 45, 32, torch.float32, 0.0, {"NATURAL": 1}),
     ("hash", ("causal",), 2, 4, 2, 40, 32, torch.float32, 0.0, {}),
     ("dense", ("causal",), 1, 2, 1, 45, 32, torch.float32, 0.2, {}),
-], ids=["dense-causal-gqa-D40", "padding-fp16", "dfss24-natural", "hash-causal-gqa", "dropout-causal"])
+    ("spion", ("causal",), 2, 2, 1, 45, 32, torch.float32, 0.0, {}),
+], ids=["dense-causal-gqa-D40", "padding-fp16", "dfss24-natural", "hash-causal-gqa", "dropout-causal",
+        "spion-causal-gqa"])
 @pytest.mark.parametrize("atomic", [1, 2], ids=["elements", "tma-reduce"])
 def test_dq_atomic_matches_the_reference(launches, policy, kinds, B, Hq, Hk, N, D, dtype, dropout_p, extra, atomic):
     """Both forms: per-element atomics, and one TMA bulk reduction per tile (``DQ_ATOMIC=2``), which a
