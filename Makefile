@@ -51,6 +51,7 @@ $(NEWEST)/.stamp: pyproject.toml
 test-newest: $(NEWEST)/.stamp
 	$(NEWEST)/bin/python -c "import torch, triton, transformers; print('newest admitted:', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 	$(NEWEST)/bin/python -m pytest -q -n $(JOBS) tests/codegen/test_template_layout.py tests/codegen/test_template_sorted.py \
+		tests/codegen/test_dq_atomic.py \
 		tests/codegen/test_template_bench_smoke.py tests/e2e/test_hf_families.py -k "not generate or llama or gpt2"
 
 # The oldest releases that pyproject.toml admits (torch 2.11 with the triton it requires, the test extra's

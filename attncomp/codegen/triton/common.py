@@ -52,9 +52,10 @@ def _interpreter_descriptor_reduce() -> None:
         if kind != ir.DESCRIPTOR_REDUCE_KIND.ADD:
             raise NotImplementedError(f"descriptor reduction {kind} under the interpreter")
         ptrs, mask = desc.materialize_pointers(indices)
+        if not isinstance(mask, interpreter.TensorHandle):  # a numpy array before triton 3.9
+            mask = interpreter.TensorHandle(mask, tl.int1)
         op = ir.ATOMIC_OP.FADD if value.dtype.scalar.is_floating() else ir.ATOMIC_OP.ADD
-        return self.create_atomic_rmw(op, ptrs, value, interpreter.TensorHandle(mask, tl.int1),
-                                      ir.MEM_SEMANTIC.RELAXED, ir.MEM_SYNC_SCOPE.GPU)
+        return self.create_atomic_rmw(op, ptrs, value, mask, ir.MEM_SEMANTIC.RELAXED, ir.MEM_SYNC_SCOPE.GPU)
 
     builder.create_descriptor_reduce = create_descriptor_reduce
 
