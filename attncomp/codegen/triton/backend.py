@@ -220,6 +220,15 @@ class Site:
             return self._dummy, self._dummy, False
         return _descriptor(q, block_m, self.block_d), _descriptor(grad_out, block_m, self.block_dv), True
 
+    def dq_target(self, cfg: dict, block_m: int, dq32: torch.Tensor) -> tuple:
+        """``(DQ, DQ_ATOMIC)`` of a one-launch backward adding dQ into the float32 buffer ``dq32``: a TMA
+        descriptor of ``block_m``-query blocks and mode 2 when ``cfg`` asks for it and the query rows are
+        in order (any policy but a sorted layout), else the buffer itself and per-element atomics (1)."""
+        if not (int(cfg["DQ_ATOMIC"]) == 2 and self.policy != POLICY_SORTED and _has_tma(self.device)
+                and _tma_aligned(dq32)):
+            return dq32, 1
+        return _descriptor(dq32, block_m, self.block_d), 2
+
     def meta(self, block_m: int, block_n: int) -> dict:
         return dict(
             GROUPS=self.groups, HEAD_D=self.D, HEAD_DV=self.Dv, BLOCK_D=self.block_d, BLOCK_DV=self.block_dv,
@@ -596,10 +605,7 @@ def attention_backward(spec: AttentionSpec, q, k, v, attn_mask, out, lse, grad_o
             # dQ in the dK/dV pass: float32 atomics into a zeroed buffer (rows no tile visits stay 0);
             # DQ_ATOMIC=2: one TMA bulk reduction per tile, where the query rows are in order
             dq32 = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-            dq_arg, mode = dq32, 1
-            if (int(cfg["DQ_ATOMIC"]) == 2 and site.policy != POLICY_SORTED and _has_tma(q.device)
-                    and _tma_aligned(dq32)):
-                dq_arg, mode = _descriptor(dq32, bm, site.block_d), 2
+            dq_arg, mode = site.dq_target(cfg, bm, dq32)
             _attention_kernel[(_cdiv(Nk, bn), B * Hk)](
                 *tensors[:7], dq_arg, dk, dv, qd, dod, *_strides(q, k, v, None, grad_out, dq32, dk, dv),
                 *site.pred_args(lst, cnt), *scalars,

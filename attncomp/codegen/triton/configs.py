@@ -91,8 +91,9 @@ BWD_CONFIGS[64] += [dict(_cfg(64, 128, 8, 2), DQ_ATOMIC=1), dict(_cfg(64, 64, 4,
 BWD_CONFIGS[128] += [dict(_cfg(64, 128, 8, 2), DQ_ATOMIC=1), dict(_cfg(64, 64, 4, 3), DQ_ATOMIC=1)]
 # ``DQ_ATOMIC=2``: the same one launch with each tile's dQ added by one TMA bulk reduction (Hopper; query
 # rows in order, else per-element atomics). H100, D=64, N=16384 (``hopper.py``, backward alone): with Q and
-# dO through TMA too, 28.9 / 16.7 ms (full / causal) against 30.6 / 16.6 ms for two launches. At D=128 the
-# extra float32 dQ tile spills every such kernel (0.36-0.50x cuDNN against 0.69-0.81x): none there.
+# dO through TMA too, 28.9 / 16.7 ms (full / causal) against 30.6 / 16.6 ms for two launches. At D=128 every
+# such kernel timed was 1.4-2.2x slower than two launches (most at the register limit and spilling, see
+# benchmarks/README.md): none there.
 BWD_CONFIGS[64] += [dict(_cfg(64, 64, 4, 3), DQ_ATOMIC=2, TMA=1, TMA_Q=1), dict(_cfg(64, 64, 4, 3), DQ_ATOMIC=2)]
 BWD_CONFIGS_NM: Dict[int, List[Config]] = {
     64: [_cfg(64, 64, 4, 3), dict(_cfg(64, 128, 8, 2), DQ=(128, 64, 8, 3)),
