@@ -16,6 +16,7 @@ warp-group MMA instructions. What a configuration costs in occupancy is known be
     python benchmarks/sm90.py                          # dense forward candidates, D 64/128, causal and not
     python benchmarks/sm90.py --policies dense,dfss --dims 64,128,256 --passes fwd,bwd
     python benchmarks/sm90.py --json out.json
+    python benchmarks/sm90.py --gluon --first 1        # the default forwards and the Gluon forward's
 
 Nothing here needs CUDA; ``tests/codegen/test_sm90_compile.py`` runs it on the default configurations.
 """
@@ -144,7 +145,11 @@ def compile_config(policy: str, causal: bool, D: int, passes: str, cfg: Dict, N:
     q, k, v = (torch.randn(1, 2, N, D, dtype=torch.bfloat16) for _ in range(3))
     spec = make_spec(policy, causal, torch.bfloat16)
     with sm90_compiles(options) as got:
-        if passes == "fwd":
+        if cfg.get("KERNEL") == "gluon":  # the Gluon Hopper forward (dense), called as the backend calls it
+            from attncomp.codegen.triton import hopper
+
+            hopper.forward(q, k, v, D ** -0.5, causal, 0, torch.empty_like(q), torch.empty(1, 2, N), cfg)
+        elif passes == "fwd":
             TB.attention_forward(spec, q, k, v, config=cfg)
         else:
             out, lse = torch.randn_like(q), torch.randn(1, 2, N)
@@ -152,7 +157,7 @@ def compile_config(policy: str, causal: bool, D: int, passes: str, cfg: Dict, N:
     rows = []
     for kern in got:
         name = kern.name if hasattr(kern, "name") else kern.metadata.name
-        if "_attention_kernel" not in name:
+        if "_attention_kernel" not in name and "_attn_fwd" not in name:
             continue
         rows.append(dict(kernel=name, **kernel_stats(kern, kern.metadata.num_warps)))
     return rows
@@ -172,7 +177,8 @@ def run(args) -> List[Dict]:
                     D, D, torch.bfloat16, nm, gpu=args.gpu)
                 cands = cands[:args.first] if args.first > 0 else cands
                 for causal in (False, True):
-                    for cfg in cands:
+                    gluon = configs.GLUON_FWD.get((D, causal)) if args.gluon and passes == "fwd" else None
+                    for cfg in cands + ([dict(gluon, KERNEL="gluon")] if gluon and policy == "dense" else []):
                         try:
                             got = compile_config(policy, causal, D, passes, cfg)
                         except Exception as e:  # a configuration that does not compile is a row with its error
@@ -201,6 +207,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--gpu", default="h100", help="whose per-GPU defaults head the candidate lists "
                     "(h100; '' for the lists' own heads, the H200's)")
     ap.add_argument("--first", type=int, default=0, help="only the first N candidates of each list (1: the default)")
+    ap.add_argument("--gluon", action="store_true", help="also the Gluon Hopper forward's configurations "
+                    "(dense, configs.GLUON_FWD)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     rows = run(args)

@@ -64,3 +64,16 @@ def test_stats_see_spills(tmp_path):
     free, capped = json.loads(res.stdout.strip().splitlines()[-1])
     assert free["regs"] > 128 and free["spill"] == 0, free
     assert capped["regs"] <= 128 and capped["spill"] > 0, capped
+
+
+def test_gluon_forward_compiles_for_hopper(tmp_path):
+    """The Gluon Hopper forward under each configuration of ``configs.GLUON_FWD`` (D 64/128, causal and not)
+    compiles for sm_90 to warp-group MMAs, within a block's shared memory, without spill stores."""
+    rows, res = _sm90(tmp_path, "--policies", "dense", "--dims", "64,128", "--passes", "fwd", "--first", "1",
+                      "--gluon")
+    assert res.returncode == 0, res.stdout[-3000:]
+    gluon = [r for r in rows if r["config"].startswith("gluon")]
+    assert len(gluon) == 4, rows
+    for r in gluon:
+        assert "error" not in r, r
+        assert r["fits"] and r["blocks_per_sm"] >= 1 and r["spill"] == 0 and r["wgmma"] > 0, r

@@ -394,6 +394,10 @@ def attention_forward(spec: AttentionSpec, q, k, v, attn_mask=None, dropout_p: f
     ``check``: called before anything is built for a call that no launch plan serves (a call that a
     plan serves repeats one that passed it: the plan's key holds all that the check reads)."""
     _TAKEN.plan = None
+    if config is None or config.get("KERNEL") == "gluon":
+        res = _gluon_forward(spec, q, k, v, attn_mask, dropout_p, preds, block_pattern, layout, config, check)
+        if res is not None:
+            return res
     given = q, k, v
     q, k, v = _last_contiguous(q), _last_contiguous(k), _last_contiguous(v)
     as_given = q is given[0] and k is given[1] and v is given[2]  # no copy made here
@@ -442,6 +446,94 @@ def attention_forward(spec: AttentionSpec, q, k, v, attn_mask=None, dropout_p: f
             _put(_PLANS, key, plan, _MAX_PLANS)
             if as_given:
                 _TAKEN.plan = plan
+    return out, lse
+
+
+# -- the Gluon Hopper forward -------------------------------------------------------------------
+# Dense sites (no mask tensor, no predicate vectors, no dropout; causal or not) on sm_90 GPUs run
+# :mod:`.hopper`'s kernel: asynchronous warp-group MMAs with the softmax of one key tile overlapping
+# the previous tile's P @ V, which the template cannot express. Everything else runs the template.
+
+_GLUON: dict = {}  # device index -> the module, or None where it cannot run
+_GLUON_OFF: dict = {}  # launch keys whose compile failed (this Triton's Gluon) -> why
+_PRED_NAMES = ("q_pos", "k_pos", "q_seg", "k_seg", "q_valid", "k_valid")
+#: why the latest dense forward on a CUDA device did not run the Gluon kernel (None when it did)
+gluon_skipped: dict = {}
+
+
+def _gluon_module(device: torch.device):
+    """:mod:`.hopper` where it can run on ``device`` (compute capability 9.x, Gluon importable)."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _GLUON:
+        mod = None
+        if torch.cuda.get_device_capability(idx)[0] == 9:
+            try:
+                from . import hopper as mod
+            except Exception as e:  # a Triton without the Gluon API the kernel is written in
+                _GLUON_OFF["import"] = f"{type(e).__name__}: {e}"
+                mod = None
+        _GLUON[idx] = mod
+    return _GLUON[idx]
+
+
+def _gluon_why_not(spec: AttentionSpec, q, k, v, attn_mask, dropout_p, preds, block_pattern, layout,
+                   forced: bool) -> Optional[str]:
+    """Why a forward call cannot take the Gluon kernel (``None`` where it can)."""
+    if not q.is_cuda or configs.interpret_mode():
+        return "not a CUDA device"
+    if _POLICIES.get(spec.policy.name) != POLICY_DENSE or getattr(spec.policy, "exclude_self", False):
+        return f"policy {spec.policy.name!r}"
+    if not forced and q.dim() == 4 and k.shape[2] < configs.GLUON_MIN_KEYS:
+        return f"{k.shape[2]} keys < {configs.GLUON_MIN_KEYS}"
+    if not configs.gluon_enabled():
+        return "ATTNCOMP_GLUON=0"
+    if attn_mask is not None or dropout_p or block_pattern is not None or layout is not None:
+        return "a mask tensor, dropout or a layout"
+    if preds is not None and any(getattr(preds, n, None) is not None for n in _PRED_NAMES):
+        return "predicate vectors"
+    left, right = _bounds(spec)
+    if left is not None or right not in (None, 0):
+        return "a window"
+    if q.dim() != 4 or min(q.shape[:3]) == 0 or k.shape[2] == 0:
+        return "empty"
+    mod = _gluon_module(q.device)
+    if mod is None:
+        return _GLUON_OFF.get("import", "not an sm_90 GPU")
+    return mod.applies(q, k, v, _pos_off(spec, q.shape[2], k.shape[2]))
+
+
+def _gluon_forward(spec, q, k, v, attn_mask, dropout_p, preds, block_pattern, layout, config, check):
+    """``(out, lse)`` from the Gluon kernel, or ``None`` where the call goes to the template."""
+    why = _gluon_why_not(spec, q, k, v, attn_mask, dropout_p, preds, block_pattern, layout, config is not None)
+    causal = _bounds(spec)[1] == 0
+    cfg = None
+    if why is None:
+        cfg = config or configs.GLUON_FWD.get((q.shape[-1], causal))
+        why = _GLUON_OFF.get(str(sorted(cfg.items()))) if cfg is not None else "no configuration"
+    if q.is_cuda:
+        gluon_skipped["fwd"] = why
+    if why is not None:
+        if config is not None:
+            raise ValueError(f"config {config} asks for the Gluon forward, which cannot run this call: {why}")
+        return None
+    if check is not None:
+        check()
+    from triton.compiler.errors import CompilationError
+
+    B, Hq, Nq, D = q.shape
+    Nk = k.shape[2]
+    out = _out_empty(q, D)
+    lse = _empty((B, Hq, Nq), torch.float32, q.device)
+    scale = spec.scale if spec.scale is not None else 1.0 / math.sqrt(D)
+    try:
+        _GLUON[q.device.index if q.device.index is not None else torch.cuda.current_device()].forward(
+            q, k, v, scale, causal, _pos_off(spec, Nq, Nk), out, lse, cfg)
+    except (CompilationError, OutOfResources) as e:  # this Triton's Gluon: the template runs it
+        _GLUON_OFF[str(sorted(cfg.items()))] = gluon_skipped["fwd"] = f"{type(e).__name__}: {str(e)[:200]}"
+        if config is not None:
+            raise
+        return None
+    last_configs["fwd"] = dict(cfg, KERNEL="gluon")
     return out, lse
 
 

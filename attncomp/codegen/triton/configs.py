@@ -137,6 +137,25 @@ GPU_DEFAULTS_NM: Dict[str, Dict[tuple, Config]] = {
              ("fwd", 128, True): _cfg(128, 128, 8, 3), ("fwd", 128, False): _cfg(128, 128, 8, 3),
              ("bwd", 128, False): dict(_cfg(128, 64, 8, 2), DQ=(128, 64, 8, 2), TMA=1, TMA_Q=1)},
 }
+# The Gluon Hopper forward (:mod:`.hopper`) of dense sites on sm_90 GPUs, per (head dim, causal):
+# query tile, key tile, warps, key-ring and value-ring depth. From ``benchmarks/gluon_fwd.py`` on an
+# H100 (bf16, B=4, H=16, N=16384; benchmarks/README.md "A Gluon forward for Hopper").
+GLUON_FWD: Dict[tuple, Config] = {
+    (64, False): dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, STAGES=2, V_STAGES=2),
+    (64, True): dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, STAGES=2, V_STAGES=2),
+    (128, False): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, STAGES=3, V_STAGES=3),
+    (128, True): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, STAGES=3, V_STAGES=3),
+}
+# keys per row below which the template's forward runs instead (its short launch path costs less
+# host time than the Gluon launch; see benchmarks/README.md)
+GLUON_MIN_KEYS = 2048
+
+
+def gluon_enabled() -> bool:
+    """Whether dense forwards on sm_90 may run the Gluon kernel (``ATTNCOMP_GLUON=0`` turns it off)."""
+    return env.get("ATTNCOMP_GLUON", "1") != "0"
+
+
 _GPU_TAGS: Dict[int, str] = {}
 
 

@@ -1,0 +1,270 @@
+"""A Hopper (sm_90) forward for dense and causal attention written in Gluon: TMA rings, asynchronous
+warp-group MMAs, and the softmax of one key tile computed while the tensor cores run the previous
+tile's ``P @ V``.
+
+The template (:mod:`.template`) is written in Triton's tile language, whose compiler issues each
+``tl.dot`` and then waits for it: the softmax of a key tile and the matrix products never run at the
+same time in one warp group. Here the schedule is explicit (Gluon: explicit layouts, shared memory,
+barriers and warp-group MMAs), per query tile of ``BLOCK_M`` rows:
+
+* the query tile and the first ``STAGES`` key and value tiles are requested through TMA (4-D
+  descriptors: rows past ``N`` and features past ``D`` read as zeros), each ring slot with its own
+  barrier;
+* key tile ``j``: ``S = Q K_j^T`` is issued, then ``O += P_{j-1} V_{j-1}``; the kernel waits for ``S``
+  only, computes the online softmax of tile ``j`` (``exp2`` of the scaled logits, the running max and
+  sum) while ``P V`` runs, then waits for it, rescales ``O`` and refills the freed slots;
+* tiles that need no mask (inside ``N`` and, when causal, below the diagonal) run a loop without one;
+  the diagonal and the last partial tile run the masked loop; the first tile is masked always;
+* the epilogue writes ``O / l`` through TMA (rows past ``N`` clipped) and the natural-log ``lse``.
+
+It computes what the template's forward computes for a site whose policy keeps every entry, with no
+mask tensor, no predicate vectors and no dropout: ``out`` and ``lse`` of DESIGN.md §4. Which sites it
+serves and when it runs is the backend's choice (:func:`applies`, ``configs``).
+
+Gluon kernels have no interpreter: they are compiled and checked on a Hopper GPU
+(``tests/codegen/test_hopper_gpu.py``) and compiled for sm_90 on any machine
+(``benchmarks/sm90.py --gluon``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from .common import LOG2E
+from .launch import FastLaunch
+
+__all__ = ["applies", "forward", "HEAD_DIMS", "config_for"]
+
+#: head dims the kernel is built for (the smem ring and the register budget are sized for them)
+HEAD_DIMS = (64, 128)
+_GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
+
+
+@gluon.jit
+def _tile_2d(buf, ROWS: gl.constexpr, COLS: gl.constexpr):
+    """A ``[1, 1, ROWS, COLS]`` TMA block in shared memory seen as the ``[ROWS, COLS]`` MMA operand."""
+    return buf.reshape([ROWS, COLS])
+
+
+@gluon.jit
+def _softmax_step(s, m_i, l_i, rows, cols, qk_scale, n_k, off, MASK: gl.constexpr, CAUSAL: gl.constexpr):
+    """Online softmax of one tile of raw logits ``s``: the new running max (log2 units), the rescale
+    factor of what was summed before, the probabilities and the new running sum. The scale is folded
+    into the exponent (one fused multiply-add per logit before its ``exp2``)."""
+    if MASK:
+        keep = gl.expand_dims(cols, 0) < n_k
+        if CAUSAL:
+            keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1) + off)
+        s = gl.where(keep, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return m_new, alpha, p, l_i
+
+
+@gluon.jit
+def _attn_fwd(q_desc, k_desc, v_desc, o_desc, lse_ptr, Hq, groups, n_q, n_k, off, qk_scale,
+              CAUSAL: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr, num_warps: gl.constexpr):
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+    HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+    dtype: gl.constexpr = q_desc.dtype
+
+    # the long (causal) query tiles first
+    pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
+    bh = gl.program_id(1)
+    b = bh // Hq
+    h = bh % Hq
+    hk = h // groups
+    start_m = pid_m * BLOCK_M
+
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, HEAD_D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    q_buf = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
+    k_buf = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_buf = gl.allocate_shared_memory(dtype, [V_STAGES] + v_desc.block_type.shape, v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_bar = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_bar.index(i), count=1)
+    for i in gl.static_range(V_STAGES):
+        mbarrier.init(v_bar.index(i), count=1)
+    fence_async_shared()
+
+    # key tiles [0, hi): all of them, or up to the diagonal; [0, n_full) need no mask
+    hi = gl.cdiv(n_k, BLOCK_N)
+    n_full = n_k // BLOCK_N
+    if CAUSAL:
+        hi = gl.minimum(hi, gl.cdiv(start_m + BLOCK_M + off, BLOCK_N))
+        n_full = gl.minimum(n_full, (start_m + off + 1) // BLOCK_N)
+    n_full = gl.maximum(n_full, 1)
+
+    kv_bytes: gl.constexpr = k_desc.block_type.nbytes
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [b, h, start_m, 0], q_bar, q_buf)
+    for i in gl.static_range(STAGES):
+        mbarrier.expect(k_bar.index(i), kv_bytes, pred=i < hi)
+        tma.async_copy_global_to_shared(k_desc, [b, hk, i * BLOCK_N, 0], k_bar.index(i), k_buf.index(i), pred=i < hi)
+    for i in gl.static_range(V_STAGES):
+        mbarrier.expect(v_bar.index(i), kv_bytes, pred=i < hi)
+        tma.async_copy_global_to_shared(v_desc, [b, hk, i * BLOCK_N, 0], v_bar.index(i), v_buf.index(i), pred=i < hi)
+
+    rows = start_m + gl.arange(0, BLOCK_M, layout=row_s)
+    cols0 = gl.arange(0, BLOCK_N, layout=col_s)
+    q = _tile_2d(q_buf, BLOCK_M, HEAD_D)
+
+    # tile 0, masked
+    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(k_bar.index(0), 0)
+    s = warpgroup_mma(q, _tile_2d(k_buf.index(0), BLOCK_N, HEAD_D).permute((1, 0)),
+                      gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
+    l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
+    m_i, alpha, p, l_i = _softmax_step(s, m_i, l_i, rows, cols0, qk_scale, n_k, off, True, CAUSAL)
+    p_cur = gl.convert_layout(p.to(dtype), p_layout)
+    o = gl.zeros([BLOCK_M, HEAD_D], gl.float32, o_layout)
+    refill = STAGES < hi
+    mbarrier.expect(k_bar.index(0), kv_bytes, pred=refill)
+    tma.async_copy_global_to_shared(k_desc, [b, hk, STAGES * BLOCK_N, 0], k_bar.index(0), k_buf.index(0),
+                                    pred=refill)
+
+    for j in range(1, n_full):
+        m_i, l_i, o, p_cur = _kv_step(j, q, k_buf, v_buf, k_bar, v_bar, k_desc, v_desc, m_i, l_i, o, p_cur,
+                                      rows, cols0 + j * BLOCK_N, b, hk, hi, qk_scale, n_k, off,
+                                      False, CAUSAL, STAGES, V_STAGES, BLOCK_M, BLOCK_N, HEAD_D, s_layout, row_o, p_layout)
+    for j in range(n_full, hi):
+        m_i, l_i, o, p_cur = _kv_step(j, q, k_buf, v_buf, k_bar, v_bar, k_desc, v_desc, m_i, l_i, o, p_cur,
+                                      rows, cols0 + j * BLOCK_N, b, hk, hi, qk_scale, n_k, off,
+                                      True, CAUSAL, STAGES, V_STAGES, BLOCK_M, BLOCK_N, HEAD_D, s_layout, row_o, p_layout)
+
+    # the last tile's P @ V
+    last = hi - 1
+    mbarrier.wait(v_bar.index(last % V_STAGES), (last // V_STAGES) & 1)
+    o = warpgroup_mma(p_cur, _tile_2d(v_buf.index(last % V_STAGES), BLOCK_N, HEAD_D), o)
+
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(k_bar.index(i))
+    for i in gl.static_range(V_STAGES):
+        mbarrier.invalidate(v_bar.index(i))
+    mbarrier.invalidate(q_bar)
+
+    l_o = gl.convert_layout(l_i, row_o)
+    o = o / gl.expand_dims(l_o, 1)
+    q.store(o.to(dtype))  # the query tile's buffer holds the output tile
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [b, h, start_m, 0], q_buf)
+    lse = (m_i + gl.log2(l_i)) / 1.4426950408889634
+    gl.store(lse_ptr + bh.to(gl.int64) * n_q + rows, lse, mask=rows < n_q)
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _kv_step(j, q, k_buf, v_buf, k_bar, v_bar, k_desc, v_desc, m_i, l_i, o, p_cur, rows, cols, b, hk, hi,
+             qk_scale, n_k, off, MASK: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+             V_STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, s_layout: gl.constexpr, row_o: gl.constexpr,
+             p_layout: gl.constexpr):
+    """Key tile ``j``: ``S_j = Q K_j^T`` and ``O += P_{j-1} V_{j-1}`` issued together, the softmax of
+    ``S_j`` while the second runs, then ``O`` rescaled and the freed ring slots refilled."""
+    sk = j % STAGES
+    sv = (j - 1) % V_STAGES
+    mbarrier.wait(k_bar.index(sk), (j // STAGES) & 1)
+    s_tok = warpgroup_mma(q, _tile_2d(k_buf.index(sk), BLOCK_N, HEAD_D).permute((1, 0)),
+                          gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
+    mbarrier.wait(v_bar.index(sv), ((j - 1) // V_STAGES) & 1)
+    o_tok = warpgroup_mma(p_cur, _tile_2d(v_buf.index(sv), BLOCK_N, HEAD_D), o, is_async=True)
+    s = warpgroup_mma_wait(1, deps=(s_tok, ))
+    # K_j is read: its slot takes key tile j + STAGES
+    nxt = j + STAGES
+    kv_bytes: gl.constexpr = k_desc.block_type.nbytes
+    mbarrier.expect(k_bar.index(sk), kv_bytes, pred=nxt < hi)
+    tma.async_copy_global_to_shared(k_desc, [b, hk, nxt * BLOCK_N, 0], k_bar.index(sk), k_buf.index(sk),
+                                    pred=nxt < hi)
+    m_i, alpha, p, l_i = _softmax_step(s, m_i, l_i, rows, cols, qk_scale, n_k, off, MASK, CAUSAL)
+    o, p_cur = warpgroup_mma_wait(0, deps=(o_tok, p_cur))
+    # V_{j-1} is read: its slot takes value tile j - 1 + V_STAGES
+    nv = j - 1 + V_STAGES
+    mbarrier.expect(v_bar.index(sv), kv_bytes, pred=nv < hi)
+    tma.async_copy_global_to_shared(v_desc, [b, hk, nv * BLOCK_N, 0], v_bar.index(sv), v_buf.index(sv),
+                                    pred=nv < hi)
+    o = o * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+    p_cur = gl.convert_layout(p.to(p_cur.dtype), p_layout)
+    return m_i, l_i, o, p_cur
+
+
+def config_for(head_dim: int, causal: bool) -> dict:
+    """Tile sizes, warps and ring depths (keys ``STAGES``, values ``V_STAGES``) at a head dim."""
+    return dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, STAGES=2, V_STAGES=2)
+
+
+def _tma_ok(t: torch.Tensor) -> bool:
+    size = t.element_size()
+    return (t.dim() == 4 and t.stride(3) == 1 and t.data_ptr() % 16 == 0
+            and all((st * size) % 16 == 0 and st > 0 for st in t.stride()[:3]))
+
+
+def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos_off: int) -> Optional[str]:
+    """Why the kernel cannot run these inputs, or ``None`` where it can."""
+    if q.dtype not in _GL_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"dtype {q.dtype} (float16 or bfloat16)"
+    if q.shape[-1] not in HEAD_DIMS or k.shape[-1] != q.shape[-1] or v.shape[-1] != q.shape[-1]:
+        return f"head dim {q.shape[-1]} (the kernel is built for {HEAD_DIMS}, Dv = D)"
+    if pos_off < 0:
+        return "causal with more queries than keys"
+    if q.shape[1] % k.shape[1]:
+        return "query heads not a multiple of key heads"
+    for t in (q, k, v):
+        if not _tma_ok(t):
+            return "a tensor TMA cannot read (strides of whole 16-byte multiples, unit last stride, no broadcast)"
+    return None
+
+
+_LAYOUTS: dict = {}
+
+
+def _desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
+    """A TMA descriptor of a ``(B, H, N, D)`` tensor in ``[1, 1, rows, D]`` blocks, built without the
+    constructor's checks (:func:`applies` made them; they cost more host time than the launch)."""
+    block = (rows, t.shape[-1], t.dtype)
+    layout = _LAYOUTS.get(block)
+    if layout is None:
+        layout = _LAYOUTS[block] = gl.NVMMASharedLayout.get_default_for([1, 1, rows, t.shape[-1]], _GL_DTYPES[t.dtype])
+        TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, t.shape[-1]], layout)  # checked once
+    d = object.__new__(TensorDescriptor)
+    d.base, d.shape, d.strides, d.block_shape, d.layout, d.padding = (
+        t, list(t.shape), list(t.stride()), [1, 1, rows, t.shape[-1]], layout, "zero")
+    return d
+
+
+_kernel = FastLaunch(_attn_fwd)
+
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, pos_off: int,
+            out: torch.Tensor, lse: torch.Tensor, cfg: Optional[dict] = None) -> None:
+    """Writes ``out`` (``(B, Hq, Nq, D)``, any TMA-readable strides) and ``lse`` (``(B, Hq, Nq)``
+    float32, contiguous) of dense attention, causal with query ``i`` at position ``i + pos_off``."""
+    cfg = cfg or config_for(q.shape[-1], causal)
+    B, Hq, Nq, D = q.shape
+    Hk, Nk = k.shape[1], k.shape[2]
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    grid = (triton.cdiv(Nq, bm), B * Hq)
+    _kernel[grid](_desc(q, bm), _desc(k, bn), _desc(v, bn), _desc(out, bm), lse, Hq, Hq // Hk, Nq, Nk,
+                  pos_off, scale * LOG2E, CAUSAL=causal, STAGES=cfg["STAGES"],
+                  V_STAGES=cfg.get("V_STAGES", cfg["STAGES"]), num_warps=cfg["num_warps"])

@@ -1,0 +1,180 @@
+"""The Gluon Hopper forward (``attncomp/codegen/triton/hopper.py``) checked and timed in one run, against
+SDPA's cuDNN kernel and the template's forward (this GPU's default configuration), per head dim, mask and
+configuration (tile sizes, warps, ring depth).
+
+First a correctness pass (odd ``N``, GQA, causal, heads-inner output, float16 and bfloat16) against a
+float32 reference of the same inputs, then the timings; the table is printed last, JSON goes to ``--out``
+(default ``$OUT/gluon_fwd.json`` when ``$OUT`` is set). Rows: cuDNN, the template (``ATTNCOMP_GLUON=0``), what
+a dense call runs by default, the Gluon kernel under its default configuration for (D, causal) and, at
+``--variants-at`` lengths, under every other configuration (all through the backend's host path).
+
+    python benchmarks/gluon_fwd.py                        # D 64/128, causal and not, N=16384
+    python benchmarks/gluon_fwd.py --ns 4096,16384 --dims 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from attention import attncomp_fn, bench_ms, config_name, flops, make_inputs, sdpa_fn  # noqa: E402
+from hopper import gemm_tflops  # noqa: E402
+
+# (BLOCK_M, BLOCK_N, warps, key ring, value ring)
+VARIANTS = {64: [(64, 128, 4, 2, 2), (64, 128, 4, 2, 1), (64, 64, 4, 2, 2), (128, 64, 8, 2, 2), (128, 128, 8, 2, 2)],
+            128: [(128, 128, 8, 2, 2), (128, 128, 8, 2, 1), (64, 128, 4, 2, 1), (64, 64, 4, 2, 2), (64, 64, 4, 3, 3),
+                  (64, 128, 4, 2, 2)]}
+CASES = [(2, 4, 2, 1000, 64, False, "bfloat16"), (1, 4, 4, 1000, 128, True, "float16"),
+         (1, 2, 1, 130, 64, True, "bfloat16"), (1, 2, 2, 77, 128, False, "bfloat16"),
+         (2, 2, 2, 4096, 128, True, "bfloat16"), (1, 8, 2, 2048, 64, True, "float16")]
+
+
+def _cfg(v):
+    bm, bn, w, s, vs = v
+    return dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, STAGES=s, V_STAGES=vs)
+
+
+def _name(v) -> str:
+    return "gluon %dx%dw%ds%dv%d" % v
+
+
+def reference(q, k, v, causal, scale):
+    import torch
+
+    g = q.shape[1] // k.shape[1]
+    qf, kf, vf = q.float(), k.float().repeat_interleave(g, 1), v.float().repeat_interleave(g, 1)
+    s = (qf @ kf.transpose(-1, -2)) * scale
+    if causal:
+        n, m = s.shape[-2:]
+        s = s.masked_fill(torch.ones(n, m, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    return torch.softmax(s, -1) @ vf, torch.logsumexp(s, -1)
+
+
+def check(variants, args) -> list:
+    import torch
+
+    from attncomp.codegen.triton import hopper
+    from attncomp.ops import output_strides
+
+    out = []
+    for B, Hq, Hk, N, D, causal, dt in CASES:
+        dtype = getattr(torch, dt)
+        q = torch.randn(B, Hq, N, D, device="cuda", dtype=dtype)
+        k = torch.randn(B, Hk, N, D, device="cuda", dtype=dtype)
+        v = torch.randn(B, Hk, N, D, device="cuda", dtype=dtype)
+        ro, rl = reference(q, k, v, causal, D ** -0.5)
+        for var in variants[D]:
+            o = torch.empty_strided((B, Hq, N, D), output_strides(B, Hq, N, D), device="cuda", dtype=dtype)
+            o.fill_(float("nan"))
+            lse = torch.full((B, Hq, N), float("nan"), device="cuda")
+            hopper.forward(q, k, v, D ** -0.5, causal, 0, o, lse, _cfg(var))
+            torch.cuda.synchronize()
+            err_o = (o.float() - ro).abs().max().item()
+            err_l = (lse - rl).abs().max().item()
+            # the kernel is deterministic: repeated launches (the short launch path) give the same bits
+            same = True
+            for _ in range(args.repeat):
+                o2, lse2 = torch.full_like(o, float("nan")), torch.full_like(lse, float("nan"))
+                hopper.forward(q, k, v, D ** -0.5, causal, 0, o2, lse2, _cfg(var))
+                same = same and torch.equal(o2, o) and torch.equal(lse2, lse)
+            ok = err_o < 2e-2 and err_l < 1e-3 and same
+            out.append(dict(case=[B, Hq, Hk, N, D, causal, dt], variant=_name(var), err_out=err_o, err_lse=err_l,
+                            ok=ok))
+            print(f"check {B}x{Hq}/{Hk}x{N}x{D} causal={causal} {dt} {_name(var)}: out {err_o:.2e} lse {err_l:.2e}"
+                  f"{'' if same else ' (repeats differ)'} {'ok' if ok else 'FAIL'}", flush=True)
+    return out
+
+
+def run(args) -> list:
+    import torch
+
+    from attncomp.codegen.triton import backend as TB
+    from attncomp.codegen.triton import configs
+    from attention import make_spec
+
+    ceiling = gemm_tflops(False)
+    rows, ran = [], []
+    for D in args.dims:
+        for N in args.ns:
+            for causal in args.causal:
+                q, k, v, _ = make_inputs(args.B, args.H, N, D, torch.bfloat16, "cuda")
+                spec = make_spec("dense", causal, q.dtype)
+                fl = flops(args.B, args.H, N, D, causal, "fwd")
+                base = bench_ms(sdpa_fn(causal, q, k, v, None, "fwd", "cudnn"), False)
+                os.environ["ATTNCOMP_GLUON"] = "0"
+                timed = [("cudnn", base), ("template", bench_ms(attncomp_fn("dense", causal, q, k, v, None, "fwd"),
+                                                                False))]
+                del os.environ["ATTNCOMP_GLUON"]
+                timed.append(("attncomp default", bench_ms(attncomp_fn("dense", causal, q, k, v, None, "fwd"),
+                                                           False)))
+                ran.append(f"D={D} N={N} causal={int(causal)}: {config_name(TB.last_configs['fwd'])}")
+                default = configs.GLUON_FWD[(D, causal)]
+                variants = VARIANTS[D] if N in args.variants_at else []
+                cfgs = [dict(default, KERNEL="gluon")] + [dict(_cfg(x), KERNEL="gluon") for x in variants
+                                                           if _cfg(x) != default]
+                for cfg in cfgs:
+                    name = _name(tuple(cfg[k] for k in ("BLOCK_M", "BLOCK_N", "num_warps", "STAGES", "V_STAGES")))
+                    try:  # through the backend's host path, as a model's call runs it
+                        ms = bench_ms(lambda: TB.attention_forward(spec, q, k, v, config=cfg), False)
+                    except Exception as e:  # a configuration that does not fit is reported, the others go on
+                        print(f"{name} D={D}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                        continue
+                    timed.append((name + (" (default)" if cfg is cfgs[0] else ""), ms))
+                # the default again, after the others: how far the GPU drifted within the row
+                timed.append(("attncomp default, again", bench_ms(attncomp_fn("dense", causal, q, k, v, None, "fwd"),
+                                                                  False)))
+                for name, ms in timed:
+                    tf = fl / (ms * 1e-3) / 1e12
+                    rows.append(dict(D=D, N=N, causal=causal, B=args.B, H=args.H, variant=name, ms=ms,
+                                     vs_cudnn=base / ms, tflops=tf, of_gemm=tf / ceiling if ceiling else None))
+                    print(f"D={D} N={N} causal={int(causal)} {name}: {ms:.3f} ms, {base / ms:.2f}x cuDNN, "
+                          f"{tf:.0f} TFLOP/s", flush=True)
+    print("what a dense call ran by default:", *ran, sep="\n  ")
+    return rows, ceiling
+
+
+def main(argv=None) -> int:
+    import torch
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dims", default="64,128")
+    ap.add_argument("--ns", default="16384")
+    ap.add_argument("--variants-at", default="16384", help="lengths at which every configuration is timed "
+                    "(elsewhere the default one)")
+    ap.add_argument("--causal", default="0,1")
+    ap.add_argument("--B", type=int, default=4)
+    ap.add_argument("--H", type=int, default=16)
+    ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--repeat", type=int, default=10, help="launches per checked configuration compared bit for bit")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    args.dims = [int(x) for x in args.dims.split(",")]
+    args.ns = [int(x) for x in args.ns.split(",")]
+    args.variants_at = [int(x) for x in args.variants_at.split(",")]
+    args.causal = [bool(int(x)) for x in args.causal.split(",")]
+    checks = [] if args.no_check else check(VARIANTS, args)
+    rows, ceiling = run(args)
+    gpu = torch.cuda.get_device_name()
+    out = args.out or (os.path.join(os.environ["OUT"], "gluon_fwd.json") if os.environ.get("OUT") else None)
+    if out:
+        with open(out, "w") as fh:
+            json.dump(dict(gpu=gpu, torch=torch.__version__, gemm_tflops=ceiling, checks=checks, rows=rows), fh,
+                      indent=1)
+    print(f"\n{gpu}, B={args.B} H={args.H}, bf16; GEMM ceiling {ceiling:.0f} TFLOP/s")
+    print(f"{'D':>4} {'N':>6} {'causal':>6} {'variant':<34} {'ms':>8} {'x cuDNN':>8} {'TFLOP/s':>8} {'of GEMM':>8}")
+    for r in rows:
+        print(f"{r['D']:>4} {r['N']:>6} {int(r['causal']):>6} {r['variant']:<34} {r['ms']:>8.3f} "
+              f"{r['vs_cudnn']:>8.2f} {r['tflops']:>8.0f} {r['of_gemm']:>8.2f}")
+    bad = [c for c in checks if not c["ok"]]
+    if bad:
+        print(f"{len(bad)} checks FAILED")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

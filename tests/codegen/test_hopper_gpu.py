@@ -1,0 +1,135 @@
+"""The Gluon Hopper forward (``attncomp/codegen/triton/hopper.py``) on an sm_90 GPU: every configuration of
+``configs.GLUON_FWD`` (and one more) against the float64 reference, output and ``lse`` written into poisoned
+buffers, at odd lengths, GQA, causal aligned top-left and bottom-right, float16 and bfloat16; the template's
+backward from its ``lse``; and which dense calls the backend hands to it.
+
+Run in a process of its own (``pytest -m gpu tests/codegen/test_hopper_gpu.py``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from attncomp.codegen import reference as R
+from attncomp.spec import AttentionSpec, dtype_name
+from tests.codegen.template_cases import close, make_preds
+from tests.utils import poisoned_empty
+
+pytestmark = pytest.mark.gpu
+
+if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    pytest.skip("TRITON_INTERPRET=1: the GPU tests need compiled kernels", allow_module_level=True)
+
+_TOL = {torch.float16: (2e-2, 2e-2), torch.bfloat16: (5e-2, 5e-2)}
+
+
+@pytest.fixture(autouse=True)
+def TB(monkeypatch):
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon forward is built for sm_90 (Hopper)")
+    from attncomp.codegen.triton import backend
+
+    monkeypatch.setenv("ATTNCOMP_TRITON_TUNE", "0")
+    monkeypatch.delenv("ATTNCOMP_GLUON", raising=False)
+    monkeypatch.setattr(backend, "_empty", poisoned_empty)
+    return backend
+
+
+def _configs(D):
+    from attncomp.codegen.triton import configs
+
+    own = [c for (d, _), c in sorted(configs.GLUON_FWD.items(), key=str) if d == D]
+    more = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, STAGES=2, V_STAGES=2)  # two warp groups per block
+    return [dict(c, KERNEL="gluon") for c in own + [more]]
+
+
+def _name(c):
+    return "%dx%dw%ds%dv%d" % (c["BLOCK_M"], c["BLOCK_N"], c["num_warps"], c["STAGES"], c["V_STAGES"])
+
+
+def _inputs(B, Hq, Hk, Nq, Nk, D, kinds, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hq, Nq, D, generator=g).to("cuda", dtype)
+    k = torch.randn(B, Hk, Nk, D, generator=g).to("cuda", dtype)
+    v = torch.randn(B, Hk, Nk, D, generator=g).to("cuda", dtype)
+    go = torch.randn(B, Hq, Nq, D, generator=g).to("cuda", dtype)
+    fields, preds = make_preds(kinds, g, B, Nq, Nk)
+    preds = preds._replace(**{f: None if getattr(preds, f) is None else getattr(preds, f).cuda()
+                              for f in preds._fields})
+    return AttentionSpec(dtype=dtype_name(dtype), **fields), q, k, v, go, preds
+
+
+# (B, Hq, Hk, Nq, Nk, D, predicates, dtype): odd lengths, one key tile, GQA, more keys than queries
+CASES = [(2, 4, 2, 1000, 1000, 64, (), torch.bfloat16),
+         (1, 2, 1, 130, 130, 64, ("causal",), torch.bfloat16),
+         (1, 8, 2, 300, 2100, 64, ("bottom_right",), torch.float16),
+         (1, 2, 2, 77, 77, 128, (), torch.bfloat16),
+         (1, 4, 4, 777, 2100, 128, ("bottom_right",), torch.float16),
+         (2, 2, 2, 2048, 2048, 128, ("causal",), torch.bfloat16)]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}x{c[1]}/{c[2]}x{c[3]}x{c[4]}-D{c[5]}-"
+                         f"{'+'.join(c[6]) or 'full'}-{dtype_name(c[7])}")
+def test_gluon_forward_against_reference(TB, case):
+    B, Hq, Hk, Nq, Nk, D, kinds, dtype = case
+    spec, q, k, v, go, preds = _inputs(*case)
+    ro, rl = R.attention(q.double(), k.double(), v.double(), None, spec=spec, preds=preds)
+    for cfg in _configs(D):
+        out, lse = TB.attention_forward(spec, q, k, v, preds=preds, config=cfg)
+        assert TB.last_configs["fwd"]["KERNEL"] == "gluon"
+        close(f"out {_name(cfg)}", out, ro, _TOL[dtype])
+        err = (lse.double() - rl).abs().nan_to_num(float("inf"))
+        assert err.max() < 2e-3, (f"lse {_name(cfg)}: max error {err.max().item():.3g} at "
+                                  f"{[int(i) for i in torch.unravel_index(err.argmax(), err.shape)]}")
+    # the template's backward from the Gluon forward's out and lse
+    rq, rk, rv, _ = R.attention_backward(q.double(), k.double(), v.double(), None, go.double(), spec=spec,
+                                         preds=preds)
+    dq, dk, dv = TB.attention_backward(spec, q, k, v, None, out, lse, go, preds=preds)[:3]
+    for name, a, b in (("dq", dq, rq), ("dk", dk, rk), ("dv", dv, rv)):
+        close(name, a, b, _TOL[dtype], True)
+
+
+def test_dense_calls_that_take_it(TB, monkeypatch):
+    """A dense call with enough keys runs the Gluon kernel by default (and gives the template's result);
+    a mask tensor, dropout, a window, DFSS, few keys or ``ATTNCOMP_GLUON=0`` keep the template."""
+    from attncomp.codegen.triton import configs
+    from attncomp.policy import get_policy
+
+    N = configs.GLUON_MIN_KEYS
+    spec, q, k, v, go, preds = _inputs(1, 4, 2, N, N, 64, ("causal",), torch.bfloat16)
+    from attncomp.codegen.triton import hopper
+
+    TB.attention_forward(spec, q, k, v, preds=preds)
+    assert TB.last_configs["fwd"].get("KERNEL") == "gluon" and TB.gluon_skipped["fwd"] is None
+    # the second call of the argument class takes the short launch path, with this call's tensors
+    hits = hopper._kernel.hits
+    q2 = torch.randn_like(q)
+    out, lse = TB.attention_forward(spec, q2, k, v, preds=preds)
+    assert hopper._kernel.hits == hits + 1
+    monkeypatch.setenv("ATTNCOMP_GLUON", "0")
+    ref, ref_lse = TB.attention_forward(spec, q2, k, v, preds=preds)
+    assert "KERNEL" not in TB.last_configs["fwd"] and TB.gluon_skipped["fwd"] == "ATTNCOMP_GLUON=0"
+    close("out vs template", out, ref, _TOL[torch.bfloat16])
+    torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=0)
+    monkeypatch.delenv("ATTNCOMP_GLUON")
+
+    mask = torch.rand(N, N, device="cuda") > 0.2
+    cases = {"mask tensor": dict(spec=AttentionSpec(dtype="bfloat16", mask_kind="bool"), attn_mask=mask),
+             "dropout": dict(spec=spec, dropout_p=0.1),
+             "policy 'dfss'": dict(spec=AttentionSpec(dtype="bfloat16", causal=True,
+                                                      policy=get_policy("dfss").resolved(torch.bfloat16))),
+             "window": dict(spec=AttentionSpec(dtype="bfloat16", causal=True, window_left=128))}
+    for why, kw in cases.items():
+        TB.attention_forward(kw.pop("spec"), q, k, v, **kw)
+        assert "KERNEL" not in TB.last_configs["fwd"], why
+        assert why in TB.gluon_skipped["fwd"], (why, TB.gluon_skipped["fwd"])
+    short = k[:, :, :N // 2]
+    TB.attention_forward(spec, q, short, short)
+    assert "KERNEL" not in TB.last_configs["fwd"] and "keys <" in TB.gluon_skipped["fwd"]
+    with pytest.raises(ValueError, match="Gluon"):
+        TB.attention_forward(AttentionSpec(dtype="bfloat16"), q, k, v, attn_mask=mask,
+                             config=dict(configs.GLUON_FWD[(64, False)], KERNEL="gluon"))
