@@ -27,7 +27,7 @@ test: $(STAMP)
 # On a GPU machine, with its own Python (torch and triton installed there): the GPU tests in their own
 # process (the CPU kernel tests switch Triton to its interpreter when imported).
 test-gpu:
-	python3 -m pytest -q -m gpu tests/codegen/test_triton_gpu.py tests/codegen/test_scfa_gpu.py tests/codegen/test_template_gpu.py tests/codegen/test_spion_stats_gpu.py tests/e2e/test_gpu_models.py tests/test_ops.py
+	python3 -m pytest -q -m gpu tests/codegen/test_triton_gpu.py tests/codegen/test_scfa_gpu.py tests/codegen/test_template_gpu.py tests/codegen/test_spion_stats_gpu.py tests/e2e/test_gpu_models.py tests/test_ops.py tests/codegen/test_hopper_gpu.py
 
 # On a machine with 2 GPUs: context-parallel attention over NCCL against one GPU (the thread-ring
 # checks need only one).

@@ -20,7 +20,7 @@ PY=${PY:-python3}
 LOG="$OUT/round.log"
 GPU=$($PY -c "import torch; n=torch.cuda.get_device_name().lower(); print(next((g for g in ('h200','h100') if g in n), 'gpu'))" 2>/dev/null || echo gpu)
 TESTS="tests/codegen/test_triton_gpu.py tests/codegen/test_scfa_gpu.py tests/codegen/test_template_gpu.py
-       tests/e2e/test_gpu_models.py tests/test_ops.py tests/codegen/test_spion_stats_gpu.py"
+       tests/e2e/test_gpu_models.py tests/test_ops.py tests/codegen/test_spion_stats_gpu.py tests/codegen/test_hopper_gpu.py"
 
 run_part() {
     local name=$1
