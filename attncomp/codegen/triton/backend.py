@@ -509,7 +509,7 @@ def _gluon_forward(spec, q, k, v, attn_mask, dropout_p, preds, block_pattern, la
     cfg = None
     if why is None:
         cfg = config or configs.GLUON_FWD.get((q.shape[-1], causal))
-        why = _GLUON_OFF.get(str(sorted(cfg.items()))) if cfg is not None else "no configuration"
+        why = _GLUON_OFF.get(tuple(sorted(cfg.items()))) if cfg is not None else "no configuration"
     if q.is_cuda:
         gluon_skipped["fwd"] = why
     if why is not None:
@@ -529,7 +529,7 @@ def _gluon_forward(spec, q, k, v, attn_mask, dropout_p, preds, block_pattern, la
         _GLUON[q.device.index if q.device.index is not None else torch.cuda.current_device()].forward(
             q, k, v, scale, causal, _pos_off(spec, Nq, Nk), out, lse, cfg)
     except (CompilationError, OutOfResources) as e:  # this Triton's Gluon: the template runs it
-        _GLUON_OFF[str(sorted(cfg.items()))] = gluon_skipped["fwd"] = f"{type(e).__name__}: {str(e)[:200]}"
+        _GLUON_OFF[tuple(sorted(cfg.items()))] = gluon_skipped["fwd"] = f"{type(e).__name__}: {str(e)[:200]}"
         if config is not None:
             raise
         return None
