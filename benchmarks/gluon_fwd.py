@@ -2,9 +2,9 @@
 SDPA's cuDNN kernel and the template's forward (this GPU's default configuration), per head dim, mask and
 configuration (tile sizes, warps, ring depth).
 
-First a correctness pass (odd ``N``, GQA, causal, heads-inner output, float16 and bfloat16) against a
-float32 reference of the same inputs, then the timings; the table is printed last, JSON goes to ``--out``
-(default ``$OUT/gluon_fwd.json`` when ``$OUT`` is set). Rows: cuDNN, the template (``ATTNCOMP_GLUON=0``), what
+First a correctness pass (odd ``N``, GQA, causal, heads-inner output, float16 and bfloat16) against
+``attncomp.codegen.reference`` in float32 on the same inputs, then the timings; the table is printed
+last, JSON goes to ``--out`` (default ``$OUT/gluon_fwd.json`` when ``$OUT`` is set). Rows: cuDNN, the template (``ATTNCOMP_GLUON=0``), what
 a dense call runs by default, the Gluon kernel under its default configuration for (D, causal) and, at
 ``--variants-at`` lengths, under every other configuration (all through the backend's host path).
 
@@ -43,23 +43,13 @@ def _name(v) -> str:
     return "gluon %dx%dw%ds%dv%d" % v
 
 
-def reference(q, k, v, causal, scale):
-    import torch
-
-    g = q.shape[1] // k.shape[1]
-    qf, kf, vf = q.float(), k.float().repeat_interleave(g, 1), v.float().repeat_interleave(g, 1)
-    s = (qf @ kf.transpose(-1, -2)) * scale
-    if causal:
-        n, m = s.shape[-2:]
-        s = s.masked_fill(torch.ones(n, m, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
-    return torch.softmax(s, -1) @ vf, torch.logsumexp(s, -1)
-
-
 def check(variants, args) -> list:
     import torch
 
+    from attncomp.codegen import reference as R
     from attncomp.codegen.triton import hopper
     from attncomp.ops import output_strides
+    from attncomp.spec import AttentionSpec
 
     out = []
     for B, Hq, Hk, N, D, causal, dt in CASES:
@@ -67,7 +57,7 @@ def check(variants, args) -> list:
         q = torch.randn(B, Hq, N, D, device="cuda", dtype=dtype)
         k = torch.randn(B, Hk, N, D, device="cuda", dtype=dtype)
         v = torch.randn(B, Hk, N, D, device="cuda", dtype=dtype)
-        ro, rl = reference(q, k, v, causal, D ** -0.5)
+        ro, rl = R.attention(q.float(), k.float(), v.float(), None, spec=AttentionSpec(causal=causal))
         for var in variants[D]:
             o = torch.empty_strided((B, Hq, N, D), output_strides(B, Hq, N, D), device="cuda", dtype=dtype)
             o.fill_(float("nan"))
@@ -107,9 +97,11 @@ def run(args) -> list:
                 fl = flops(args.B, args.H, N, D, causal, "fwd")
                 base = bench_ms(sdpa_fn(causal, q, k, v, None, "fwd", "cudnn"), False)
                 os.environ["ATTNCOMP_GLUON"] = "0"
-                timed = [("cudnn", base), ("template", bench_ms(attncomp_fn("dense", causal, q, k, v, None, "fwd"),
-                                                                False))]
-                del os.environ["ATTNCOMP_GLUON"]
+                try:
+                    timed = [("cudnn", base), ("template", bench_ms(attncomp_fn("dense", causal, q, k, v, None,
+                                                                                "fwd"), False))]
+                finally:
+                    del os.environ["ATTNCOMP_GLUON"]
                 timed.append(("attncomp default", bench_ms(attncomp_fn("dense", causal, q, k, v, None, "fwd"),
                                                            False)))
                 ran.append(f"D={D} N={N} causal={int(causal)}: {config_name(TB.last_configs['fwd'])}")

@@ -477,39 +477,47 @@ def _gluon_module(device: torch.device):
 
 
 def _gluon_why_not(spec: AttentionSpec, q, k, v, attn_mask, dropout_p, preds, block_pattern, layout,
-                   forced: bool) -> Optional[str]:
-    """Why a forward call cannot take the Gluon kernel (``None`` where it can)."""
+                   forced: bool) -> Tuple[Optional[str], bool, int]:
+    """``(why, causal, off)``: why a forward call cannot take the Gluon kernel (``None`` where it can),
+    whether it is causal, and the default position of query 0 when it is (else 0)."""
     if not q.is_cuda or configs.interpret_mode():
-        return "not a CUDA device"
+        return "not a CUDA device", False, 0
     if _POLICIES.get(spec.policy.name) != POLICY_DENSE or getattr(spec.policy, "exclude_self", False):
-        return f"policy {spec.policy.name!r}"
+        return f"policy {spec.policy.name!r}", False, 0
     if not forced and q.dim() == 4 and k.shape[2] < configs.GLUON_MIN_KEYS:
-        return f"{k.shape[2]} keys < {configs.GLUON_MIN_KEYS}"
+        return f"{k.shape[2]} keys < {configs.GLUON_MIN_KEYS}", False, 0
     if not configs.gluon_enabled():
-        return "ATTNCOMP_GLUON=0"
+        return "ATTNCOMP_GLUON=0", False, 0
     if attn_mask is not None or dropout_p or block_pattern is not None or layout is not None:
-        return "a mask tensor, dropout or a layout"
+        return "a mask tensor, dropout or a layout", False, 0
     if preds is not None and any(getattr(preds, n, None) is not None for n in _PRED_NAMES):
-        return "predicate vectors"
+        return "predicate vectors", False, 0
     left, right = _bounds(spec)
     if left is not None or right not in (None, 0):
-        return "a window"
+        return "a window", False, 0
     if q.dim() != 4 or min(q.shape[:3]) == 0 or k.shape[2] == 0:
-        return "empty"
+        return "empty", False, 0
+    causal = right == 0
+    off = _pos_off(spec, q.shape[2], k.shape[2]) if causal else 0
     mod = _gluon_module(q.device)
     if mod is None:
-        return _GLUON_OFF.get("import", "not an sm_90 GPU")
-    return mod.applies(q, k, v, _pos_off(spec, q.shape[2], k.shape[2]))
+        return _GLUON_OFF.get("import", "not an sm_90 GPU"), causal, off
+    if not all(_tma_aligned(t) for t in (q, k, v)):
+        return "a tensor TMA cannot read (16-byte aligned base and strides, unit last stride)", causal, off
+    return mod.applies(q, k, v, off), causal, off
 
 
 def _gluon_forward(spec, q, k, v, attn_mask, dropout_p, preds, block_pattern, layout, config, check):
     """``(out, lse)`` from the Gluon kernel, or ``None`` where the call goes to the template."""
-    why = _gluon_why_not(spec, q, k, v, attn_mask, dropout_p, preds, block_pattern, layout, config is not None)
-    causal = _bounds(spec)[1] == 0
+    why, causal, off = _gluon_why_not(spec, q, k, v, attn_mask, dropout_p, preds, block_pattern, layout,
+                                      config is not None)
     cfg = None
     if why is None:
         cfg = config or configs.GLUON_FWD.get((q.shape[-1], causal))
-        why = _GLUON_OFF.get(tuple(sorted(cfg.items()))) if cfg is not None else "no configuration"
+        if cfg is None:
+            why = "no configuration"
+        elif _GLUON_OFF:  # configurations whose compile failed (only then is the key built)
+            why = _GLUON_OFF.get(tuple(sorted(cfg.items())))
     if q.is_cuda:
         gluon_skipped["fwd"] = why
     if why is not None:
@@ -521,13 +529,11 @@ def _gluon_forward(spec, q, k, v, attn_mask, dropout_p, preds, block_pattern, la
     from triton.compiler.errors import CompilationError
 
     B, Hq, Nq, D = q.shape
-    Nk = k.shape[2]
     out = _out_empty(q, D)
     lse = _empty((B, Hq, Nq), torch.float32, q.device)
     scale = spec.scale if spec.scale is not None else 1.0 / math.sqrt(D)
     try:
-        _GLUON[q.device.index if q.device.index is not None else torch.cuda.current_device()].forward(
-            q, k, v, scale, causal, _pos_off(spec, Nq, Nk), out, lse, cfg)
+        _gluon_module(q.device).forward(q, k, v, scale, causal, off, out, lse, cfg)
     except (CompilationError, OutOfResources) as e:  # this Triton's Gluon: the template runs it
         _GLUON_OFF[tuple(sorted(cfg.items()))] = gluon_skipped["fwd"] = f"{type(e).__name__}: {str(e)[:200]}"
         if config is not None:

@@ -41,7 +41,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from .common import LOG2E
 from .launch import FastLaunch
 
-__all__ = ["applies", "forward", "HEAD_DIMS", "config_for"]
+__all__ = ["applies", "forward", "HEAD_DIMS"]
 
 #: head dims the kernel is built for (the smem ring and the register budget are sized for them)
 HEAD_DIMS = (64, 128)
@@ -209,19 +209,9 @@ def _kv_step(j, q, k_buf, v_buf, k_bar, v_bar, k_desc, v_desc, m_i, l_i, o, p_cu
     return m_i, l_i, o, p_cur
 
 
-def config_for(head_dim: int, causal: bool) -> dict:
-    """Tile sizes, warps and ring depths (keys ``STAGES``, values ``V_STAGES``) at a head dim."""
-    return dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, STAGES=2, V_STAGES=2)
-
-
-def _tma_ok(t: torch.Tensor) -> bool:
-    size = t.element_size()
-    return (t.dim() == 4 and t.stride(3) == 1 and t.data_ptr() % 16 == 0
-            and all((st * size) % 16 == 0 and st > 0 for st in t.stride()[:3]))
-
-
 def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos_off: int) -> Optional[str]:
-    """Why the kernel cannot run these inputs, or ``None`` where it can."""
+    """Why the kernel cannot run these inputs, or ``None`` where it can. Whether TMA can read the
+    tensors (alignment, strides) is the caller's check (``backend._tma_aligned``)."""
     if q.dtype not in _GL_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         return f"dtype {q.dtype} (float16 or bfloat16)"
     if q.shape[-1] not in HEAD_DIMS or k.shape[-1] != q.shape[-1] or v.shape[-1] != q.shape[-1]:
@@ -230,9 +220,6 @@ def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos_off: int) -> 
         return "causal with more queries than keys"
     if q.shape[1] % k.shape[1]:
         return "query heads not a multiple of key heads"
-    for t in (q, k, v):
-        if not _tma_ok(t):
-            return "a tensor TMA cannot read (strides of whole 16-byte multiples, unit last stride, no broadcast)"
     return None
 
 
@@ -241,7 +228,8 @@ _LAYOUTS: dict = {}
 
 def _desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
     """A TMA descriptor of a ``(B, H, N, D)`` tensor in ``[1, 1, rows, D]`` blocks, built without the
-    constructor's checks (:func:`applies` made them; they cost more host time than the launch)."""
+    constructor's checks, which cost more host time than the launch: the caller checked the tensor
+    (``backend._tma_aligned``); the first descriptor of each block shape and dtype is built checked."""
     block = (rows, t.shape[-1], t.dtype)
     layout = _LAYOUTS.get(block)
     if layout is None:
@@ -257,10 +245,10 @@ _kernel = FastLaunch(_attn_fwd)
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, pos_off: int,
-            out: torch.Tensor, lse: torch.Tensor, cfg: Optional[dict] = None) -> None:
+            out: torch.Tensor, lse: torch.Tensor, cfg: dict) -> None:
     """Writes ``out`` (``(B, Hq, Nq, D)``, any TMA-readable strides) and ``lse`` (``(B, Hq, Nq)``
-    float32, contiguous) of dense attention, causal with query ``i`` at position ``i + pos_off``."""
-    cfg = cfg or config_for(q.shape[-1], causal)
+    float32, contiguous) of dense attention, causal with query ``i`` at position ``i + pos_off``, under
+    the launch configuration ``cfg`` (``configs.GLUON_FWD``'s keys)."""
     B, Hq, Nq, D = q.shape
     Hk, Nk = k.shape[1], k.shape[2]
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
