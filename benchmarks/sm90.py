@@ -145,10 +145,11 @@ def compile_config(policy: str, causal: bool, D: int, passes: str, cfg: Dict, N:
     q, k, v = (torch.randn(1, 2, N, D, dtype=torch.bfloat16) for _ in range(3))
     spec = make_spec(policy, causal, torch.bfloat16)
     with sm90_compiles(options) as got:
-        if cfg.get("KERNEL") == "gluon":  # the Gluon Hopper forward (dense), called as the backend calls it
+        if cfg.get("KERNEL") == "gluon":  # the Gluon Hopper forward (dense, DFSS 2:4), as the backend calls it
             from attncomp.codegen.triton import hopper
 
-            hopper.forward(q, k, v, D ** -0.5, causal, 0, torch.empty_like(q), torch.empty(1, 2, N), cfg)
+            hopper.forward(q, k, v, D ** -0.5, causal, 0, torch.empty_like(q), torch.empty(1, 2, N), cfg,
+                           policy == "dfss")
         elif passes == "fwd":
             TB.attention_forward(spec, q, k, v, config=cfg)
         else:
@@ -177,8 +178,9 @@ def run(args) -> List[Dict]:
                     D, D, torch.bfloat16, nm, gpu=args.gpu)
                 cands = cands[:args.first] if args.first > 0 else cands
                 for causal in (False, True):
-                    gluon = configs.GLUON_FWD.get((D, causal)) if args.gluon and passes == "fwd" else None
-                    for cfg in cands + ([dict(gluon, KERNEL="gluon")] if gluon and policy == "dense" else []):
+                    table = {"dense": configs.GLUON_FWD, "dfss": configs.GLUON_FWD_DFSS}.get(policy, {})
+                    gluon = table.get((D, causal)) if args.gluon and passes == "fwd" else None
+                    for cfg in cands + ([dict(gluon, KERNEL="gluon")] if gluon else []):
                         try:
                             got = compile_config(policy, causal, D, passes, cfg)
                         except Exception as e:  # a configuration that does not compile is a row with its error
@@ -208,7 +210,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                     "(h100; '' for the lists' own heads, the H200's)")
     ap.add_argument("--first", type=int, default=0, help="only the first N candidates of each list (1: the default)")
     ap.add_argument("--gluon", action="store_true", help="also the Gluon Hopper forward's configurations "
-                    "(dense, configs.GLUON_FWD)")
+                    "(dense and DFSS 2:4: configs.GLUON_FWD, GLUON_FWD_DFSS)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     rows = run(args)

@@ -1,7 +1,8 @@
-"""The Gluon Hopper forward (``attncomp/codegen/triton/hopper.py``) on an sm_90 GPU: every configuration of
-``configs.GLUON_FWD`` (and one more) against the float64 reference, output and ``lse`` written into poisoned
-buffers, at odd lengths, GQA, causal aligned top-left and bottom-right, float16 and bfloat16; the template's
-backward from its ``lse``; and which dense calls the backend hands to it.
+"""The Gluon Hopper forward (``attncomp/codegen/triton/hopper.py``) on an sm_90 GPU, dense and DFSS 2:4:
+every configuration of ``configs.GLUON_FWD`` / ``GLUON_FWD_DFSS`` (and one more) against the float64
+reference, output and ``lse`` written into poisoned buffers, at odd lengths, GQA, causal aligned top-left and
+bottom-right, float16 and bfloat16, tied logits (DFSS); the template's backward from its ``lse``; and which
+calls the backend hands to it.
 
 Run in a process of its own (``pytest -m gpu tests/codegen/test_hopper_gpu.py``).
 """
@@ -39,19 +40,23 @@ def TB(monkeypatch):
     return backend
 
 
-def _configs(D):
+def _configs(D, dfss=False):
     from attncomp.codegen.triton import configs
 
-    own = [c for (d, _), c in sorted(configs.GLUON_FWD.items(), key=str) if d == D]
-    more = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, STAGES=2, V_STAGES=2)  # two warp groups per block
-    return [dict(c, KERNEL="gluon") for c in own + [more]]
+    table = configs.GLUON_FWD_DFSS if dfss else configs.GLUON_FWD
+    own = [c for (d, _), c in sorted(table.items(), key=str) if d == D]
+    own = [c for i, c in enumerate(own) if c not in own[:i]]
+    more = [dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, STAGES=2, V_STAGES=2)]  # two warp groups per block
+    if dfss:  # (D=64 sites keep the template: no default there)
+        more.append(dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, STAGES=2, V_STAGES=2))
+    return [dict(c, KERNEL="gluon") for c in own + [c for c in more if c not in own]]
 
 
 def _name(c):
     return "%dx%dw%ds%dv%d" % (c["BLOCK_M"], c["BLOCK_N"], c["num_warps"], c["STAGES"], c["V_STAGES"])
 
 
-def _inputs(B, Hq, Hk, Nq, Nk, D, kinds, dtype, seed=0):
+def _inputs(B, Hq, Hk, Nq, Nk, D, kinds, dtype, seed=0, policy=None):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(B, Hq, Nq, D, generator=g).to("cuda", dtype)
     k = torch.randn(B, Hk, Nk, D, generator=g).to("cuda", dtype)
@@ -60,7 +65,8 @@ def _inputs(B, Hq, Hk, Nq, Nk, D, kinds, dtype, seed=0):
     fields, preds = make_preds(kinds, g, B, Nq, Nk)
     preds = preds._replace(**{f: None if getattr(preds, f) is None else getattr(preds, f).cuda()
                               for f in preds._fields})
-    return AttentionSpec(dtype=dtype_name(dtype), **fields), q, k, v, go, preds
+    spec = AttentionSpec(dtype=dtype_name(dtype), **fields)
+    return (spec if policy is None else spec.replace(policy=policy)), q, k, v, go, preds
 
 
 # (B, Hq, Hk, Nq, Nk, D, predicates, dtype): odd lengths, one key tile, GQA, more keys than queries
@@ -75,10 +81,13 @@ CASES = [(2, 4, 2, 1000, 1000, 64, (), torch.bfloat16),
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}x{c[1]}/{c[2]}x{c[3]}x{c[4]}-D{c[5]}-"
                          f"{'+'.join(c[6]) or 'full'}-{dtype_name(c[7])}")
 def test_gluon_forward_against_reference(TB, case):
-    B, Hq, Hk, Nq, Nk, D, kinds, dtype = case
-    spec, q, k, v, go, preds = _inputs(*case)
+    _check_against_reference(TB, *_inputs(*case))
+
+
+def _check_against_reference(TB, spec, q, k, v, go, preds):
+    D, dtype = q.shape[-1], q.dtype
     ro, rl = R.attention(q.double(), k.double(), v.double(), None, spec=spec, preds=preds)
-    for cfg in _configs(D):
+    for cfg in _configs(D, spec.policy.name == "dfss"):
         out, lse = TB.attention_forward(spec, q, k, v, preds=preds, config=cfg)
         assert TB.last_configs["fwd"]["KERNEL"] == "gluon"
         close(f"out {_name(cfg)}", out, ro, _TOL[dtype])
@@ -93,9 +102,33 @@ def test_gluon_forward_against_reference(TB, case):
         close(name, a, b, _TOL[dtype], True)
 
 
+# DFSS 2:4: the same cases with lengths rounded up to a multiple of 4 (the kernel reads keys as (N/4, 4)
+# groups), still not multiples of the key tile
+DFSS_CASES = [(B, Hq, Hk, -(-Nq // 4) * 4, -(-Nk // 4) * 4, *rest) for B, Hq, Hk, Nq, Nk, *rest in CASES]
+
+
+@pytest.mark.parametrize("ties", [False, True], ids=["random", "ties"])
+@pytest.mark.parametrize("case", DFSS_CASES, ids=lambda c: f"{c[0]}x{c[1]}/{c[2]}x{c[3]}x{c[4]}-D{c[5]}-"
+                         f"{'+'.join(c[6]) or 'full'}-{dtype_name(c[7])}")
+def test_gluon_dfss_forward_against_reference(TB, case, ties):
+    """The 2:4 selection inside the Gluon kernel keeps what the reference keeps; with ``ties`` members 1
+    and 2 of every group hold member 0's key (equal logits: the lower key index wins) and member 3 is
+    a zero key."""
+    from attncomp.policy import DFSS
+
+    spec, q, k, v, go, preds = _inputs(*case, policy=DFSS(2, 4))
+    if ties:
+        k = k.clone()
+        k[:, :, 1::4] = k[:, :, 0::4]
+        k[:, :, 2::4] = k[:, :, 0::4]
+        k[:, :, 3::4] = 0
+    _check_against_reference(TB, spec, q, k, v, go, preds)
+
+
 def test_dense_calls_that_take_it(TB, monkeypatch):
-    """A dense call with enough keys runs the Gluon kernel by default (and gives the template's result);
-    a mask tensor, dropout, a window, DFSS, few keys or ``ATTNCOMP_GLUON=0`` keep the template."""
+    """A dense call with enough keys runs the Gluon kernel by default (and gives the template's result), so
+    does a DFSS 2:4 call at D=128; a mask tensor, dropout, a window, DFSS 1:2, DFSS at D=64, keys not a
+    multiple of 4 (DFSS), few keys or ``ATTNCOMP_GLUON=0`` keep the template."""
     from attncomp.codegen.triton import configs
     from attncomp.policy import get_policy
 
@@ -117,14 +150,29 @@ def test_dense_calls_that_take_it(TB, monkeypatch):
     torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=0)
     monkeypatch.delenv("ATTNCOMP_GLUON")
 
+    # DFSS 2:4 at D=128 takes it too (the template's result); at D=64 (no default configuration), 1:2 and
+    # keys that are not a multiple of 4 do not
+    dfss = AttentionSpec(dtype="bfloat16", causal=True, policy=get_policy("dfss").resolved(torch.bfloat16))
+    _, q3, k3, v3, _, _ = _inputs(1, 4, 2, N, N, 128, ("causal",), torch.bfloat16, seed=1)
+    out, lse = TB.attention_forward(dfss, q3, k3, v3)
+    assert TB.last_configs["fwd"].get("KERNEL") == "gluon" and TB.gluon_skipped["fwd"] is None
+    monkeypatch.setenv("ATTNCOMP_GLUON", "0")
+    ref, ref_lse = TB.attention_forward(dfss, q3, k3, v3)
+    close("dfss out vs template", out, ref, _TOL[torch.bfloat16])
+    torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=0)
+    monkeypatch.delenv("ATTNCOMP_GLUON")
+
     mask = torch.rand(N, N, device="cuda") > 0.2
+    odd = torch.randn(1, 2, N + 2, 128, device="cuda", dtype=k.dtype)
     cases = {"mask tensor": dict(spec=AttentionSpec(dtype="bfloat16", mask_kind="bool"), attn_mask=mask),
              "dropout": dict(spec=spec, dropout_p=0.1),
              "policy 'dfss'": dict(spec=AttentionSpec(dtype="bfloat16", causal=True,
-                                                      policy=get_policy("dfss").resolved(torch.bfloat16))),
+                                                      policy=get_policy("dfss", n=1, m=2))),
+             "a multiple of 4": dict(spec=dfss, q=q3, k=odd, v=odd),
+             "no configuration": dict(spec=dfss),
              "window": dict(spec=AttentionSpec(dtype="bfloat16", causal=True, window_left=128))}
     for why, kw in cases.items():
-        TB.attention_forward(kw.pop("spec"), q, k, v, **kw)
+        TB.attention_forward(kw.pop("spec"), kw.pop("q", q), kw.pop("k", k), kw.pop("v", v), **kw)
         assert "KERNEL" not in TB.last_configs["fwd"], why
         assert why in TB.gluon_skipped["fwd"], (why, TB.gluon_skipped["fwd"])
     short = k[:, :, :N // 2]

@@ -67,13 +67,17 @@ def test_stats_see_spills(tmp_path):
 
 
 def test_gluon_forward_compiles_for_hopper(tmp_path):
-    """The Gluon Hopper forward under each configuration of ``configs.GLUON_FWD`` (D 64/128, causal and not)
-    compiles for sm_90 to warp-group MMAs, within a block's shared memory, without spill stores."""
-    rows, res = _sm90(tmp_path, "--policies", "dense", "--dims", "64,128", "--passes", "fwd", "--first", "1",
+    """The Gluon Hopper forward under each configuration of ``configs.GLUON_FWD`` and ``GLUON_FWD_DFSS``
+    (dense and DFSS 2:4, D 64/128, causal and not) compiles for sm_90 to warp-group MMAs, within a block's
+    shared memory, without spill stores."""
+    rows, res = _sm90(tmp_path, "--policies", "dense,dfss", "--dims", "64,128", "--passes", "fwd", "--first", "1",
                       "--gluon")
     assert res.returncode == 0, res.stdout[-3000:]
     gluon = [r for r in rows if r["config"].startswith("gluon")]
-    assert len(gluon) == 4, rows
+    from attncomp.codegen.triton import configs
+
+    want = ["dense"] * len(configs.GLUON_FWD) + ["dfss"] * len(configs.GLUON_FWD_DFSS)
+    assert sorted(r["policy"] for r in gluon) == want, rows
     for r in gluon:
         assert "error" not in r, r
         assert r["fits"] and r["blocks_per_sm"] >= 1 and r["spill"] == 0 and r["wgmma"] > 0, r

@@ -107,7 +107,7 @@ class Site:
         self.groups = self.Hq // self.Hk
         self.dtype = q.dtype
         self.device = q.device
-        self.scale = spec.scale if spec.scale is not None else 1.0 / math.sqrt(self.D)
+        self.scale = _scale(spec, self.D)
         pol = spec.policy
         self.policy = _POLICIES[pol.name]
         if isinstance(pol, DFSS):
@@ -376,6 +376,11 @@ def _tma_aligned(t: torch.Tensor) -> bool:
             and all((st * size) % 16 == 0 and (st > 0 or n == 1) for st, n in zip(t.stride()[:3], t.shape[:3])))
 
 
+def _scale(spec: AttentionSpec, D: int) -> float:
+    """The spec's softmax scale (``1 / sqrt(D)`` where it gives none)."""
+    return spec.scale if spec.scale is not None else 1.0 / math.sqrt(D)
+
+
 def _st(t, d) -> int:
     return 0 if t.shape[d] == 1 else t.stride(d)
 
@@ -450,14 +455,15 @@ def attention_forward(spec: AttentionSpec, q, k, v, attn_mask=None, dropout_p: f
 
 
 # -- the Gluon Hopper forward -------------------------------------------------------------------
-# Dense sites (no mask tensor, no predicate vectors, no dropout; causal or not) on sm_90 GPUs run
-# :mod:`.hopper`'s kernel: asynchronous warp-group MMAs with the softmax of one key tile overlapping
-# the previous tile's P @ V, which the template cannot express. Everything else runs the template.
+# Dense and DFSS 2:4 sites (no mask tensor, no predicate vectors, no dropout; causal or not) on sm_90
+# GPUs run :mod:`.hopper`'s kernel: asynchronous warp-group MMAs with the softmax of one key tile
+# overlapping the previous tile's P @ V, which the template cannot express. Everything else runs the
+# template.
 
 _GLUON: dict = {}  # device index -> the module, or None where it cannot run
 _GLUON_OFF: dict = {}  # launch keys whose compile failed (this Triton's Gluon) -> why
 _PRED_NAMES = ("q_pos", "k_pos", "q_seg", "k_seg", "q_valid", "k_valid")
-#: why the latest dense forward on a CUDA device did not run the Gluon kernel (None when it did)
+#: why the latest dense or DFSS forward on a CUDA device did not run the Gluon kernel (None when it did)
 gluon_skipped: dict = {}
 
 
@@ -476,48 +482,66 @@ def _gluon_module(device: torch.device):
     return _GLUON[idx]
 
 
+def _gluon_nm24(spec: AttentionSpec, dtype: torch.dtype) -> Optional[bool]:
+    """Whether the Gluon kernel serves the spec's policy as DFSS 2:4 (``True``) or dense (``False``);
+    ``None`` where it does not serve it."""
+    kind = _POLICIES.get(spec.policy.name)
+    if kind == POLICY_DENSE and not getattr(spec.policy, "exclude_self", False):
+        return False
+    if kind == POLICY_DFSS:
+        r = spec.policy.resolved(spec.torch_dtype() or dtype)
+        return True if (r.n, r.m) == (2, 4) else None
+    return None
+
+
 def _gluon_why_not(spec: AttentionSpec, q, k, v, attn_mask, dropout_p, preds, block_pattern, layout,
-                   forced: bool) -> Tuple[Optional[str], bool, int]:
-    """``(why, causal, off)``: why a forward call cannot take the Gluon kernel (``None`` where it can),
-    whether it is causal, and the default position of query 0 when it is (else 0)."""
+                   forced: bool) -> Tuple[Optional[str], bool, int, bool]:
+    """``(why, causal, off, nm24)``: why a forward call cannot take the Gluon kernel (``None`` where it
+    can), whether it is causal, the default position of query 0 when it is (else 0), and whether it is
+    DFSS 2:4 (else dense)."""
     if not q.is_cuda or configs.interpret_mode():
-        return "not a CUDA device", False, 0
-    if _POLICIES.get(spec.policy.name) != POLICY_DENSE or getattr(spec.policy, "exclude_self", False):
-        return f"policy {spec.policy.name!r}", False, 0
+        return "not a CUDA device", False, 0, False
+    nm24 = _gluon_nm24(spec, q.dtype)
+    if nm24 is None:
+        return f"policy {spec.policy.name!r}", False, 0, False
     if not forced and q.dim() == 4 and k.shape[2] < configs.GLUON_MIN_KEYS:
-        return f"{k.shape[2]} keys < {configs.GLUON_MIN_KEYS}", False, 0
+        return f"{k.shape[2]} keys < {configs.GLUON_MIN_KEYS}", False, 0, nm24
     if not configs.gluon_enabled():
-        return "ATTNCOMP_GLUON=0", False, 0
+        return "ATTNCOMP_GLUON=0", False, 0, nm24
     if attn_mask is not None or dropout_p or block_pattern is not None or layout is not None:
-        return "a mask tensor, dropout or a layout", False, 0
+        return "a mask tensor, dropout or a layout", False, 0, nm24
     if preds is not None and any(getattr(preds, n, None) is not None for n in _PRED_NAMES):
-        return "predicate vectors", False, 0
+        return "predicate vectors", False, 0, nm24
     left, right = _bounds(spec)
     if left is not None or right not in (None, 0):
-        return "a window", False, 0
+        return "a window", False, 0, nm24
     if q.dim() != 4 or min(q.shape[:3]) == 0 or k.shape[2] == 0:
-        return "empty", False, 0
+        return "empty", False, 0, nm24
     causal = right == 0
+    if not forced and (q.shape[-1], causal) not in (configs.GLUON_FWD_DFSS if nm24 else configs.GLUON_FWD):
+        # (DFSS at D=64: the template measured as fast)
+        return (f"no configuration for {'DFSS 2:4' if nm24 else 'dense'} at D={q.shape[-1]}"
+                f"{', causal' if causal else ''} (configs.GLUON_FWD{'_DFSS' if nm24 else ''})"), causal, 0, nm24
     off = _pos_off(spec, q.shape[2], k.shape[2]) if causal else 0
     mod = _gluon_module(q.device)
     if mod is None:
-        return _GLUON_OFF.get("import", "not an sm_90 GPU"), causal, off
+        return _GLUON_OFF.get("import", "not an sm_90 GPU"), causal, off, nm24
     if not all(_tma_aligned(t) for t in (q, k, v)):
-        return "a tensor TMA cannot read (16-byte aligned base and strides, unit last stride)", causal, off
-    return mod.applies(q, k, v, off), causal, off
+        return "a tensor TMA cannot read (16-byte aligned base and strides, unit last stride)", causal, off, nm24
+    return mod.applies(q, k, v, off, nm24, _scale(spec, q.shape[-1])), causal, off, nm24
 
 
 def _gluon_forward(spec, q, k, v, attn_mask, dropout_p, preds, block_pattern, layout, config, check):
     """``(out, lse)`` from the Gluon kernel, or ``None`` where the call goes to the template."""
-    why, causal, off = _gluon_why_not(spec, q, k, v, attn_mask, dropout_p, preds, block_pattern, layout,
-                                      config is not None)
+    why, causal, off, nm24 = _gluon_why_not(spec, q, k, v, attn_mask, dropout_p, preds, block_pattern, layout,
+                                            config is not None)
     cfg = None
     if why is None:
-        cfg = config or configs.GLUON_FWD.get((q.shape[-1], causal))
+        cfg = config or (configs.GLUON_FWD_DFSS if nm24 else configs.GLUON_FWD).get((q.shape[-1], causal))
         if cfg is None:
             why = "no configuration"
         elif _GLUON_OFF:  # configurations whose compile failed (only then is the key built)
-            why = _GLUON_OFF.get(tuple(sorted(cfg.items())))
+            why = _GLUON_OFF.get((nm24, *sorted(cfg.items())))
     if q.is_cuda:
         gluon_skipped["fwd"] = why
     if why is not None:
@@ -531,11 +555,10 @@ def _gluon_forward(spec, q, k, v, attn_mask, dropout_p, preds, block_pattern, la
     B, Hq, Nq, D = q.shape
     out = _out_empty(q, D)
     lse = _empty((B, Hq, Nq), torch.float32, q.device)
-    scale = spec.scale if spec.scale is not None else 1.0 / math.sqrt(D)
     try:
-        _gluon_module(q.device).forward(q, k, v, scale, causal, off, out, lse, cfg)
+        _gluon_module(q.device).forward(q, k, v, _scale(spec, D), causal, off, out, lse, cfg, nm24)
     except (CompilationError, OutOfResources) as e:  # this Triton's Gluon: the template runs it
-        _GLUON_OFF[tuple(sorted(cfg.items()))] = gluon_skipped["fwd"] = f"{type(e).__name__}: {str(e)[:200]}"
+        _GLUON_OFF[(nm24, *sorted(cfg.items()))] = gluon_skipped["fwd"] = f"{type(e).__name__}: {str(e)[:200]}"
         if config is not None:
             raise
         return None

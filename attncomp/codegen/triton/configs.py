@@ -146,13 +146,22 @@ GLUON_FWD: Dict[tuple, Config] = {
     (128, False): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, STAGES=3, V_STAGES=3),
     (128, True): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, STAGES=3, V_STAGES=3),
 }
+# DFSS 2:4 through the same kernel (hopper.py, NM; key/value tiles read as one TMA box per member
+# and 128-byte column chunk), at D=128 only: there 64x128w4s2v1 measured 0.75x / 0.80x cuDNN (full /
+# causal, N=16384) against the template's 0.68x / 0.75x; at D=64 the two measured the same (0.69-0.70x),
+# and the template keeps those sites (benchmarks/README.md, "DFSS in the Gluon forward").
+GLUON_FWD_DFSS: Dict[tuple, Config] = {
+    (128, False): dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, STAGES=2, V_STAGES=1),
+    (128, True): dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, STAGES=2, V_STAGES=1),
+}
 # keys per row below which the template's forward runs instead: from 2048 keys up the Gluon kernel
 # measured faster on the H100; at 1024 (D=128) 2.6x slower, before it had the short launch path
 GLUON_MIN_KEYS = 2048
 
 
 def gluon_enabled() -> bool:
-    """Whether dense forwards on sm_90 may run the Gluon kernel (``ATTNCOMP_GLUON=0`` turns it off)."""
+    """Whether dense and DFSS forwards on sm_90 may run the Gluon kernel (``ATTNCOMP_GLUON=0`` turns it
+    off)."""
     return env.get("ATTNCOMP_GLUON", "1") != "0"
 
 

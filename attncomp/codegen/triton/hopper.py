@@ -1,6 +1,6 @@
-"""A Hopper (sm_90) forward for dense and causal attention written in Gluon: TMA rings, asynchronous
-warp-group MMAs, and the softmax of one key tile computed while the tensor cores run the previous
-tile's ``P @ V``.
+"""A Hopper (sm_90) forward for dense and DFSS 2:4 attention, causal or not, written in Gluon: TMA rings,
+asynchronous warp-group MMAs, and the softmax of one key tile computed while the tensor cores run the
+previous tile's ``P @ V``.
 
 The template (:mod:`.template`) is written in Triton's tile language, whose compiler issues each
 ``tl.dot`` and then waits for it: the softmax of a key tile and the matrix products never run at the
@@ -17,8 +17,14 @@ barriers and warp-group MMAs), per query tile of ``BLOCK_M`` rows:
   the diagonal and the last partial tile run the masked loop; the first tile is masked always;
 * the epilogue writes ``O / l`` through TMA (rows past ``N`` clipped) and the natural-log ``lse``.
 
-It computes what the template's forward computes for a site whose policy keeps every entry, with no
-mask tensor, no predicate vectors and no dropout: ``out`` and ``lse`` of DESIGN.md §4. Which sites it
+DFSS 2:4 (``NM``): the selection runs on the logits tile in registers before the softmax. Each key and
+value tile is read as one TMA box per group member (and 128-byte feature chunk) of a ``(B, H, N/4, 4,
+D)`` view, so that column ``r * G + g`` of ``Q K^T`` holds member ``r`` of group ``g`` and the four
+members of a group sit in one thread's registers (the template gets the same from its key order,
+``common._key_order``); ``P @ V`` reads the value rows in the same order.
+
+It computes what the template's forward computes for a site whose policy keeps every entry or is DFSS
+2:4, with no mask tensor, no predicate vectors and no dropout: ``out`` and ``lse`` of DESIGN.md §4. Which sites it
 serves and when it runs is the backend's choice (:func:`applies`, ``configs``).
 
 Gluon kernels have no interpreter: they are compiled and checked on a Hopper GPU
@@ -55,7 +61,37 @@ def _tile_2d(buf, ROWS: gl.constexpr, COLS: gl.constexpr):
 
 
 @gluon.jit
-def _softmax_step(s, m_i, l_i, rows, cols, qk_scale, n_k, off, MASK: gl.constexpr, CAUSAL: gl.constexpr):
+def _kv_tile(buf, slot, ROWS: gl.constexpr, COLS: gl.constexpr, NM: gl.constexpr):
+    """Ring slot ``slot`` of a key or value ring as the ``[ROWS, COLS]`` MMA operand (DFSS: the
+    slot's boxes, placed by :func:`_load_kv`, seen as one tile of the same swizzle)."""
+    if NM:
+        layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, COLS], buf.dtype)
+        slots: gl.constexpr = buf.shape[0] * buf.shape[3] * buf.shape[5] // (ROWS * COLS)
+        return buf._reinterpret(buf.dtype, [slots, ROWS, COLS], layout).index(slot)
+    else:
+        return buf.index(slot).reshape([ROWS, COLS])
+
+
+@gluon.jit
+def _load_kv(desc, b, hk, start, bar, buf, slot, pred, NM: gl.constexpr, HEAD_D: gl.constexpr):
+    """Requests the key or value tile from key ``start`` into ring slot ``slot`` (barrier ``bar``).
+    DFSS (``NM``): boxes of the ``(B, H, N/4, 4, D)`` view, box ``(c, r)`` the ``r``-th member of every
+    group in the tile, features ``[c * DC, (c + 1) * DC)`` (``DC``: one 128-byte swizzle row), placed
+    as the tile's NVMMA layout places them (column chunk, then row): a group's members land in one
+    thread's columns of ``Q K^T``."""
+    if NM:
+        DC: gl.constexpr = desc.block_type.shape[4]
+        for c in gl.static_range(HEAD_D // DC):
+            for r in gl.static_range(4):
+                tma.async_copy_global_to_shared(desc, [b, hk, start // 4, r, c * DC], bar,
+                                                buf.index((slot * (HEAD_D // DC) + c) * 4 + r), pred=pred)
+    else:
+        tma.async_copy_global_to_shared(desc, [b, hk, start, 0], bar, buf.index(slot), pred=pred)
+
+
+@gluon.jit
+def _softmax_step(s, m_i, l_i, rows, cols, qk_scale, n_k, off, MASK: gl.constexpr, CAUSAL: gl.constexpr,
+                  NM: gl.constexpr):
     """Online softmax of one tile of raw logits ``s``: the new running max (log2 units), the rescale
     factor of what was summed before, the probabilities and the new running sum. The scale is folded
     into the exponent (one fused multiply-add per logit before its ``exp2``)."""
@@ -64,19 +100,69 @@ def _softmax_step(s, m_i, l_i, rows, cols, qk_scale, n_k, off, MASK: gl.constexp
         if CAUSAL:
             keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1) + off)
         s = gl.where(keep, s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    if NM:
+        m_new, p, p_sum = _nm24_softmax(s, m_i, qk_scale)
+    else:
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+        p_sum = gl.sum(p, 1)
     alpha = gl.exp2(m_i - m_new)
-    p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
-    l_i = l_i * alpha + gl.sum(p, 1)
+    l_i = l_i * alpha + p_sum
     return m_new, alpha, p, l_i
 
 
 @gluon.jit
+def _nm24_softmax(s, m_i, qk_scale):
+    """``(m_new, p, rowsum(p))`` of the online softmax with DFSS 2:4 on a tile of raw logits whose
+    columns hold keys in :func:`_nm_cols` order (column ``r * G + g``: member ``r`` of the tile's group
+    ``g``, ``G`` groups): the four members of a group sit in one thread's registers, so the selection
+    moves no data. A member is kept (the rule of :func:`.common._keep4`) when at most one member beats
+    it (``j`` beats ``r`` when ``x_j > x_r``, or equal with ``j < r``); the others become ``-inf``
+    before the exponentials. Each keep decision is consumed by the select next to it: boolean tiles
+    kept alive across the tile (the template's fused form, which exponentiates only the kept two)
+    compiled here to predicates moved through registers and ran slower. A group's largest logit is
+    always kept, so the row maximum is taken over the groups' maxima."""
+    BLOCK_M: gl.constexpr = s.shape[0]
+    G: gl.constexpr = s.shape[1] // 4
+    x = gl.reshape(gl.permute(gl.reshape(s, [BLOCK_M, 4, G]), [0, 2, 1]), [BLOCK_M, G, 2, 2])
+    xe0, xe1 = gl.split(x)  # members (0, 2) and (1, 3)
+    x0, x2 = gl.split(xe0)
+    x1, x3 = gl.split(xe1)
+    hi01 = gl.maximum(x0, x1)
+    lo01 = gl.minimum(x0, x1)
+    hi23 = gl.maximum(x2, x3)
+    lo23 = gl.minimum(x2, x3)
+    NEG: gl.constexpr = float("-inf")
+    y0 = gl.where(gl.maximum(lo23, gl.minimum(x1, hi23)) <= x0, x0, NEG)
+    y1 = gl.where(gl.where(x0 >= x1, hi23, lo23) <= x1, x1, NEG)
+    y2 = gl.where(gl.where(x3 > x2, hi01, lo01) < x2, x2, NEG)
+    y3 = gl.where(gl.maximum(lo01, gl.minimum(hi01, x2)) < x3, x3, NEG)
+    m_new = gl.maximum(m_i, gl.convert_layout(gl.max(gl.maximum(hi01, hi23), 1), m_i.type.layout) * qk_scale)
+    y = gl.join(gl.join(y0, y2), gl.join(y1, y3))
+    y = gl.convert_layout(gl.reshape(gl.permute(gl.reshape(y, [BLOCK_M, G, 4]), [0, 2, 1]), [BLOCK_M, 4 * G]),
+                          s.type.layout)
+    p = gl.exp2(y * qk_scale - gl.expand_dims(m_new, 1))
+    p_sum = gl.sum(p, 1)
+    return m_new, p, p_sum
+
+
+@gluon.jit
+def _nm_cols(BLOCK_N: gl.constexpr, layout: gl.constexpr):
+    """The key (within a tile) that each column of a DFSS logits tile holds: column ``r * G + g`` holds
+    key ``4 g + r`` (the four TMA boxes of a key tile, one per member ``r``, each ``G`` groups)."""
+    c = gl.arange(0, BLOCK_N, layout=layout)
+    return 4 * (c % (BLOCK_N // 4)) + c // (BLOCK_N // 4)
+
+
+@gluon.jit
 def _attn_fwd(q_desc, k_desc, v_desc, o_desc, lse_ptr, Hq, groups, n_q, n_k, off, qk_scale,
-              CAUSAL: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr, num_warps: gl.constexpr):
+              CAUSAL: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr, NM: gl.constexpr,
+              num_warps: gl.constexpr):
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
-    BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+    # DFSS (NM): key and value tiles come as boxes of BLOCK_N / 4 keys (see _load_kv)
+    BOXES: gl.constexpr = 4 * (HEAD_D // k_desc.block_type.shape[4]) if NM else 1
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[2] * (4 if NM else 1)
     dtype: gl.constexpr = q_desc.dtype
 
     # the long (causal) query tiles first
@@ -97,8 +183,9 @@ def _attn_fwd(q_desc, k_desc, v_desc, o_desc, lse_ptr, Hq, groups, n_q, n_k, off
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
     q_buf = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
-    k_buf = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
-    v_buf = gl.allocate_shared_memory(dtype, [V_STAGES] + v_desc.block_type.shape, v_desc.layout)
+    # DFSS: four boxes per ring slot, one after the other
+    k_buf = gl.allocate_shared_memory(dtype, [STAGES * BOXES] + k_desc.block_type.shape, k_desc.layout)
+    v_buf = gl.allocate_shared_memory(dtype, [V_STAGES * BOXES] + v_desc.block_type.shape, v_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_bar = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
@@ -117,48 +204,52 @@ def _attn_fwd(q_desc, k_desc, v_desc, o_desc, lse_ptr, Hq, groups, n_q, n_k, off
         n_full = gl.minimum(n_full, (start_m + off + 1) // BLOCK_N)
     n_full = gl.maximum(n_full, 1)
 
-    kv_bytes: gl.constexpr = k_desc.block_type.nbytes
+    kv_bytes: gl.constexpr = k_desc.block_type.nbytes * BOXES
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [b, h, start_m, 0], q_bar, q_buf)
     for i in gl.static_range(STAGES):
         mbarrier.expect(k_bar.index(i), kv_bytes, pred=i < hi)
-        tma.async_copy_global_to_shared(k_desc, [b, hk, i * BLOCK_N, 0], k_bar.index(i), k_buf.index(i), pred=i < hi)
+        _load_kv(k_desc, b, hk, i * BLOCK_N, k_bar.index(i), k_buf, i, i < hi, NM, HEAD_D)
     for i in gl.static_range(V_STAGES):
         mbarrier.expect(v_bar.index(i), kv_bytes, pred=i < hi)
-        tma.async_copy_global_to_shared(v_desc, [b, hk, i * BLOCK_N, 0], v_bar.index(i), v_buf.index(i), pred=i < hi)
+        _load_kv(v_desc, b, hk, i * BLOCK_N, v_bar.index(i), v_buf, i, i < hi, NM, HEAD_D)
 
     rows = start_m + gl.arange(0, BLOCK_M, layout=row_s)
-    cols0 = gl.arange(0, BLOCK_N, layout=col_s)
+    if NM:
+        cols0 = _nm_cols(BLOCK_N, col_s)
+    else:
+        cols0 = gl.arange(0, BLOCK_N, layout=col_s)
     q = _tile_2d(q_buf, BLOCK_M, HEAD_D)
 
     # tile 0, masked
     mbarrier.wait(q_bar, 0)
     mbarrier.wait(k_bar.index(0), 0)
-    s = warpgroup_mma(q, _tile_2d(k_buf.index(0), BLOCK_N, HEAD_D).permute((1, 0)),
+    s = warpgroup_mma(q, _kv_tile(k_buf, 0, BLOCK_N, HEAD_D, NM).permute((1, 0)),
                       gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
     l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
-    m_i, alpha, p, l_i = _softmax_step(s, m_i, l_i, rows, cols0, qk_scale, n_k, off, True, CAUSAL)
+    m_i, alpha, p, l_i = _softmax_step(s, m_i, l_i, rows, cols0, qk_scale, n_k, off, True, CAUSAL, NM)
     p_cur = gl.convert_layout(p.to(dtype), p_layout)
     o = gl.zeros([BLOCK_M, HEAD_D], gl.float32, o_layout)
     refill = STAGES < hi
     mbarrier.expect(k_bar.index(0), kv_bytes, pred=refill)
-    tma.async_copy_global_to_shared(k_desc, [b, hk, STAGES * BLOCK_N, 0], k_bar.index(0), k_buf.index(0),
-                                    pred=refill)
+    _load_kv(k_desc, b, hk, STAGES * BLOCK_N, k_bar.index(0), k_buf, 0, refill, NM, HEAD_D)
 
     for j in range(1, n_full):
         m_i, l_i, o, p_cur = _kv_step(j, q, k_buf, v_buf, k_bar, v_bar, k_desc, v_desc, m_i, l_i, o, p_cur,
                                       rows, cols0 + j * BLOCK_N, b, hk, hi, qk_scale, n_k, off,
-                                      False, CAUSAL, STAGES, V_STAGES, BLOCK_M, BLOCK_N, HEAD_D, s_layout, row_o, p_layout)
+                                      False, CAUSAL, NM, STAGES, V_STAGES, BLOCK_M, BLOCK_N, HEAD_D, s_layout, row_o,
+                                      p_layout)
     for j in range(n_full, hi):
         m_i, l_i, o, p_cur = _kv_step(j, q, k_buf, v_buf, k_bar, v_bar, k_desc, v_desc, m_i, l_i, o, p_cur,
                                       rows, cols0 + j * BLOCK_N, b, hk, hi, qk_scale, n_k, off,
-                                      True, CAUSAL, STAGES, V_STAGES, BLOCK_M, BLOCK_N, HEAD_D, s_layout, row_o, p_layout)
+                                      True, CAUSAL, NM, STAGES, V_STAGES, BLOCK_M, BLOCK_N, HEAD_D, s_layout, row_o,
+                                      p_layout)
 
     # the last tile's P @ V
     last = hi - 1
     mbarrier.wait(v_bar.index(last % V_STAGES), (last // V_STAGES) & 1)
-    o = warpgroup_mma(p_cur, _tile_2d(v_buf.index(last % V_STAGES), BLOCK_N, HEAD_D), o)
+    o = warpgroup_mma(p_cur, _kv_tile(v_buf, last % V_STAGES, BLOCK_N, HEAD_D, NM), o)
 
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(k_bar.index(i))
@@ -178,7 +269,7 @@ def _attn_fwd(q_desc, k_desc, v_desc, o_desc, lse_ptr, Hq, groups, n_q, n_k, off
 
 @gluon.jit
 def _kv_step(j, q, k_buf, v_buf, k_bar, v_bar, k_desc, v_desc, m_i, l_i, o, p_cur, rows, cols, b, hk, hi,
-             qk_scale, n_k, off, MASK: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+             qk_scale, n_k, off, MASK: gl.constexpr, CAUSAL: gl.constexpr, NM: gl.constexpr, STAGES: gl.constexpr,
              V_STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, s_layout: gl.constexpr, row_o: gl.constexpr,
              p_layout: gl.constexpr):
     """Key tile ``j``: ``S_j = Q K_j^T`` and ``O += P_{j-1} V_{j-1}`` issued together, the softmax of
@@ -186,32 +277,32 @@ def _kv_step(j, q, k_buf, v_buf, k_bar, v_bar, k_desc, v_desc, m_i, l_i, o, p_cu
     sk = j % STAGES
     sv = (j - 1) % V_STAGES
     mbarrier.wait(k_bar.index(sk), (j // STAGES) & 1)
-    s_tok = warpgroup_mma(q, _tile_2d(k_buf.index(sk), BLOCK_N, HEAD_D).permute((1, 0)),
+    s_tok = warpgroup_mma(q, _kv_tile(k_buf, sk, BLOCK_N, HEAD_D, NM).permute((1, 0)),
                           gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
     mbarrier.wait(v_bar.index(sv), ((j - 1) // V_STAGES) & 1)
-    o_tok = warpgroup_mma(p_cur, _tile_2d(v_buf.index(sv), BLOCK_N, HEAD_D), o, is_async=True)
+    o_tok = warpgroup_mma(p_cur, _kv_tile(v_buf, sv, BLOCK_N, HEAD_D, NM), o, is_async=True)
     s = warpgroup_mma_wait(1, deps=(s_tok, ))
     # K_j is read: its slot takes key tile j + STAGES
     nxt = j + STAGES
-    kv_bytes: gl.constexpr = k_desc.block_type.nbytes
+    kv_bytes: gl.constexpr = k_desc.block_type.nbytes * (4 * (HEAD_D // k_desc.block_type.shape[4]) if NM else 1)
     mbarrier.expect(k_bar.index(sk), kv_bytes, pred=nxt < hi)
-    tma.async_copy_global_to_shared(k_desc, [b, hk, nxt * BLOCK_N, 0], k_bar.index(sk), k_buf.index(sk),
-                                    pred=nxt < hi)
-    m_i, alpha, p, l_i = _softmax_step(s, m_i, l_i, rows, cols, qk_scale, n_k, off, MASK, CAUSAL)
+    _load_kv(k_desc, b, hk, nxt * BLOCK_N, k_bar.index(sk), k_buf, sk, nxt < hi, NM, HEAD_D)
+    m_i, alpha, p, l_i = _softmax_step(s, m_i, l_i, rows, cols, qk_scale, n_k, off, MASK, CAUSAL, NM)
     o, p_cur = warpgroup_mma_wait(0, deps=(o_tok, p_cur))
     # V_{j-1} is read: its slot takes value tile j - 1 + V_STAGES
     nv = j - 1 + V_STAGES
     mbarrier.expect(v_bar.index(sv), kv_bytes, pred=nv < hi)
-    tma.async_copy_global_to_shared(v_desc, [b, hk, nv * BLOCK_N, 0], v_bar.index(sv), v_buf.index(sv),
-                                    pred=nv < hi)
+    _load_kv(v_desc, b, hk, nv * BLOCK_N, v_bar.index(sv), v_buf, sv, nv < hi, NM, HEAD_D)
     o = o * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
     p_cur = gl.convert_layout(p.to(p_cur.dtype), p_layout)
     return m_i, l_i, o, p_cur
 
 
-def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos_off: int) -> Optional[str]:
-    """Why the kernel cannot run these inputs, or ``None`` where it can. Whether TMA can read the
-    tensors (alignment, strides) is the caller's check (``backend._tma_aligned``)."""
+def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos_off: int, nm24: bool = False,
+            scale: float = 1.0) -> Optional[str]:
+    """Why the kernel cannot run these inputs (DFSS 2:4 with ``nm24``), or ``None`` where it can.
+    Whether TMA can read the tensors (alignment, strides) is the caller's check
+    (``backend._tma_aligned``)."""
     if q.dtype not in _GL_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         return f"dtype {q.dtype} (float16 or bfloat16)"
     if q.shape[-1] not in HEAD_DIMS or k.shape[-1] != q.shape[-1] or v.shape[-1] != q.shape[-1]:
@@ -220,24 +311,36 @@ def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos_off: int) -> 
         return "causal with more queries than keys"
     if q.shape[1] % k.shape[1]:
         return "query heads not a multiple of key heads"
+    if nm24 and k.shape[2] % 4:
+        return f"DFSS with {k.shape[2]} keys (a multiple of 4: groups read as a (N/4, 4) view)"
+    if nm24 and not scale > 0:  # the selection ranks the raw logits
+        return f"DFSS with scale {scale} (> 0)"
     return None
 
 
 _LAYOUTS: dict = {}
 
 
-def _desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
-    """A TMA descriptor of a ``(B, H, N, D)`` tensor in ``[1, 1, rows, D]`` blocks, built without the
-    constructor's checks, which cost more host time than the launch: the caller checked the tensor
-    (``backend._tma_aligned``); the first descriptor of each block shape and dtype is built checked."""
-    block = (rows, t.shape[-1], t.dtype)
-    layout = _LAYOUTS.get(block)
+def _desc(t: torch.Tensor, rows: int, groups: bool = False) -> TensorDescriptor:
+    """A TMA descriptor of a ``(B, H, N, D)`` tensor in ``[1, 1, rows, D]`` blocks, or with ``groups``
+    of its ``(B, H, N/4, 4, D)`` view (``N`` a multiple of 4) in ``[1, 1, rows / 4, 1, D]`` blocks (one
+    member of ``rows / 4`` groups of four keys), built without the constructor's checks, which cost
+    more host time than the launch: the caller checked the tensor (``backend._tma_aligned``); the
+    first descriptor of each block shape and dtype is built checked."""
+    B, H, N, D = t.shape
+    sb, sh, sn, sd = t.stride()
+    if groups:  # boxes one 128-byte swizzle row wide (hopper._load_kv)
+        dc = min(D, 128 // t.element_size())
+        shape, strides, block = [B, H, N // 4, 4, D], [sb, sh, 4 * sn, sn, sd], [1, 1, rows // 4, 1, dc]
+    else:
+        shape, strides, block = [B, H, N, D], [sb, sh, sn, sd], [1, 1, rows, D]
+    key = (tuple(block), t.dtype)
+    layout = _LAYOUTS.get(key)
     if layout is None:
-        layout = _LAYOUTS[block] = gl.NVMMASharedLayout.get_default_for([1, 1, rows, t.shape[-1]], _GL_DTYPES[t.dtype])
-        TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, t.shape[-1]], layout)  # checked once
+        layout = _LAYOUTS[key] = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[t.dtype])
+        TensorDescriptor(t, shape, strides, block, layout)  # checked once
     d = object.__new__(TensorDescriptor)
-    d.base, d.shape, d.strides, d.block_shape, d.layout, d.padding = (
-        t, list(t.shape), list(t.stride()), [1, 1, rows, t.shape[-1]], layout, "zero")
+    d.base, d.shape, d.strides, d.block_shape, d.layout, d.padding = t, shape, strides, block, layout, "zero"
     return d
 
 
@@ -245,14 +348,15 @@ _kernel = FastLaunch(_attn_fwd)
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, pos_off: int,
-            out: torch.Tensor, lse: torch.Tensor, cfg: dict) -> None:
+            out: torch.Tensor, lse: torch.Tensor, cfg: dict, nm24: bool = False) -> None:
     """Writes ``out`` (``(B, Hq, Nq, D)``, any TMA-readable strides) and ``lse`` (``(B, Hq, Nq)``
-    float32, contiguous) of dense attention, causal with query ``i`` at position ``i + pos_off``, under
-    the launch configuration ``cfg`` (``configs.GLUON_FWD``'s keys)."""
+    float32, contiguous) of dense attention, or of DFSS 2:4 with ``nm24`` (:func:`applies` says when),
+    causal with query ``i`` at position ``i + pos_off``, under the launch configuration ``cfg``
+    (``configs.GLUON_FWD``'s keys)."""
     B, Hq, Nq, D = q.shape
     Hk, Nk = k.shape[1], k.shape[2]
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     grid = (triton.cdiv(Nq, bm), B * Hq)
-    _kernel[grid](_desc(q, bm), _desc(k, bn), _desc(v, bn), _desc(out, bm), lse, Hq, Hq // Hk, Nq, Nk,
+    _kernel[grid](_desc(q, bm), _desc(k, bn, nm24), _desc(v, bn, nm24), _desc(out, bm), lse, Hq, Hq // Hk, Nq, Nk,
                   pos_off, scale * LOG2E, CAUSAL=causal, STAGES=cfg["STAGES"],
-                  V_STAGES=cfg.get("V_STAGES", cfg["STAGES"]), num_warps=cfg["num_warps"])
+                  V_STAGES=cfg.get("V_STAGES", cfg["STAGES"]), NM=nm24, num_warps=cfg["num_warps"])
