@@ -1,6 +1,7 @@
 """The Gluon Hopper forward (``attncomp/codegen/triton/hopper.py``) checked and timed in one run, against
-SDPA's cuDNN kernel and the template's forward (this GPU's default configuration), per head dim, mask and
-configuration (tile sizes, warps, ring depth).
+SDPA's cuDNN kernel (dense, for both policies) and the template's forward (this GPU's default
+configuration), per policy (dense, DFSS 2:4), head dim, mask and configuration (tile sizes, warps, ring
+depth). DFSS rows give the dense-equivalent TFLOP/s (the dense forward's FLOPs over the time).
 
 First a correctness pass (odd ``N``, GQA, causal, heads-inner output, float16 and bfloat16) against
 ``attncomp.codegen.reference`` in float32 on the same inputs, then the timings; the table is printed
@@ -10,11 +11,13 @@ a dense call runs by default, the Gluon kernel under its default configuration f
 
     python benchmarks/gluon_fwd.py                        # D 64/128, causal and not, N=16384
     python benchmarks/gluon_fwd.py --ns 4096,16384 --dims 128
+    python benchmarks/gluon_fwd.py --policies dfss --variants-at 0
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -49,20 +52,25 @@ def check(variants, args) -> list:
     from attncomp.codegen import reference as R
     from attncomp.codegen.triton import hopper
     from attncomp.ops import output_strides
+    from attncomp.policy import DFSS
     from attncomp.spec import AttentionSpec
 
     out = []
-    for B, Hq, Hk, N, D, causal, dt in CASES:
+    for (B, Hq, Hk, N, D, causal, dt), policy in ((c, p) for p in args.policies for c in CASES):
+        nm24 = policy == "dfss"
+        if nm24 and N % 4:
+            N += 4 - N % 4  # the Gluon DFSS forward reads keys as (N/4, 4) groups
         dtype = getattr(torch, dt)
         q = torch.randn(B, Hq, N, D, device="cuda", dtype=dtype)
         k = torch.randn(B, Hk, N, D, device="cuda", dtype=dtype)
         v = torch.randn(B, Hk, N, D, device="cuda", dtype=dtype)
-        ro, rl = R.attention(q.float(), k.float(), v.float(), None, spec=AttentionSpec(causal=causal))
+        spec = AttentionSpec(causal=causal, policy=DFSS(2, 4) if nm24 else None)
+        ro, rl = R.attention(q.float(), k.float(), v.float(), None, spec=spec)
         for var in variants[D]:
             o = torch.empty_strided((B, Hq, N, D), output_strides(B, Hq, N, D), device="cuda", dtype=dtype)
             o.fill_(float("nan"))
             lse = torch.full((B, Hq, N), float("nan"), device="cuda")
-            hopper.forward(q, k, v, D ** -0.5, causal, 0, o, lse, _cfg(var))
+            hopper.forward(q, k, v, D ** -0.5, causal, 0, o, lse, _cfg(var), nm24)
             torch.cuda.synchronize()
             err_o = (o.float() - ro).abs().max().item()
             err_l = (lse - rl).abs().max().item()
@@ -70,12 +78,13 @@ def check(variants, args) -> list:
             same = True
             for _ in range(args.repeat):
                 o2, lse2 = torch.full_like(o, float("nan")), torch.full_like(lse, float("nan"))
-                hopper.forward(q, k, v, D ** -0.5, causal, 0, o2, lse2, _cfg(var))
+                hopper.forward(q, k, v, D ** -0.5, causal, 0, o2, lse2, _cfg(var), nm24)
                 same = same and torch.equal(o2, o) and torch.equal(lse2, lse)
             ok = err_o < 2e-2 and err_l < 1e-3 and same
-            out.append(dict(case=[B, Hq, Hk, N, D, causal, dt], variant=_name(var), err_out=err_o, err_lse=err_l,
-                            ok=ok))
-            print(f"check {B}x{Hq}/{Hk}x{N}x{D} causal={causal} {dt} {_name(var)}: out {err_o:.2e} lse {err_l:.2e}"
+            out.append(dict(policy=policy, case=[B, Hq, Hk, N, D, causal, dt], variant=_name(var), err_out=err_o,
+                            err_lse=err_l, ok=ok))
+            print(f"check {policy} {B}x{Hq}/{Hk}x{N}x{D} causal={causal} {dt} {_name(var)}: out {err_o:.2e} "
+                  f"lse {err_l:.2e}"
                   f"{'' if same else ' (repeats differ)'} {'ok' if ok else 'FAIL'}", flush=True)
     return out
 
@@ -89,44 +98,42 @@ def run(args) -> list:
 
     ceiling = gemm_tflops(False)
     rows, ran = [], []
-    for D in args.dims:
-        for N in args.ns:
-            for causal in args.causal:
-                q, k, v, _ = make_inputs(args.B, args.H, N, D, torch.bfloat16, "cuda")
-                spec = make_spec("dense", causal, q.dtype)
-                fl = flops(args.B, args.H, N, D, causal, "fwd")
-                base = bench_ms(sdpa_fn(causal, q, k, v, None, "fwd", "cudnn"), False)
-                os.environ["ATTNCOMP_GLUON"] = "0"
-                try:
-                    timed = [("cudnn", base), ("template", bench_ms(attncomp_fn("dense", causal, q, k, v, None,
+    for policy, D, N, causal in itertools.product(args.policies, args.dims, args.ns, args.causal):
+        q, k, v, _ = make_inputs(args.B, args.H, N, D, torch.bfloat16, "cuda")
+        spec = make_spec(policy, causal, q.dtype)
+        fl = flops(args.B, args.H, N, D, causal, "fwd")
+        base = bench_ms(sdpa_fn(causal, q, k, v, None, "fwd", "cudnn"), False)
+        os.environ["ATTNCOMP_GLUON"] = "0"
+        try:
+            timed = [("cudnn (dense)", base), ("template", bench_ms(attncomp_fn(policy, causal, q, k, v, None,
                                                                                 "fwd"), False))]
-                finally:
-                    del os.environ["ATTNCOMP_GLUON"]
-                timed.append(("attncomp default", bench_ms(attncomp_fn("dense", causal, q, k, v, None, "fwd"),
-                                                           False)))
-                ran.append(f"D={D} N={N} causal={int(causal)}: {config_name(TB.last_configs['fwd'])}")
-                default = configs.GLUON_FWD[(D, causal)]
-                variants = VARIANTS[D] if N in args.variants_at else []
-                cfgs = [dict(default, KERNEL="gluon")] + [dict(_cfg(x), KERNEL="gluon") for x in variants
-                                                           if _cfg(x) != default]
-                for cfg in cfgs:
-                    name = _name(tuple(cfg[k] for k in ("BLOCK_M", "BLOCK_N", "num_warps", "STAGES", "V_STAGES")))
-                    try:  # through the backend's host path, as a model's call runs it
-                        ms = bench_ms(lambda: TB.attention_forward(spec, q, k, v, config=cfg), False)
-                    except Exception as e:  # a configuration that does not fit is reported, the others go on
-                        print(f"{name} D={D}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-                        continue
-                    timed.append((name + (" (default)" if cfg is cfgs[0] else ""), ms))
-                # the default again, after the others: how far the GPU drifted within the row
-                timed.append(("attncomp default, again", bench_ms(attncomp_fn("dense", causal, q, k, v, None, "fwd"),
-                                                                  False)))
-                for name, ms in timed:
-                    tf = fl / (ms * 1e-3) / 1e12
-                    rows.append(dict(D=D, N=N, causal=causal, B=args.B, H=args.H, variant=name, ms=ms,
-                                     vs_cudnn=base / ms, tflops=tf, of_gemm=tf / ceiling if ceiling else None))
-                    print(f"D={D} N={N} causal={int(causal)} {name}: {ms:.3f} ms, {base / ms:.2f}x cuDNN, "
-                          f"{tf:.0f} TFLOP/s", flush=True)
-    print("what a dense call ran by default:", *ran, sep="\n  ")
+        finally:
+            del os.environ["ATTNCOMP_GLUON"]
+        timed.append(("attncomp default", bench_ms(attncomp_fn(policy, causal, q, k, v, None, "fwd"),
+                                                   False)))
+        ran.append(f"{policy} D={D} N={N} causal={int(causal)}: {config_name(TB.last_configs['fwd'])}")
+        default = (configs.GLUON_FWD_DFSS if policy == "dfss" else configs.GLUON_FWD)[(D, causal)]
+        variants = VARIANTS[D] if N in args.variants_at else []
+        cfgs = [dict(default, KERNEL="gluon")] + [dict(_cfg(x), KERNEL="gluon") for x in variants
+                                                   if _cfg(x) != default]
+        for cfg in cfgs:
+            name = _name(tuple(cfg[k] for k in ("BLOCK_M", "BLOCK_N", "num_warps", "STAGES", "V_STAGES")))
+            try:  # through the backend's host path, as a model's call runs it
+                ms = bench_ms(lambda: TB.attention_forward(spec, q, k, v, config=cfg), False)
+            except Exception as e:  # a configuration that does not fit is reported, the others go on
+                print(f"{name} D={D}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                continue
+            timed.append((name + (" (default)" if cfg is cfgs[0] else ""), ms))
+        # the default again, after the others: how far the GPU drifted within the row
+        timed.append(("attncomp default, again", bench_ms(attncomp_fn(policy, causal, q, k, v, None, "fwd"),
+                                                          False)))
+        for name, ms in timed:
+            tf = fl / (ms * 1e-3) / 1e12
+            rows.append(dict(policy=policy, D=D, N=N, causal=causal, B=args.B, H=args.H, variant=name, ms=ms,
+                             vs_cudnn=base / ms, tflops=tf, of_gemm=tf / ceiling if ceiling else None))
+            print(f"{policy} D={D} N={N} causal={int(causal)} {name}: {ms:.3f} ms, {base / ms:.2f}x cuDNN, "
+                  f"{tf:.0f} TFLOP/s", flush=True)
+    print("what a call ran by default:", *ran, sep="\n  ")
     return rows, ceiling
 
 
@@ -134,6 +141,7 @@ def main(argv=None) -> int:
     import torch
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--policies", default="dense,dfss")
     ap.add_argument("--dims", default="64,128")
     ap.add_argument("--ns", default="16384")
     ap.add_argument("--variants-at", default="16384", help="lengths at which every configuration is timed "
@@ -145,9 +153,10 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=10, help="launches per checked configuration compared bit for bit")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    args.policies = args.policies.split(",")
     args.dims = [int(x) for x in args.dims.split(",")]
     args.ns = [int(x) for x in args.ns.split(",")]
-    args.variants_at = [int(x) for x in args.variants_at.split(",")]
+    args.variants_at = [int(x) for x in args.variants_at.split(",") if x]
     args.causal = [bool(int(x)) for x in args.causal.split(",")]
     checks = [] if args.no_check else check(VARIANTS, args)
     rows, ceiling = run(args)
@@ -158,9 +167,10 @@ def main(argv=None) -> int:
             json.dump(dict(gpu=gpu, torch=torch.__version__, gemm_tflops=ceiling, checks=checks, rows=rows), fh,
                       indent=1)
     print(f"\n{gpu}, B={args.B} H={args.H}, bf16; GEMM ceiling {ceiling:.0f} TFLOP/s")
-    print(f"{'D':>4} {'N':>6} {'causal':>6} {'variant':<34} {'ms':>8} {'x cuDNN':>8} {'TFLOP/s':>8} {'of GEMM':>8}")
+    print(f"{'policy':<6} {'D':>4} {'N':>6} {'causal':>6} {'variant':<34} {'ms':>8} {'x cuDNN':>8} {'TFLOP/s':>8} "
+          f"{'of GEMM':>8}")
     for r in rows:
-        print(f"{r['D']:>4} {r['N']:>6} {int(r['causal']):>6} {r['variant']:<34} {r['ms']:>8.3f} "
+        print(f"{r['policy']:<6} {r['D']:>4} {r['N']:>6} {int(r['causal']):>6} {r['variant']:<34} {r['ms']:>8.3f} "
               f"{r['vs_cudnn']:>8.2f} {r['tflops']:>8.0f} {r['of_gemm']:>8.2f}")
     bad = [c for c in checks if not c["ok"]]
     if bad:
