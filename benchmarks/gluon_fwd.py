@@ -52,7 +52,7 @@ def check(variants, args) -> list:
     from attncomp.codegen import reference as R
     from attncomp.codegen.triton import hopper
     from attncomp.ops import output_strides
-    from attncomp.policy import DFSS
+    from attncomp.policy import DFSS, Dense
     from attncomp.spec import AttentionSpec
 
     out = []
@@ -64,7 +64,7 @@ def check(variants, args) -> list:
         q = torch.randn(B, Hq, N, D, device="cuda", dtype=dtype)
         k = torch.randn(B, Hk, N, D, device="cuda", dtype=dtype)
         v = torch.randn(B, Hk, N, D, device="cuda", dtype=dtype)
-        spec = AttentionSpec(causal=causal, policy=DFSS(2, 4) if nm24 else None)
+        spec = AttentionSpec(causal=causal, policy=DFSS(2, 4) if nm24 else Dense())
         ro, rl = R.attention(q.float(), k.float(), v.float(), None, spec=spec)
         for var in variants[D]:
             o = torch.empty_strided((B, Hq, N, D), output_strides(B, Hq, N, D), device="cuda", dtype=dtype)
@@ -112,10 +112,10 @@ def run(args) -> list:
         timed.append(("attncomp default", bench_ms(attncomp_fn(policy, causal, q, k, v, None, "fwd"),
                                                    False)))
         ran.append(f"{policy} D={D} N={N} causal={int(causal)}: {config_name(TB.last_configs['fwd'])}")
-        default = (configs.GLUON_FWD_DFSS if policy == "dfss" else configs.GLUON_FWD)[(D, causal)]
+        default = configs.gluon_config(D, causal, policy == "dfss")  # None: the template's sites (DFSS, D=64)
         variants = VARIANTS[D] if N in args.variants_at else []
-        cfgs = [dict(default, KERNEL="gluon")] + [dict(_cfg(x), KERNEL="gluon") for x in variants
-                                                   if _cfg(x) != default]
+        cfgs = ([dict(default, KERNEL="gluon")] if default else []) + [
+            dict(_cfg(x), KERNEL="gluon") for x in variants if _cfg(x) != default]
         for cfg in cfgs:
             name = _name(tuple(cfg[k] for k in ("BLOCK_M", "BLOCK_N", "num_warps", "STAGES", "V_STAGES")))
             try:  # through the backend's host path, as a model's call runs it
@@ -123,7 +123,7 @@ def run(args) -> list:
             except Exception as e:  # a configuration that does not fit is reported, the others go on
                 print(f"{name} D={D}: {type(e).__name__}: {str(e)[:200]}", flush=True)
                 continue
-            timed.append((name + (" (default)" if cfg is cfgs[0] else ""), ms))
+            timed.append((name + (" (default)" if default and cfg is cfgs[0] else ""), ms))
         # the default again, after the others: how far the GPU drifted within the row
         timed.append(("attncomp default, again", bench_ms(attncomp_fn(policy, causal, q, k, v, None, "fwd"),
                                                           False)))

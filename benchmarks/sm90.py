@@ -178,8 +178,8 @@ def run(args) -> List[Dict]:
                     D, D, torch.bfloat16, nm, gpu=args.gpu)
                 cands = cands[:args.first] if args.first > 0 else cands
                 for causal in (False, True):
-                    table = {"dense": configs.GLUON_FWD, "dfss": configs.GLUON_FWD_DFSS}.get(policy, {})
-                    gluon = table.get((D, causal)) if args.gluon and passes == "fwd" else None
+                    gluon = (configs.gluon_config(D, causal, policy == "dfss")
+                             if args.gluon and passes == "fwd" and policy in ("dense", "dfss") else None)
                     for cfg in cands + ([dict(gluon, KERNEL="gluon")] if gluon else []):
                         try:
                             got = compile_config(policy, causal, D, passes, cfg)

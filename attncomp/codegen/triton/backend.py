@@ -518,7 +518,7 @@ def _gluon_why_not(spec: AttentionSpec, q, k, v, attn_mask, dropout_p, preds, bl
     if q.dim() != 4 or min(q.shape[:3]) == 0 or k.shape[2] == 0:
         return "empty", False, 0, nm24
     causal = right == 0
-    if not forced and (q.shape[-1], causal) not in (configs.GLUON_FWD_DFSS if nm24 else configs.GLUON_FWD):
+    if not forced and configs.gluon_config(q.shape[-1], causal, nm24) is None:
         # (DFSS at D=64: the template measured as fast)
         return (f"no configuration for {'DFSS 2:4' if nm24 else 'dense'} at D={q.shape[-1]}"
                 f"{', causal' if causal else ''} (configs.GLUON_FWD{'_DFSS' if nm24 else ''})"), causal, 0, nm24
@@ -536,11 +536,9 @@ def _gluon_forward(spec, q, k, v, attn_mask, dropout_p, preds, block_pattern, la
     why, causal, off, nm24 = _gluon_why_not(spec, q, k, v, attn_mask, dropout_p, preds, block_pattern, layout,
                                             config is not None)
     cfg = None
-    if why is None:
-        cfg = config or (configs.GLUON_FWD_DFSS if nm24 else configs.GLUON_FWD).get((q.shape[-1], causal))
-        if cfg is None:
-            why = "no configuration"
-        elif _GLUON_OFF:  # configurations whose compile failed (only then is the key built)
+    if why is None:  # (without a config, _gluon_why_not checked that a default exists)
+        cfg = config or configs.gluon_config(q.shape[-1], causal, nm24)
+        if _GLUON_OFF:  # configurations whose compile failed (only then is the key built)
             why = _GLUON_OFF.get((nm24, *sorted(cfg.items())))
     if q.is_cuda:
         gluon_skipped["fwd"] = why

@@ -147,9 +147,10 @@ GLUON_FWD: Dict[tuple, Config] = {
     (128, True): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, STAGES=3, V_STAGES=3),
 }
 # DFSS 2:4 through the same kernel (hopper.py, NM; key/value tiles read as one TMA box per member
-# and 128-byte column chunk), at D=128 only: there 64x128w4s2v1 measured 0.75x / 0.80x cuDNN (full /
-# causal, N=16384) against the template's 0.68x / 0.75x; at D=64 the two measured the same (0.69-0.70x),
-# and the template keeps those sites (benchmarks/README.md, "DFSS in the Gluon forward").
+# and 128-byte column chunk), at D=128 only: there 64x128w4s2v1 measured 0.70-0.78x / 0.73-0.81x cuDNN
+# (full / causal, N=16384, three calls) against the template's 0.67-0.70x / 0.74-0.75x; at D=64 the two
+# measured the same (0.69-0.70x), and the template keeps those sites (benchmarks/README.md, "DFSS in the
+# Gluon forward").
 GLUON_FWD_DFSS: Dict[tuple, Config] = {
     (128, False): dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, STAGES=2, V_STAGES=1),
     (128, True): dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, STAGES=2, V_STAGES=1),
@@ -157,6 +158,12 @@ GLUON_FWD_DFSS: Dict[tuple, Config] = {
 # keys per row below which the template's forward runs instead: from 2048 keys up the Gluon kernel
 # measured faster on the H100; at 1024 (D=128) 2.6x slower, before it had the short launch path
 GLUON_MIN_KEYS = 2048
+
+
+def gluon_config(D: int, causal: bool, nm24: bool) -> Optional[Config]:
+    """The Gluon forward's default configuration for a dense (or, with ``nm24``, DFSS 2:4) site of head
+    dim ``D``, or ``None`` where the template keeps such sites."""
+    return (GLUON_FWD_DFSS if nm24 else GLUON_FWD).get((D, causal))
 
 
 def gluon_enabled() -> bool:

@@ -44,7 +44,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .common import LOG2E
+from .common import LOG2E, _join4, _keep4, _split4
 from .launch import FastLaunch
 
 __all__ = ["applies", "forward", "HEAD_DIMS"]
@@ -116,31 +116,26 @@ def _nm24_softmax(s, m_i, qk_scale):
     """``(m_new, p, rowsum(p))`` of the online softmax with DFSS 2:4 on a tile of raw logits whose
     columns hold keys in :func:`_nm_cols` order (column ``r * G + g``: member ``r`` of the tile's group
     ``g``, ``G`` groups): the four members of a group sit in one thread's registers, so the selection
-    moves no data. A member is kept (the rule of :func:`.common._keep4`) when at most one member beats
-    it (``j`` beats ``r`` when ``x_j > x_r``, or equal with ``j < r``); the others become ``-inf``
+    moves no data (the template's :func:`.common._split4`, :func:`.common._keep4` and
+    :func:`.common._join4` on the ``(BLOCK_M, G, 4)`` view). A member is kept when at most one member
+    beats it (``j`` beats ``r`` when ``x_j > x_r``, or equal with ``j < r``); the others become ``-inf``
     before the exponentials. Each keep decision is consumed by the select next to it: boolean tiles
     kept alive across the tile (the template's fused form, which exponentiates only the kept two)
     compiled here to predicates moved through registers and ran slower. A group's largest logit is
     always kept, so the row maximum is taken over the groups' maxima."""
     BLOCK_M: gl.constexpr = s.shape[0]
     G: gl.constexpr = s.shape[1] // 4
-    x = gl.reshape(gl.permute(gl.reshape(s, [BLOCK_M, 4, G]), [0, 2, 1]), [BLOCK_M, G, 2, 2])
-    xe0, xe1 = gl.split(x)  # members (0, 2) and (1, 3)
-    x0, x2 = gl.split(xe0)
-    x1, x3 = gl.split(xe1)
-    hi01 = gl.maximum(x0, x1)
-    lo01 = gl.minimum(x0, x1)
-    hi23 = gl.maximum(x2, x3)
-    lo23 = gl.minimum(x2, x3)
+    x0, x1, x2, x3 = _split4(gl.permute(gl.reshape(s, [BLOCK_M, 4, G]), [0, 2, 1]), BLOCK_M, G)
     NEG: gl.constexpr = float("-inf")
-    y0 = gl.where(gl.maximum(lo23, gl.minimum(x1, hi23)) <= x0, x0, NEG)
-    y1 = gl.where(gl.where(x0 >= x1, hi23, lo23) <= x1, x1, NEG)
-    y2 = gl.where(gl.where(x3 > x2, hi01, lo01) < x2, x2, NEG)
-    y3 = gl.where(gl.maximum(lo01, gl.minimum(hi01, x2)) < x3, x3, NEG)
-    m_new = gl.maximum(m_i, gl.convert_layout(gl.max(gl.maximum(hi01, hi23), 1), m_i.type.layout) * qk_scale)
-    y = gl.join(gl.join(y0, y2), gl.join(y1, y3))
-    y = gl.convert_layout(gl.reshape(gl.permute(gl.reshape(y, [BLOCK_M, G, 4]), [0, 2, 1]), [BLOCK_M, 4 * G]),
-                          s.type.layout)
+    k0, k1, k2, k3 = _keep4(x0, x1, x2, x3, 2)
+    y0 = gl.where(k0, x0, NEG)
+    y1 = gl.where(k1, x1, NEG)
+    y2 = gl.where(k2, x2, NEG)
+    y3 = gl.where(k3, x3, NEG)
+    gmax = gl.maximum(gl.maximum(x0, x1), gl.maximum(x2, x3))
+    m_new = gl.maximum(m_i, gl.convert_layout(gl.max(gmax, 1), m_i.type.layout) * qk_scale)
+    y = gl.reshape(gl.permute(_join4(y0, y1, y2, y3, BLOCK_M, G), [0, 2, 1]), [BLOCK_M, 4 * G])
+    y = gl.convert_layout(y, s.type.layout)
     p = gl.exp2(y * qk_scale - gl.expand_dims(m_new, 1))
     p_sum = gl.sum(p, 1)
     return m_new, p, p_sum
