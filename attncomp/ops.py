@@ -359,7 +359,7 @@ def call_signature(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
 
 # -- launch plans at the op ---------------------------------------------------------------------------
 # A backend may keep a launch plan for a call (the Triton backend: dense and DFSS forwards that build
-# nothing per call). The op keeps the plan a call took under the call's own key (the spec string, the
+# nothing per call; the SDPA backend: every forward it runs). The op keeps the plan a call took under the call's own key (the spec string, the
 # tensors' signature, what backend selection reads besides), so that a repeated call goes from here to
 # the plan without parsing, selecting or checking again. The plan itself checks what else it depends on
 # (plan.call returns None when that changed) and the call then takes the full path.
@@ -405,7 +405,7 @@ def _attention_impl(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor]
     key = state = None
     if (q_aux is None and k_aux is None and block_pattern is None and q_pos is None and k_pos is None
             and q_seg is None and k_seg is None):
-        if _CALLS:  # (no key is built while no backend has given a plan: SDPA or the reference on a CPU)
+        if _CALLS:  # (no key is built while no backend has given a plan: the reference alone, say)
             key = _call_key(spec, q, k, v, attn_mask, q_valid, k_valid, dropout_p, seed)
             plan = _CALLS.get(key)
             if plan is not None:

@@ -37,7 +37,7 @@ run_part() {
         kernels) $PY benchmarks/attention.py --tune --out "$OUT/attention_$GPU.json" ${KERNELS_ARGS:-} ;;
         structured) $PY benchmarks/attention.py --table structured ${STRUCTURED_ARGS:-} ;;
         hopper) $PY benchmarks/hopper.py --out "$OUT/hopper_$GPU.json" ${HOPPER_ARGS:-} ;;
-        breakdown) $PY benchmarks/host_breakdown.py --shapes gpt2,bert,llama --policies dense,dfss --iters 50 \
+        breakdown) $PY benchmarks/host_breakdown.py --shapes ${BREAKDOWN_SHAPES:-tiny,gpt2,bert,llama} --policies ${BREAKDOWN_POLICIES:-eager,dense,dfss,hash,drop} --iters 50 \
                        --json "$OUT/host_breakdown_$GPU.json" ;;
         report) $PY benchmarks/model_report.py --model bert --policy dense --host --kernels --no-profile ;;
         tvmbench) $PY benchmarks/attention_tvm.py --device cuda --cubins "$ATTNCOMP_TVM_CUBINS" --ns 1024,4096 \

@@ -5,7 +5,8 @@ timed in one process: ``eager_ms`` (the model as it is), ``compile_ms`` (``torch
 default mode), ``attncomp_ms`` (``attncomp.compile(model, policy)``, dynamo capture + Inductor around
 the op), each the median of ``--iters`` timed calls after 2 warm-up calls (CPU: at least 7 calls, as
 BENCHMARKS.md asks). ``host_us`` is the host time of one op call at the site's spec on a tiny shape
-(1 x 1 x 16 x D): what the op adds per call besides its arithmetic.
+(1 x 1 x 16 x D, q, k and v laid out as a model's projections give them): what the op adds per call
+besides its arithmetic.
 
 Rows: ``{"model", "device", "mode": "infer"|"train", "B", "N", "policy", "eager_ms", "compile_ms",
 "attncomp_ms", "host_us"}``; a table is printed last, JSON is written to
@@ -129,9 +130,10 @@ def host_us(fast, device, iters: int = 50) -> float:
         return float("nan")
     D = spec.head_dim or 64
     dt = spec.torch_dtype() or torch.float32
-    q = torch.randn(1, spec.gqa_groups, 16, D, device=device, dtype=dt)
-    k = torch.randn(1, 1, 16, D, device=device, dtype=dt)
-    v = torch.randn_like(k)
+    # laid out as a model's projections give them: (B, N, H, D) viewed as (B, H, N, D)
+    q = torch.randn(1, 16, spec.gqa_groups, D, device=device, dtype=dt).transpose(1, 2)
+    k = torch.randn(1, 16, 1, D, device=device, dtype=dt).transpose(1, 2)
+    v = torch.randn(1, 16, 1, D, device=device, dtype=dt).transpose(1, 2)
     q_aux, k_aux = attncomp.ops.materialize_aux(spec, q, k)
     args = [None] * len(A)
     for name, val in (("q", q), ("k", k), ("v", v), ("q_aux", q_aux), ("k_aux", k_aux), ("spec", spec.to_json()),

@@ -386,3 +386,39 @@ def test_gpu_op_captured_in_cuda_graph(policy):
     graph.replay()
     torch.cuda.synchronize()
     assert_close(out.float(), call().float(), torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["flash", "gqa", "top_left Nq<Nk", "padding", "float32"])
+def test_gpu_op_keeps_the_sdpa_plan(monkeypatch, case):
+    """Repeated dense op calls on SDPA's kernels (``backend="sdpa"``) go from the op to the kept plan
+    (FlashAttention called alone where its outputs are the op's), each with fresh inputs laid out as a
+    model's projections give them, against the float64 reference."""
+    from attncomp.codegen import reference as R
+
+    monkeypatch.setattr(ops, "_CALLS", {})
+    n = []
+    real = ops._backend_for
+    monkeypatch.setattr(ops, "_backend_for", lambda *a, **kw: n.append(1) or real(*a, **kw))
+    dtype = torch.float32 if case == "float32" else torch.bfloat16
+    nq, nk, hk = (40, 300, 4) if case == "top_left Nq<Nk" else (300, 300, 2 if case == "gqa" else 4)
+    spec = AttentionSpec(causal=True, backend="sdpa", gqa_groups=4 // hk, head_dim=64)
+    sj = spec.to_json()
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2 ** 30, (1,))))
+    for call in range(4):
+        q = torch.randn(2, nq, 4, 64, generator=g).to("cuda", dtype).transpose(1, 2)
+        k, v = (torch.randn(2, nk, hk, 64, generator=g).to("cuda", dtype).transpose(1, 2) for _ in range(2))
+        kv = None
+        if case == "padding":
+            kv = torch.ones(2, nk, dtype=torch.bool, device="cuda")
+            kv[call % 2, nk - 50 - call:] = False
+        out, lse = torch.ops.attncomp.attention(q, k, v, None, None, None, None, None, None, None, None, None, kv,
+                                                sj, 0.0, 0)
+        want, want_lse = R.attention(q.double(), k.double(), v.double(), None, spec=spec,
+                                     preds=None if kv is None else Predicates(k_valid=kv))
+        assert_close(out.double(), want, dtype, msg=f"{case}, call {call}")
+        assert (lse.double() - want_lse).abs().max() < 2e-3, (case, call)
+        assert out.stride() == ops.output_strides(*out.shape)
+    assert len(n) == 1 and len(ops._CALLS) == 1
+    plan = next(iter(ops._CALLS.values()))
+    assert type(plan).__name__ == "_Plan" and (plan.flash is not None) == (case == "flash"), case

@@ -15,6 +15,7 @@ device, no synchronisation). GQA expands k/v to the query heads; the backward su
 from __future__ import annotations
 
 import math
+import threading
 from typing import Optional, Tuple
 
 import torch
@@ -48,8 +49,17 @@ def top_left_causal_only(spec: AttentionSpec, nq: int, nk: int, preds: Optional[
 
 
 _CONSTS: dict = {}
-# the overloads themselves: calling the packet re-resolves the overload on every call
-_CPU_FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+
+
+def _aten(name: str):
+    """The kernel entry ``torch.<name>`` (one call into C++), else the op's overload (an op packet
+    re-resolves the overload on every call; an overload's ``__call__`` adds a Python frame)."""
+    return getattr(torch, name, None) or getattr(torch.ops.aten, name).default
+
+
+_CPU_FWD = _aten("_scaled_dot_product_flash_attention_for_cpu")
+_FLASH_FWD = _aten("_scaled_dot_product_flash_attention")
+_EFFICIENT_FWD = _aten("_scaled_dot_product_efficient_attention")
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:
@@ -175,10 +185,25 @@ class SdpaBackend:
     def forward(self, spec, q, k, v, attn_mask, q_aux, k_aux, block_pattern, dropout_p, seed, preds=None):
         if dropout_p:
             raise RuntimeError("SDPA backend: dropout is not run here (attncomp's dropout draws differ)")
-        out, lse, _ = self._forward(spec, q, k, v, attn_mask, preds)
+        plan = _plan(spec, q, k, attn_mask, preds)
+        out, lse, raw = self._forward(spec, q, k, v, attn_mask, preds, plan=plan)
+        # a plan with no tensor in it (is_causal alone: no mask, no predicate, no bound that needs one)
+        # depends on the spec and the sizes only, and is kept for the call's repeats
+        fixed = plan if plan[1] is None and plan[2] is None else None
+        # FlashAttention's (out, lse) as the op returns them (no GQA expansion, lse as it came): its
+        # repeats call the kernel alone
+        flash = (fixed is not None and q.is_cuda and lse is raw and q.shape[1] == k.shape[1]
+                 and min(q.shape[-2], k.shape[-2]) > 0 and _use_flash(q, k, None, fixed[0]))
+        _TAKEN.plan = _Plan(self, spec, fixed, (fixed[0], _scale(spec, q.shape[-1])) if flash else None)
         # SDPA's kernels follow q's memory layout: heads inner for q from a model's projections, the
         # op's layout (attncomp.ops.output_like); the op copies another
         return out, lse
+
+    @staticmethod
+    def taken_plan():
+        """The plan of this thread's latest forward (see :class:`_Plan`), taken once."""
+        plan, _TAKEN.plan = getattr(_TAKEN, "plan", None), None
+        return plan
 
     def _forward(self, spec, q, k, v, attn_mask, preds, plan=None):
         hq = q.shape[1]
@@ -227,6 +252,37 @@ class SdpaBackend:
             _dense(grad_out.to(q.dtype)), _dense(q), _dense(kk), _dense(vv), _dense(out), raw, 0.0, is_causal,
             attn_mask=bias, scale=_scale(spec, q.shape[-1]))
         return dq, _sum_groups(dk, hk), _sum_groups(dv, hk), None
+
+
+# the plan the latest forward of this thread ran (SdpaBackend.taken_plan)
+_TAKEN = threading.local()
+
+
+class _Plan:
+    """A forward this backend ran, for the op to keep under the call's key (``attncomp.ops._CALLS``:
+    the spec string, the tensors' sizes, strides, dtypes and device, which mask and predicates are
+    present, the backend selection's state). A repeat goes from the op straight to the kernel: no spec
+    resolution, backend selection or bucket derivation; where the call brought no mask and no predicate,
+    SDPA's flags are kept too (they depend on the spec and the sizes only). The result is the full
+    path's, computed by the same code (:meth:`SdpaBackend._forward`, the op's output layout)."""
+
+    __slots__ = ("backend", "spec", "fixed", "flash", "laid_out")
+
+    def __init__(self, backend: "SdpaBackend", spec: AttentionSpec, fixed: Optional[tuple],
+                 flash: Optional[tuple] = None):
+        from ..ops import _laid_out
+
+        self.backend, self.spec, self.fixed, self.flash, self.laid_out = backend, spec, fixed, flash, _laid_out
+
+    def call(self, q, k, v, attn_mask, q_valid, k_valid, seed):
+        if self.flash is not None:  # (is_causal, scale): FlashAttention's outputs are the op's
+            r = _FLASH_FWD(q, k, v, 0.0, self.flash[0], False, scale=self.flash[1])
+            return self.laid_out(r[0]), r[1]
+        preds = None
+        if q_valid is not None or k_valid is not None:
+            preds = Predicates(None, None, None, None, q_valid, k_valid)
+        out, lse, _ = self.backend._forward(self.spec, q, k, v, attn_mask, preds, plan=self.fixed)
+        return self.laid_out(out), lse
 
 
 def _public(q: Tensor, need_lse: bool) -> bool:
@@ -339,11 +395,11 @@ def _use_flash(q, k, bias, is_causal) -> bool:
 
 def _cuda_forward(q, k, v, bias, is_causal, scale) -> Tuple[Tensor, Tensor]:
     if _use_flash(q, k, bias, is_causal):
-        r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)
+        r = _FLASH_FWD(q, k, v, 0.0, is_causal, False, scale=scale)
         return r[0], r[1]
     if bias is not None:
         bias = _aligned_bias(bias, q, k.shape[-2])
-    r = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, 0.0, is_causal, scale=scale)
+    r = _EFFICIENT_FWD(q, k, v, bias, True, 0.0, is_causal, scale=scale)
     return r[0], r[1][..., : q.shape[-2]]
 
 

@@ -181,3 +181,45 @@ def test_dense_calls_that_take_it(TB, monkeypatch):
     with pytest.raises(ValueError, match="Gluon"):
         TB.attention_forward(AttentionSpec(dtype="bfloat16"), q, k, v, attn_mask=mask,
                              config=dict(configs.GLUON_FWD[(64, False)], KERNEL="gluon"))
+
+
+@pytest.mark.parametrize("policy", ["dense", "dfss"])
+def test_the_op_keeps_the_gluon_plan(TB, monkeypatch, policy):
+    """Repeated op calls that run the Gluon kernel go from the op to its kept plan (no backend selection,
+    the short launch path), each with fresh inputs laid out as a model's projections give them, NaN-poisoned
+    outputs and the float64 reference; ``ATTNCOMP_GLUON=0`` then sends the next call to the template."""
+    from attncomp import ops
+    from attncomp.codegen.triton import configs, hopper
+    from attncomp.policy import get_policy
+
+    monkeypatch.setattr(ops, "_CALLS", {})
+    n = []
+    real = ops._backend_for
+    monkeypatch.setattr(ops, "_backend_for", lambda *a, **kw: n.append(1) or real(*a, **kw))
+    N, D = configs.GLUON_MIN_KEYS + 4, (64 if policy == "dense" else 128)
+    pol = get_policy(policy).resolved(torch.bfloat16)
+    spec = AttentionSpec(dtype="bfloat16", causal=True, head_dim=D, gqa_groups=2, backend="triton", policy=pol)
+    sj = spec.to_json()
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2 ** 30, (1,))))
+
+    def call():
+        q = torch.randn(1, N, 4, D, generator=g).to("cuda", torch.bfloat16).transpose(1, 2)
+        k, v = (torch.randn(1, N, 2, D, generator=g).to("cuda", torch.bfloat16).transpose(1, 2) for _ in range(2))
+        out, lse = torch.ops.attncomp.attention(q, k, v, None, None, None, None, None, None, None, None, None, None,
+                                                sj, 0.0, 0)
+        want, want_lse = R.attention(q.double(), k.double(), v.double(), None, spec=spec)
+        close("out", out, want, _TOL[torch.bfloat16])
+        assert (lse.double() - want_lse).abs().nan_to_num(float("inf")).max() < 2e-3
+        return out
+
+    call()
+    assert TB.last_configs["fwd"].get("KERNEL") == "gluon"
+    hits = hopper._kernel.hits
+    for _ in range(3):
+        call()
+    assert len(n) == 1, "a repeat selected a backend: the op did not keep the plan"
+    assert type(next(iter(ops._CALLS.values()))).__name__ == "_GluonPlan"
+    assert hopper._kernel.hits == hits + 3 and TB.last_configs["fwd"].get("KERNEL") == "gluon"
+    monkeypatch.setenv("ATTNCOMP_GLUON", "0")
+    call()
+    assert len(n) == 2 and "KERNEL" not in TB.last_configs["fwd"]

@@ -56,3 +56,50 @@ def test_transposed_key_view():
     spec = AttentionSpec(policy=Dense(), dtype="float64", head_dim=16)
     torch.testing.assert_close(sd.forward(spec, q, k, v, None, None, None, None, 0.0, 0)[0],
                                ref.forward(spec, q, k, v, None, None, None, None, 0.0, 0)[0])
+
+
+@pytest.mark.parametrize("case", ["causal", "bottom_right", "bool mask", "float mask", "padding", "gqa", "transposed k"])
+def test_the_op_keeps_the_sdpa_plan_its_calls_take(monkeypatch, case):
+    """A repeated dense call that SDPA serves goes from the op to the kept plan (no backend selection),
+    with fresh inputs each call that match the float64 reference: mask and predicate tensors are read
+    per call, SDPA's flags kept only where the call brings neither."""
+    from attncomp import ops
+    from attncomp.codegen import reference as R
+
+    monkeypatch.setattr(ops, "_CALLS", {})
+    n = []
+    real = ops._backend_for
+    monkeypatch.setattr(ops, "_backend_for", lambda *a, **kw: n.append(1) or real(*a, **kw))
+    nq, nk = (5, 9) if case == "bottom_right" else (9, 9)
+    hk = 1 if case == "gqa" else 3
+    mask_kind = {"bool mask": "bool", "float mask": "float"}.get(case, "none")
+    spec = AttentionSpec(causal=case != "bool mask", causal_align="bottom_right" if case == "bottom_right" else "top_left",
+                         mask_kind=mask_kind, gqa_groups=3 // hk, head_dim=16)
+    sj = spec.to_json()
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2 ** 30, (1,))))
+    for call in range(4):
+        # q, k, v as a model's projections give them: (B, N, H, D) viewed as (B, H, N, D)
+        q = torch.randn(2, nq, 3, 16, generator=g).transpose(1, 2)
+        k = torch.randn(2, nk, hk, 16, generator=g).transpose(1, 2)
+        v = torch.randn(2, nk, hk, 16, generator=g).transpose(1, 2)
+        if case == "transposed k":
+            k = torch.randn(2, hk, 16, nk, generator=g).transpose(-1, -2)
+        am = kv = None
+        if mask_kind == "bool":
+            am = torch.rand(2, 1, nq, nk, generator=g) > 0.3
+        elif mask_kind == "float":
+            am = torch.randn(2, 1, nq, nk, generator=g)
+        if case == "padding":
+            kv = torch.ones(2, nk, dtype=torch.bool)
+            kv[call % 2, nk - 1 - call:] = False
+        out, lse = torch.ops.attncomp.attention(q, k, v, am, None, None, None, None, None, None, None, None, kv,
+                                                sj, 0.0, 0)
+        d = torch.float64
+        want, want_lse = R.attention(q.to(d), k.to(d), v.to(d), None if am is None else am.to(d) if am.is_floating_point()
+                                     else am, spec=spec, preds=Predicates(k_valid=kv) if kv is not None else None)
+        torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-5, msg=f"call {call}")
+        torch.testing.assert_close(lse.double(), want_lse.double(), rtol=1e-4, atol=1e-5)
+        assert out.stride() == ops.output_strides(*out.shape)
+    # call 1 selects and keeps the plan; calls 2-4 go through it
+    assert len(n) == 1 and len(ops._CALLS) == 1
+    assert type(next(iter(ops._CALLS.values()))).__name__ == "_Plan"

@@ -553,15 +553,49 @@ def _gluon_forward(spec, q, k, v, attn_mask, dropout_p, preds, block_pattern, la
     B, Hq, Nq, D = q.shape
     out = _out_empty(q, D)
     lse = _empty((B, Hq, Nq), torch.float32, q.device)
+    mod = _gluon_module(q.device)
     try:
-        _gluon_module(q.device).forward(q, k, v, _scale(spec, D), causal, off, out, lse, cfg, nm24)
+        mod.forward(q, k, v, _scale(spec, D), causal, off, out, lse, cfg, nm24)
     except (CompilationError, OutOfResources) as e:  # this Triton's Gluon: the template runs it
         _GLUON_OFF[(nm24, *sorted(cfg.items()))] = gluon_skipped["fwd"] = f"{type(e).__name__}: {str(e)[:200]}"
         if config is not None:
             raise
         return None
     last_configs["fwd"] = dict(cfg, KERNEL="gluon")
+    entry = mod._kernel.last_entry
+    if config is None and entry is not None:  # the launch took (or can take) the short path: the op may keep it
+        _TAKEN.plan = _GluonPlan(mod, spec, q, k, v, causal, off, cfg, nm24, entry, _state(_seed_word(0)))
     return out, lse
+
+
+class _GluonPlan:
+    """A Gluon forward for the op to keep under the call's key (``ops._CALLS``: spec, sizes, strides,
+    dtypes, alignment, no mask or predicate): a repeat builds the four TMA descriptors for its own
+    tensors and launches the kept compiled kernel, without the checks of :func:`_gluon_why_not` (the
+    key holds what they read) and without ``JITFunction.run``. What the key does not hold is checked
+    per call: ``ATTNCOMP_GLUON``, the device and flags of :func:`_state`, the short launch path."""
+
+    def __init__(self, mod, spec, q, k, v, causal: bool, off: int, cfg: dict, nm24: bool, entry: tuple,
+                 state: tuple):
+        self.mod, self.cfg, self.nm24, self.entry, self.state = mod, cfg, nm24, entry, state
+        self.scale, self.off = _scale(spec, q.shape[-1]), off
+        self.config = dict(cfg, KERNEL="gluon")
+        B, Hq, Nq, D = q.shape
+        self.lse_shape, self.device = (B, Hq, Nq), q.device
+
+    def call(self, q, k, v, attn_mask, q_valid, k_valid, seed):
+        """``(out, lse)`` for the call's tensors, or None where the plan does not hold now."""
+        kernel = self.mod._kernel
+        state = _state(_seed_word(0))
+        if state != self.state or not configs.gluon_enabled() or not kernel.short_path_open():
+            return None
+        out = _out_empty(q, q.shape[-1])
+        lse = _empty(self.lse_shape, torch.float32, self.device)
+        grid, args = self.mod.launch_args(q, k, v, self.scale, self.off, out, lse, self.cfg, self.nm24)
+        kernel.launch_entry(self.entry, grid, args, state[2])
+        last_configs["fwd"] = self.config
+        gluon_skipped["fwd"] = None
+        return out, lse
 
 
 def _fwd_args(site: Site, q, k, v, out, lse, kd, vd, lst, cnt, seed_word) -> tuple:
@@ -652,11 +686,12 @@ class _ForwardPlan:
         where what the plan depends on besides the call's tensors differs now (:func:`_state`) or the
         short launch path is closed."""
         sw = _seed_word(seed)
-        if _state(sw) != self.state or not _attention_kernel.short_path_open():
+        state = _state(sw)
+        if state != self.state or not _attention_kernel.short_path_open():
             return None
-        return self.run(q, k, v, attn_mask, q_valid, k_valid, sw)
+        return self.run(q, k, v, attn_mask, q_valid, k_valid, sw, state[2])
 
-    def run(self, q, k, v, attn_mask, q_valid, k_valid, sw: int):
+    def run(self, q, k, v, attn_mask, q_valid, k_valid, sw: int, device=None):
         """Launch for the call's tensors; ``sw``: its seed word (:func:`.common.seed_word`)."""
         out = _out_empty(q, self.dv)
         lse = _empty(self.lse_shape, torch.float32, self.device)
@@ -675,7 +710,7 @@ class _ForwardPlan:
         args = self.args.copy()
         for i, name in self.slots:
             args[i] = vals[name]
-        _attention_kernel.launch_entry(self.entry, self.grid, args)
+        _attention_kernel.launch_entry(self.entry, self.grid, args, device)
         last_configs["fwd"] = self.config
         return out, lse
 

@@ -47,7 +47,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from .common import LOG2E, _join4, _keep4, _split4
 from .launch import FastLaunch
 
-__all__ = ["applies", "forward", "HEAD_DIMS"]
+__all__ = ["applies", "forward", "launch_args", "HEAD_DIMS"]
 
 #: head dims the kernel is built for (the smem ring and the register budget are sized for them)
 HEAD_DIMS = (64, 128)
@@ -348,10 +348,18 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cau
     float32, contiguous) of dense attention, or of DFSS 2:4 with ``nm24`` (:func:`applies` says when),
     causal with query ``i`` at position ``i + pos_off``, under the launch configuration ``cfg``
     (``configs.GLUON_FWD``'s keys)."""
+    grid, args = launch_args(q, k, v, scale, pos_off, out, lse, cfg, nm24)
+    _kernel[grid](*args, CAUSAL=causal, STAGES=cfg["STAGES"], V_STAGES=cfg.get("V_STAGES", cfg["STAGES"]), NM=nm24,
+                  num_warps=cfg["num_warps"])
+
+
+def launch_args(q, k, v, scale: float, pos_off: int, out, lse, cfg: dict, nm24: bool) -> tuple:
+    """``(grid, args)`` of :func:`forward`'s launch: its positional arguments (the descriptors of q, k,
+    v and out, then lse and the sizes). A launch plan repeats them with a call's own tensors
+    (``backend._GluonPlan``)."""
     B, Hq, Nq, D = q.shape
     Hk, Nk = k.shape[1], k.shape[2]
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     grid = (triton.cdiv(Nq, bm), B * Hq)
-    _kernel[grid](_desc(q, bm), _desc(k, bn, nm24), _desc(v, bn, nm24), _desc(out, bm), lse, Hq, Hq // Hk, Nq, Nk,
-                  pos_off, scale * LOG2E, CAUSAL=causal, STAGES=cfg["STAGES"],
-                  V_STAGES=cfg.get("V_STAGES", cfg["STAGES"]), NM=nm24, num_warps=cfg["num_warps"])
+    return grid, (_desc(q, bm), _desc(k, bn, nm24), _desc(v, bn, nm24), _desc(out, bm), lse, Hq, Hq // Hk, Nq, Nk,
+                  pos_off, scale * LOG2E)
