@@ -16,8 +16,11 @@ scaled one does not stays finite. How ``s*q`` is formed:
   weight ``s*W`` and bias ``s*b``, registered as buffers of the compiled ``GraphModule`` and read by a
   new linear node. No runtime multiply remains; the user's module and parameters are untouched
   (and, being read at compile time, later changes to them are not seen by the compiled module).
-* otherwise (training, q from another op, a shared projection): a runtime ``mul`` of q by ``s``
-  right before the op, so gradients reach the user's parameters.
+* otherwise (training, q from another op, a shared projection), under the ``et`` policy (which asks
+  for E.T.'s rewrites): a runtime ``mul`` of q by ``s`` right before the op, so gradients reach the
+  user's parameters. Under the other policies the scale then stays in the op: every backend computes
+  half-precision scores in float32 and applies the scale there, so no score overflows in either order,
+  and the multiply would be one more kernel per site (a pass over q) for nothing.
 
 Not applied (reason in ``SiteReport.details["scale_reorder"]``): the policy is ``ET(reorder_scale=False)``,
 the scale is already 1 (e.g. a model without scaling), the scale is not positive (hash buckets derived
@@ -117,6 +120,12 @@ def scale_reorder(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
         why = "the weights are not frozen (training)"
         if ctx.inference:
             why = _fold_into_linear(gm, site, scale)
+        if why and not isinstance(spec.policy, ET) and not isinstance(ctx.policy, ET):
+            rep.details[NAME] = (f"not applied: {why}; scale {scale:.6g} stays in the op, whose kernels apply it to "
+                                 "float32 scores (no overflow in either order; a runtime multiply of q would be one "
+                                 "more kernel per site); the et policy multiplies q at run time")
+            ctx.count(NAME, "kept_in_op")
+            continue
         if not why:
             how = f"scale {scale:.6g} folded into the q projection's weight and bias (no runtime multiply)"
             ctx.count(NAME, "folded")

@@ -189,6 +189,37 @@ def test_training_inserts_runtime_mul_and_grads_reach_user_params():
         assert rel_err(a, b) < 1e-10
 
 
+@pytest.mark.parametrize("policy", ["dense", "dfss", "hash"])
+@pytest.mark.parametrize("case", ["training", "unfoldable"])
+def test_other_policies_keep_an_unfoldable_scale_in_the_op(policy, case):
+    """Outside ``et``, a scale that cannot be folded into the q projection stays in the op (its kernels apply
+    it to float32 scores): no runtime multiply, the spec keeps the scale, the report says why, and the
+    compiled graph equals the unrewritten one in float64, gradients to the user's parameters included."""
+    from attncomp.policy import get_policy
+
+    pol = get_policy(policy)
+    model = Before(scale=0.3, q_from="tanh" if case == "unfoldable" else None).double()
+    if case == "unfoldable":
+        model = frozen(model)
+    else:
+        model.train()
+    x = torch.randn(2, 6, 32, dtype=torch.float64)
+    before = traced(model, x)
+    ctx = CompileContext(policy=pol, inference=case == "unfoldable")
+    gm, res = run(before, ctx)
+    assert not [n for n in gm.graph.nodes if n.target is torch.mul]
+    assert AttentionSpec.from_json(site(gm).args[ops.ARG_INDEX["spec"]]).scale == pytest.approx(0.3)
+    rep = ctx.sites[0].details["scale_reorder"]
+    assert rep.startswith("not applied") and "stays in the op" in rep, rep
+    assert ctx.counters["scale_reorder"]["kept_in_op"] == 1 and "scale_reorder" not in ctx.sites[0].rewrites
+    assert rel_err(gm(x), before(x)) < 1e-10  # (sparsify has not run: the site is still the model's own)
+    if case == "training":
+        g_ref = torch.autograd.grad(before(x).square().sum(), [model.q.weight, model.k.weight])
+        g_new = torch.autograd.grad(gm(x).square().sum(), [model.q.weight, model.k.weight])
+        for a, b in zip(g_new, g_ref):
+            assert rel_err(a, b) < 1e-10
+
+
 def test_aten_style_linear_with_get_attr_weights():
     model = FunctionalQ().double().eval().requires_grad_(False)
     x = torch.randn(2, 5, 16, dtype=torch.float64)
