@@ -358,10 +358,11 @@ def call_signature(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
 
 
 # -- launch plans at the op ---------------------------------------------------------------------------
-# A backend may keep a launch plan for a call (the Triton backend: dense and DFSS forwards that build
-# nothing per call; the SDPA backend: every forward it runs). The op keeps the plan a call took under the call's own key (the spec string, the
-# tensors' signature, what backend selection reads besides), so that a repeated call goes from here to
-# the plan without parsing, selecting or checking again. The plan itself checks what else it depends on
+# A backend may keep a launch plan for a call (the Triton backend: the template's dense and DFSS
+# forwards that build nothing per call, and the Gluon forward; the SDPA backend: every forward it runs).
+# The op keeps the plan a call took under the call's own key (the spec string, the tensors' signature,
+# what backend selection reads besides), so that a repeated call goes from here to the plan without
+# parsing, selecting or checking again. The plan itself checks what else it depends on
 # (plan.call returns None when that changed) and the call then takes the full path.
 _CALLS: dict = {}
 _MAX_CALLS = 1024

@@ -22,9 +22,10 @@ scaled one does not stays finite. How ``s*q`` is formed:
   half-precision scores in float32 and applies the scale there, so no score overflows in either order,
   and the multiply would be one more kernel per site (a pass over q) for nothing.
 
-Not applied (reason in ``SiteReport.details["scale_reorder"]``): the policy is ``ET(reorder_scale=False)``,
-the scale is already 1 (e.g. a model without scaling), the scale is not positive (hash buckets derived
-from q later must not change), or the head dim is unknown; the scale then stays in the op, unchanged.
+Not applied (reason in ``SiteReport.details["scale_reorder"]``): the scale cannot be folded and the
+policy is not ``et`` (above), the policy is ``ET(reorder_scale=False)``, the scale is already 1 (e.g. a
+model without scaling), the scale is not positive (hash buckets derived from q later must not change),
+or the head dim is unknown; the scale then stays in the op, unchanged.
 """
 
 from __future__ import annotations

@@ -564,7 +564,7 @@ def _gluon_forward(spec, q, k, v, attn_mask, dropout_p, preds, block_pattern, la
     last_configs["fwd"] = dict(cfg, KERNEL="gluon")
     entry = mod._kernel.last_entry
     if config is None and entry is not None:  # the launch took (or can take) the short path: the op may keep it
-        _TAKEN.plan = _GluonPlan(mod, spec, q, k, v, causal, off, cfg, nm24, entry, _state(_seed_word(0)))
+        _TAKEN.plan = _GluonPlan(mod, spec, q, off, cfg, nm24, entry, _state(_seed_word(0)))
     return out, lse
 
 
@@ -575,8 +575,7 @@ class _GluonPlan:
     key holds what they read) and without ``JITFunction.run``. What the key does not hold is checked
     per call: ``ATTNCOMP_GLUON``, the device and flags of :func:`_state`, the short launch path."""
 
-    def __init__(self, mod, spec, q, k, v, causal: bool, off: int, cfg: dict, nm24: bool, entry: tuple,
-                 state: tuple):
+    def __init__(self, mod, spec, q, off: int, cfg: dict, nm24: bool, entry: tuple, state: tuple):
         self.mod, self.cfg, self.nm24, self.entry, self.state = mod, cfg, nm24, entry, state
         self.scale, self.off = _scale(spec, q.shape[-1]), off
         self.config = dict(cfg, KERNEL="gluon")
