@@ -315,9 +315,12 @@ def config_name(c: dict) -> str:
     """``128x64w8s3+tma``: a launch configuration in a word (``T``: key tiles outer, ``NATURAL=0``;
     ``+dq...``: the dQ launch's tiles, warps and stages; ``+atomic``/``+tmadq``: dQ added in the dK/dV
     launch by element atomics / TMA bulk reductions; ``gluon 64x128w4s2v1``: the Gluon Hopper forward's
-    tiles, warps, key-ring and value-ring depths)."""
+    tiles, warps, key-ring and value-ring depths; `` ws``/`` wsnp``: its warp-specialised kernel with or
+    without turns)."""
     if c.get("KERNEL") == "gluon":
-        return f"gluon {c['BLOCK_M']}x{c['BLOCK_N']}w{c['num_warps']}s{c['STAGES']}v{c.get('V_STAGES', c['STAGES'])}"
+        ws = (" ws" if c.get("PINGPONG", True) else " wsnp") if c.get("WS") else ""
+        rings = f"s{c['STAGES']}v{c.get('V_STAGES', c['STAGES'])}"
+        return f"gluon {c['BLOCK_M']}x{c['BLOCK_N']}w{c['num_warps']}{rings}{ws}"
     return (f"{c['BLOCK_M']}x{c['BLOCK_N']}w{c['num_warps']}s{c['num_stages']}{'T' if c.get('NATURAL') == 0 else ''}"
             f"{'+dq' + 'x'.join(map(str, c['DQ'])) if c.get('DQ') else ''}{'+tma' if c.get('TMA') else ''}"
             f"{'+tmaq' if c.get('TMA_Q') else ''}{_atomic_name(c.get('DQ_ATOMIC'))}"

@@ -28,22 +28,33 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from attention import attncomp_fn, bench_ms, config_name, flops, make_inputs, sdpa_fn  # noqa: E402
 from hopper import gemm_tflops  # noqa: E402
 
-# (BLOCK_M, BLOCK_N, warps, key ring, value ring)
-VARIANTS = {64: [(64, 128, 4, 2, 2), (64, 128, 4, 2, 1), (64, 64, 4, 2, 2), (128, 64, 8, 2, 2), (128, 128, 8, 2, 2)],
+# (BLOCK_M, BLOCK_N, warps, key ring, value ring[, kind]); kind "ws": the warp-specialised kernel (two
+# consumer warp groups of BLOCK_M / 2 queries taking turns, a producer warp), "wsnp": the same without turns
+VARIANTS = {64: [(64, 128, 4, 2, 2), (64, 128, 4, 2, 1), (64, 64, 4, 2, 2), (128, 64, 8, 2, 2), (128, 128, 8, 2, 2),
+                 (128, 128, 4, 2, 2, "ws"), (128, 128, 4, 3, 3, "ws"), (128, 128, 4, 2, 2, "wsnp"),
+                 (128, 128, 4, 3, 3, "wsnp"), (128, 256, 4, 2, 2, "wsnp")],
             128: [(128, 128, 8, 2, 2), (128, 128, 8, 2, 1), (64, 128, 4, 2, 1), (64, 64, 4, 2, 2), (64, 64, 4, 3, 3),
-                  (64, 128, 4, 2, 2)]}
+                  (64, 128, 4, 2, 2), (128, 128, 4, 2, 2, "ws"), (128, 128, 4, 2, 2, "wsnp"), (128, 64, 4, 3, 3, "ws"),
+                  (128, 128, 4, 3, 2, "ws"), (128, 128, 4, 3, 2, "wsnp"), (128, 128, 4, 2, 1, "wsnp")]}
 CASES = [(2, 4, 2, 1000, 64, False, "bfloat16"), (1, 4, 4, 1000, 128, True, "float16"),
          (1, 2, 1, 130, 64, True, "bfloat16"), (1, 2, 2, 77, 128, False, "bfloat16"),
          (2, 2, 2, 4096, 128, True, "bfloat16"), (1, 8, 2, 2048, 64, True, "float16")]
 
 
 def _cfg(v):
-    bm, bn, w, s, vs = v
-    return dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, STAGES=s, V_STAGES=vs)
+    bm, bn, w, s, vs = v[:5]
+    cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, STAGES=s, V_STAGES=vs)
+    if len(v) > 5:
+        cfg.update(WS=True, PINGPONG=v[5] == "ws")
+    return cfg
 
 
 def _name(v) -> str:
-    return "gluon %dx%dw%ds%dv%d" % v
+    return "gluon %dx%dw%ds%dv%d" % v[:5] + (" " + v[5] if len(v) > 5 else "")
+
+
+def _name_of(cfg) -> str:
+    return config_name(dict(cfg, KERNEL="gluon"))
 
 
 def check(variants, args) -> list:
@@ -112,12 +123,12 @@ def run(args) -> list:
         timed.append(("attncomp default", bench_ms(attncomp_fn(policy, causal, q, k, v, None, "fwd"),
                                                    False)))
         ran.append(f"{policy} D={D} N={N} causal={int(causal)}: {config_name(TB.last_configs['fwd'])}")
-        default = configs.gluon_config(D, causal, policy == "dfss")  # None: the template's sites (DFSS, D=64)
+        default = configs.gluon_config(D, causal, policy == "dfss")  # None: the template's sites
         variants = VARIANTS[D] if N in args.variants_at else []
         cfgs = ([dict(default, KERNEL="gluon")] if default else []) + [
             dict(_cfg(x), KERNEL="gluon") for x in variants if _cfg(x) != default]
         for cfg in cfgs:
-            name = _name(tuple(cfg[k] for k in ("BLOCK_M", "BLOCK_N", "num_warps", "STAGES", "V_STAGES")))
+            name = _name_of(cfg)
             try:  # through the backend's host path, as a model's call runs it
                 ms = bench_ms(lambda: TB.attention_forward(spec, q, k, v, config=cfg), False)
             except Exception as e:  # a configuration that does not fit is reported, the others go on
@@ -151,6 +162,8 @@ def main(argv=None) -> int:
     ap.add_argument("--H", type=int, default=16)
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--repeat", type=int, default=10, help="launches per checked configuration compared bit for bit")
+    ap.add_argument("--match", default="", help="comma-separated: only the configurations whose name holds one "
+                    "of these (e.g. 'ws'), besides the default")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     args.policies = args.policies.split(",")
@@ -158,6 +171,10 @@ def main(argv=None) -> int:
     args.ns = [int(x) for x in args.ns.split(",")]
     args.variants_at = [int(x) for x in args.variants_at.split(",") if x]
     args.causal = [bool(int(x)) for x in args.causal.split(",")]
+    if args.match:
+        keys = args.match.split(",")
+        for D in VARIANTS:
+            VARIANTS[D] = [v for v in VARIANTS[D] if any(key in _name(v) for key in keys)]
     checks = [] if args.no_check else check(VARIANTS, args)
     rows, ceiling = run(args)
     gpu = torch.cuda.get_device_name()

@@ -46,14 +46,16 @@ def _configs(D, dfss=False):
     table = configs.GLUON_FWD_DFSS if dfss else configs.GLUON_FWD
     own = [c for (d, _), c in sorted(table.items(), key=str) if d == D]
     own = [c for i, c in enumerate(own) if c not in own[:i]]
-    more = [dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, STAGES=2, V_STAGES=2)]  # two warp groups per block
-    if dfss:  # (D=64 sites keep the template: no default there)
-        more.append(dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, STAGES=2, V_STAGES=2))
+    more = [dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, STAGES=2, V_STAGES=2),  # two warp groups per block
+            dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, STAGES=2, V_STAGES=1),  # one warp group per block
+            # warp-specialised, the consumers taking turns
+            dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, STAGES=2, V_STAGES=2, WS=True, PINGPONG=True)]
     return [dict(c, KERNEL="gluon") for c in own + [c for c in more if c not in own]]
 
 
 def _name(c):
-    return "%dx%dw%ds%dv%d" % (c["BLOCK_M"], c["BLOCK_N"], c["num_warps"], c["STAGES"], c["V_STAGES"])
+    ws = (" ws" if c.get("PINGPONG", True) else " wsnp") if c.get("WS") else ""
+    return "%dx%dw%ds%dv%d" % (c["BLOCK_M"], c["BLOCK_N"], c["num_warps"], c["STAGES"], c["V_STAGES"]) + ws
 
 
 def _inputs(B, Hq, Hk, Nq, Nk, D, kinds, dtype, seed=0, policy=None):
@@ -127,8 +129,9 @@ def test_gluon_dfss_forward_against_reference(TB, case, ties):
 
 def test_dense_calls_that_take_it(TB, monkeypatch):
     """A dense call with enough keys runs the Gluon kernel by default (and gives the template's result), so
-    does a DFSS 2:4 call at D=128; a mask tensor, dropout, a window, DFSS 1:2, DFSS at D=64, keys not a
-    multiple of 4 (DFSS), few keys or ``ATTNCOMP_GLUON=0`` keep the template."""
+    does a DFSS 2:4 call (the warp-specialised kernel at D=128); a mask tensor, dropout, a window, DFSS 1:2,
+    a head dim with no configuration, keys not a multiple of 4 (DFSS), few keys or ``ATTNCOMP_GLUON=0``
+    keep the template."""
     from attncomp.codegen.triton import configs
     from attncomp.policy import get_policy
 
@@ -139,10 +142,11 @@ def test_dense_calls_that_take_it(TB, monkeypatch):
     TB.attention_forward(spec, q, k, v, preds=preds)
     assert TB.last_configs["fwd"].get("KERNEL") == "gluon" and TB.gluon_skipped["fwd"] is None
     # the second call of the argument class takes the short launch path, with this call's tensors
-    hits = hopper._kernel.hits
+    kernel = hopper.kernel_for(TB.last_configs["fwd"])
+    hits = kernel.hits
     q2 = torch.randn_like(q)
     out, lse = TB.attention_forward(spec, q2, k, v, preds=preds)
-    assert hopper._kernel.hits == hits + 1
+    assert kernel.hits == hits + 1
     monkeypatch.setenv("ATTNCOMP_GLUON", "0")
     ref, ref_lse = TB.attention_forward(spec, q2, k, v, preds=preds)
     assert "KERNEL" not in TB.last_configs["fwd"] and TB.gluon_skipped["fwd"] == "ATTNCOMP_GLUON=0"
@@ -150,12 +154,13 @@ def test_dense_calls_that_take_it(TB, monkeypatch):
     torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=0)
     monkeypatch.delenv("ATTNCOMP_GLUON")
 
-    # DFSS 2:4 at D=128 takes it too (the template's result); at D=64 (no default configuration), 1:2 and
-    # keys that are not a multiple of 4 do not
+    # DFSS 2:4 at D=128 takes it too, warp-specialised (the template's result); 1:2 and keys that are not
+    # a multiple of 4 do not
     dfss = AttentionSpec(dtype="bfloat16", causal=True, policy=get_policy("dfss").resolved(torch.bfloat16))
     _, q3, k3, v3, _, _ = _inputs(1, 4, 2, N, N, 128, ("causal",), torch.bfloat16, seed=1)
     out, lse = TB.attention_forward(dfss, q3, k3, v3)
     assert TB.last_configs["fwd"].get("KERNEL") == "gluon" and TB.gluon_skipped["fwd"] is None
+    assert TB.last_configs["fwd"].get("WS")
     monkeypatch.setenv("ATTNCOMP_GLUON", "0")
     ref, ref_lse = TB.attention_forward(dfss, q3, k3, v3)
     close("dfss out vs template", out, ref, _TOL[torch.bfloat16])
@@ -164,12 +169,13 @@ def test_dense_calls_that_take_it(TB, monkeypatch):
 
     mask = torch.rand(N, N, device="cuda") > 0.2
     odd = torch.randn(1, 2, N + 2, 128, device="cuda", dtype=k.dtype)
+    q96, k96 = (torch.randn(1, h, N, 96, device="cuda", dtype=k.dtype) for h in (4, 2))
     cases = {"mask tensor": dict(spec=AttentionSpec(dtype="bfloat16", mask_kind="bool"), attn_mask=mask),
              "dropout": dict(spec=spec, dropout_p=0.1),
              "policy 'dfss'": dict(spec=AttentionSpec(dtype="bfloat16", causal=True,
                                                       policy=get_policy("dfss", n=1, m=2))),
              "a multiple of 4": dict(spec=dfss, q=q3, k=odd, v=odd),
-             "no configuration": dict(spec=dfss),
+             "no configuration": dict(spec=spec, q=q96, k=k96, v=k96),
              "window": dict(spec=AttentionSpec(dtype="bfloat16", causal=True, window_left=128))}
     for why, kw in cases.items():
         TB.attention_forward(kw.pop("spec"), kw.pop("q", q), kw.pop("k", k), kw.pop("v", v), **kw)
@@ -214,12 +220,13 @@ def test_the_op_keeps_the_gluon_plan(TB, monkeypatch, policy):
 
     call()
     assert TB.last_configs["fwd"].get("KERNEL") == "gluon"
-    hits = hopper._kernel.hits
+    kernel = hopper.kernel_for(TB.last_configs["fwd"])  # (DFSS at D=128: the warp-specialised kernel)
+    hits = kernel.hits
     for _ in range(3):
         call()
     assert len(n) == 1, "a repeat selected a backend: the op did not keep the plan"
     assert type(next(iter(ops._CALLS.values()))).__name__ == "_GluonPlan"
-    assert hopper._kernel.hits == hits + 3 and TB.last_configs["fwd"].get("KERNEL") == "gluon"
+    assert kernel.hits == hits + 3 and TB.last_configs["fwd"].get("KERNEL") == "gluon"
     monkeypatch.setenv("ATTNCOMP_GLUON", "0")
     call()
     assert len(n) == 2 and "KERNEL" not in TB.last_configs["fwd"]

@@ -562,7 +562,7 @@ def _gluon_forward(spec, q, k, v, attn_mask, dropout_p, preds, block_pattern, la
             raise
         return None
     last_configs["fwd"] = dict(cfg, KERNEL="gluon")
-    entry = mod._kernel.last_entry
+    entry = mod.kernel_for(cfg).last_entry
     if config is None and entry is not None:  # the launch took (or can take) the short path: the op may keep it
         _TAKEN.plan = _GluonPlan(mod, spec, q, off, cfg, nm24, entry, _state(_seed_word(0)))
     return out, lse
@@ -584,7 +584,7 @@ class _GluonPlan:
 
     def call(self, q, k, v, attn_mask, q_valid, k_valid, seed):
         """``(out, lse)`` for the call's tensors, or None where the plan does not hold now."""
-        kernel = self.mod._kernel
+        kernel = self.mod.kernel_for(self.cfg)
         state = _state(_seed_word(0))
         if state != self.state or not configs.gluon_enabled() or not kernel.short_path_open():
             return None

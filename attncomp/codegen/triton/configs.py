@@ -138,22 +138,29 @@ GPU_DEFAULTS_NM: Dict[str, Dict[tuple, Config]] = {
              ("bwd", 128, False): dict(_cfg(128, 64, 8, 2), DQ=(128, 64, 8, 2), TMA=1, TMA_Q=1)},
 }
 # The Gluon Hopper forward (:mod:`.hopper`) of dense sites on sm_90 GPUs, per (head dim, causal):
-# query tile, key tile, warps, key-ring and value-ring depth. From ``benchmarks/gluon_fwd.py`` on an
-# H100 (bf16, B=4, H=16, N=16384; benchmarks/README.md "A Gluon forward for Hopper").
+# query tile, key tile, warps, key-ring and value-ring depth, and ``WS`` for the warp-specialised
+# kernel (two consumer warp groups of ``BLOCK_M / 2`` queries and a producer warp; ``PINGPONG``: the
+# consumers take turns issuing their products). From ``benchmarks/gluon_fwd.py`` on an H100 (bf16,
+# B=4, H=16, N=16384; benchmarks/README.md "A Gluon forward for Hopper" and "The warp-specialised
+# Gluon forward"): at D=128 the warp-specialised 128x128 kernel without turns measured 1.11x / 1.06-1.14x
+# cuDNN (full / causal) against 0.86-0.94x for the one-warp-group kernel; with turns 1.06x / 1.09x. At
+# D=64 it measured 0.95-1.00x against the one-warp-group kernel's 0.99-1.03x, which keeps those sites.
+_WS = dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, STAGES=2, V_STAGES=2, WS=True, PINGPONG=False)
 GLUON_FWD: Dict[tuple, Config] = {
     (64, False): dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, STAGES=2, V_STAGES=2),
     (64, True): dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, STAGES=2, V_STAGES=2),
-    (128, False): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, STAGES=3, V_STAGES=3),
-    (128, True): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, STAGES=3, V_STAGES=3),
+    (128, False): _WS,
+    (128, True): _WS,
 }
-# DFSS 2:4 through the same kernel (hopper.py, NM; key/value tiles read as one TMA box per member
-# and 128-byte column chunk), at D=128 only: there 64x128w4s2v1 measured 0.70-0.78x / 0.73-0.81x cuDNN
-# (full / causal, N=16384, three calls) against the template's 0.67-0.70x / 0.74-0.75x; at D=64 the two
-# measured the same (0.69-0.70x), and the template keeps those sites (benchmarks/README.md, "DFSS in the
-# Gluon forward").
+# DFSS 2:4 through the same kernels (hopper.py, NM; key/value tiles read as one TMA box per member and
+# 128-byte column chunk). The warp-specialised kernel: D=128 0.83x / 0.89x dense cuDNN (full / causal,
+# N=16384) against 0.70-0.74x / 0.77-0.79x for the one-warp-group kernel and 0.67x / 0.74x for the
+# template; D=64 (three-deep rings) 0.81-0.82x / 0.81x against the template's 0.70x.
 GLUON_FWD_DFSS: Dict[tuple, Config] = {
-    (128, False): dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, STAGES=2, V_STAGES=1),
-    (128, True): dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, STAGES=2, V_STAGES=1),
+    (64, False): dict(_WS, STAGES=3, V_STAGES=3),
+    (64, True): dict(_WS, STAGES=3, V_STAGES=3),
+    (128, False): _WS,
+    (128, True): _WS,
 }
 # keys per row below which the template's forward runs instead: from 2048 keys up the Gluon kernel
 # measured faster on the H100; at 1024 (D=128) 2.6x slower, before it had the short launch path

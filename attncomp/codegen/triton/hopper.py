@@ -23,6 +23,12 @@ D)`` view, so that column ``r * G + g`` of ``Q K^T`` holds member ``r`` of group
 members of a group sit in one thread's registers (the template gets the same from its key order,
 ``common._key_order``); ``P @ V`` reads the value rows in the same order.
 
+The warp-specialised kernel (:func:`_attn_fwd_ws`, configuration key ``WS``) runs the same loop in two
+consumer warp groups, each on one half of a 128-query tile, fed by a producer warp that owns every TMA
+copy (the rings' slots are released by both consumers before the producer refills them), with the
+registers moved to the consumers (``setmaxnreg``); ``PINGPONG`` makes the consumers take turns issuing
+their matrix products.
+
 It computes what the template's forward computes for a site whose policy keeps every entry or is DFSS
 2:4, with no mask tensor, no predicate vectors and no dropout: ``out`` and ``lse`` of DESIGN.md §4. Which sites it
 serves and when it runs is the backend's choice (:func:`applies`, ``configs``).
@@ -47,7 +53,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from .common import LOG2E, _join4, _keep4, _split4
 from .launch import FastLaunch
 
-__all__ = ["applies", "forward", "launch_args", "HEAD_DIMS"]
+__all__ = ["applies", "forward", "launch_args", "kernel_for", "HEAD_DIMS"]
 
 #: head dims the kernel is built for (the smem ring and the register budget are sized for them)
 HEAD_DIMS = (64, 128)
@@ -293,6 +299,218 @@ def _kv_step(j, q, k_buf, v_buf, k_bar, v_bar, k_desc, v_desc, m_i, l_i, o, p_cu
     return m_i, l_i, o, p_cur
 
 
+# -- the warp-specialised forward (configuration key ``WS``) ----------------------------------------
+# Per block of ``BLOCK_M = 2 * M_WG`` queries: a producer warp fills the query halves and the key and
+# value rings through TMA; two consumer warp groups, one per half of the query tile, each run the
+# loop of :func:`_kv_step` on their ``M_WG`` rows (the softmax of tile ``j`` while ``P_{j-1} V_{j-1}``
+# runs), sharing the rings: a slot is refilled once both consumers released it (its ``empty``
+# barrier counts two arrivals). With ``PINGPONG`` the consumers take turns issuing their matrix
+# products (a barrier per consumer, passed after each issue), so that one warp group's softmax runs
+# while the tensor cores serve the other's products. Registers go where the work is
+# (``setmaxnreg``): 240 per consumer thread, 24 per producer thread.
+
+
+@gluon.jit
+def _ws_load(q_desc, k_desc, v_desc, q_buf, k_buf, v_buf, q_bar, k_ready, k_empty, v_ready, v_empty, b, h, hk,
+             start_m, hi, NM: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr):
+    """The producer: both query halves, then key tile ``j`` and value tile ``j`` for ``j < hi``, each
+    into its ring slot once both consumers released what the slot held."""
+    M_WG: gl.constexpr = q_desc.block_type.shape[2]
+    HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
+    BOXES: gl.constexpr = 4 * (HEAD_D // k_desc.block_type.shape[4]) if NM else 1
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[2] * (4 if NM else 1)
+    kv_bytes: gl.constexpr = k_desc.block_type.nbytes * BOXES
+    for w in gl.static_range(2):
+        mbarrier.expect(q_bar.index(w), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [b, h, start_m + w * M_WG, 0], q_bar.index(w), q_buf.index(w))
+    for j in range(hi):
+        sk = j % STAGES
+        mbarrier.wait(k_empty.index(sk), ((j // STAGES) & 1) ^ 1)
+        mbarrier.expect(k_ready.index(sk), kv_bytes)
+        _load_kv(k_desc, b, hk, j * BLOCK_N, k_ready.index(sk), k_buf, sk, True, NM, HEAD_D)
+        sv = j % V_STAGES
+        mbarrier.wait(v_empty.index(sv), ((j // V_STAGES) & 1) ^ 1)
+        mbarrier.expect(v_ready.index(sv), kv_bytes)
+        _load_kv(v_desc, b, hk, j * BLOCK_N, v_ready.index(sv), v_buf, sv, True, NM, HEAD_D)
+
+
+@gluon.jit
+def _ws_turn(turn, WG: gl.constexpr, t, PINGPONG: gl.constexpr):
+    """Waits for consumer ``WG``'s turn ``t`` to issue matrix products (with ``PINGPONG``)."""
+    if PINGPONG:
+        mbarrier.wait(turn.index(WG), t & 1)
+
+
+@gluon.jit
+def _ws_pass(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    """Hands the turn to the other consumer (with ``PINGPONG``)."""
+    if PINGPONG:
+        mbarrier.arrive(turn.index(1 - WG), count=1)
+
+
+@gluon.jit
+def _ws_release(bar):
+    """Releases a ring slot that this warp group's finished MMAs read: every warp has waited for them
+    before the one arrival (one thread's) counts for the group."""
+    gl.thread_barrier()
+    mbarrier.arrive(bar, count=1)
+
+
+@gluon.jit
+def _ws_consume(o_desc, lse_ptr, q_buf, k_buf, v_buf, q_bar, k_ready, k_empty, v_ready, v_empty, turn, bh, b, h,
+                start_m, n_q, n_k, off, qk_scale, hi, n_full, WG: gl.constexpr, CAUSAL: gl.constexpr,
+                NM: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr, PINGPONG: gl.constexpr):
+    """Consumer ``WG``: rows ``[start_m + WG * M_WG, start_m + (WG + 1) * M_WG)`` of the query tile."""
+    M_WG: gl.constexpr = o_desc.block_type.shape[2]
+    HEAD_D: gl.constexpr = o_desc.block_type.shape[3]
+    BLOCK_N: gl.constexpr = k_buf.shape[3] * (4 if NM else 1)
+    dtype: gl.constexpr = o_desc.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    row0 = start_m + WG * M_WG
+    rows = row0 + gl.arange(0, M_WG, layout=row_s)
+    if NM:
+        cols0 = _nm_cols(BLOCK_N, col_s)
+    else:
+        cols0 = gl.arange(0, BLOCK_N, layout=col_s)
+    q = _tile_2d(q_buf.index(WG), M_WG, HEAD_D)
+
+    # tile 0, masked: S_0 alone
+    mbarrier.wait(q_bar.index(WG), 0)
+    mbarrier.wait(k_ready.index(0), 0)
+    _ws_turn(turn, WG, 0, PINGPONG)
+    s_tok = warpgroup_mma(q, _kv_tile(k_buf, 0, BLOCK_N, HEAD_D, NM).permute((1, 0)),
+                          gl.zeros([M_WG, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
+    _ws_pass(turn, WG, PINGPONG)
+    s = warpgroup_mma_wait(0, deps=(s_tok, ))
+    _ws_release(k_empty.index(0))
+    m_i = gl.full([M_WG], float("-inf"), gl.float32, row_s)
+    l_i = gl.zeros([M_WG], gl.float32, row_s)
+    m_i, alpha, p, l_i = _softmax_step(s, m_i, l_i, rows, cols0, qk_scale, n_k, off, True, CAUSAL, NM)
+    p_cur = gl.convert_layout(p.to(dtype), p_layout)
+    o = gl.zeros([M_WG, HEAD_D], gl.float32, o_layout)
+
+    for j in range(1, n_full):
+        m_i, l_i, o, p_cur = _ws_step(j, q, k_buf, v_buf, k_ready, k_empty, v_ready, v_empty, turn, m_i, l_i, o,
+                                      p_cur, rows, cols0 + j * BLOCK_N, qk_scale, n_k, off, WG, False, CAUSAL, NM,
+                                      STAGES, V_STAGES, PINGPONG, s_layout, row_o, p_layout)
+    for j in range(n_full, hi):
+        m_i, l_i, o, p_cur = _ws_step(j, q, k_buf, v_buf, k_ready, k_empty, v_ready, v_empty, turn, m_i, l_i, o,
+                                      p_cur, rows, cols0 + j * BLOCK_N, qk_scale, n_k, off, WG, True, CAUSAL, NM,
+                                      STAGES, V_STAGES, PINGPONG, s_layout, row_o, p_layout)
+
+    # the last tile's P @ V
+    last = hi - 1
+    sv = last % V_STAGES
+    mbarrier.wait(v_ready.index(sv), (last // V_STAGES) & 1)
+    _ws_turn(turn, WG, hi, PINGPONG)
+    o_tok = warpgroup_mma(p_cur, _kv_tile(v_buf, sv, BLOCK_N, HEAD_D, NM), o, is_async=True)
+    _ws_pass(turn, WG, PINGPONG)
+    o = warpgroup_mma_wait(0, deps=(o_tok, ))
+
+    l_o = gl.convert_layout(l_i, row_o)
+    o = o / gl.expand_dims(l_o, 1)
+    q.store(o.to(dtype))  # this half's query buffer holds its output tile (no MMA reads it any more)
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [b, h, row0, 0], q_buf.index(WG))
+    lse = (m_i + gl.log2(l_i)) / 1.4426950408889634
+    gl.store(lse_ptr + bh.to(gl.int64) * n_q + rows, lse, mask=rows < n_q)
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _ws_step(j, q, k_buf, v_buf, k_ready, k_empty, v_ready, v_empty, turn, m_i, l_i, o, p_cur, rows, cols, qk_scale,
+             n_k, off, WG: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr, NM: gl.constexpr,
+             STAGES: gl.constexpr, V_STAGES: gl.constexpr, PINGPONG: gl.constexpr, s_layout: gl.constexpr,
+             row_o: gl.constexpr, p_layout: gl.constexpr):
+    """A consumer's key tile ``j`` (:func:`_kv_step`'s schedule; the producer refills the slots)."""
+    M_WG: gl.constexpr = q.shape[0]
+    HEAD_D: gl.constexpr = q.shape[1]
+    BLOCK_N: gl.constexpr = k_buf.shape[3] * (4 if NM else 1)
+    sk = j % STAGES
+    sv = (j - 1) % V_STAGES
+    mbarrier.wait(k_ready.index(sk), (j // STAGES) & 1)
+    mbarrier.wait(v_ready.index(sv), ((j - 1) // V_STAGES) & 1)
+    _ws_turn(turn, WG, j, PINGPONG)
+    s_tok = warpgroup_mma(q, _kv_tile(k_buf, sk, BLOCK_N, HEAD_D, NM).permute((1, 0)),
+                          gl.zeros([M_WG, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
+    o_tok = warpgroup_mma(p_cur, _kv_tile(v_buf, sv, BLOCK_N, HEAD_D, NM), o, is_async=True)
+    _ws_pass(turn, WG, PINGPONG)
+    s = warpgroup_mma_wait(1, deps=(s_tok, ))
+    _ws_release(k_empty.index(sk))
+    m_i, alpha, p, l_i = _softmax_step(s, m_i, l_i, rows, cols, qk_scale, n_k, off, MASK, CAUSAL, NM)
+    o, p_cur = warpgroup_mma_wait(0, deps=(o_tok, p_cur))
+    _ws_release(v_empty.index(sv))
+    o = o * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+    p_cur = gl.convert_layout(p.to(p_cur.dtype), p_layout)
+    return m_i, l_i, o, p_cur
+
+
+@gluon.jit
+def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, lse_ptr, Hq, groups, n_q, n_k, off, qk_scale,
+                 CAUSAL: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr, NM: gl.constexpr,
+                 PINGPONG: gl.constexpr, num_warps: gl.constexpr):
+    M_WG: gl.constexpr = q_desc.block_type.shape[2]
+    BLOCK_M: gl.constexpr = 2 * M_WG
+    HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
+    BOXES: gl.constexpr = 4 * (HEAD_D // k_desc.block_type.shape[4]) if NM else 1
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[2] * (4 if NM else 1)
+    dtype: gl.constexpr = q_desc.dtype
+
+    pid_m = gl.num_programs(0) - 1 - gl.program_id(0)  # the long (causal) query tiles first
+    bh = gl.program_id(1)
+    b = bh // Hq
+    h = bh % Hq
+    hk = h // groups
+    start_m = pid_m * BLOCK_M
+
+    q_buf = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    k_buf = gl.allocate_shared_memory(dtype, [STAGES * BOXES] + k_desc.block_type.shape, k_desc.layout)
+    v_buf = gl.allocate_shared_memory(dtype, [V_STAGES * BOXES] + v_desc.block_type.shape, v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(q_bar.index(i), count=1)
+        mbarrier.init(turn.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)
+    for i in gl.static_range(V_STAGES):
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(v_empty.index(i), count=2)
+    fence_async_shared()
+    if PINGPONG:  # the first consumer takes the first turn
+        mbarrier.arrive(turn.index(0), count=1)
+
+    # key tiles [0, hi) for the whole query tile; [0, n_full) need no mask for any of its rows
+    hi = gl.cdiv(n_k, BLOCK_N)
+    n_full = n_k // BLOCK_N
+    if CAUSAL:
+        hi = gl.minimum(hi, gl.cdiv(start_m + BLOCK_M + off, BLOCK_N))
+        n_full = gl.minimum(n_full, (start_m + off + 1) // BLOCK_N)
+    n_full = gl.maximum(n_full, 1)
+
+    gl.warp_specialize([
+        (_ws_consume, (o_desc, lse_ptr, q_buf, k_buf, v_buf, q_bar, k_ready, k_empty, v_ready, v_empty, turn, bh, b,
+                       h, start_m, n_q, n_k, off, qk_scale, hi, n_full, 0, CAUSAL, NM, STAGES, V_STAGES, PINGPONG)),
+        (_ws_consume, (o_desc, lse_ptr, q_buf, k_buf, v_buf, q_bar, k_ready, k_empty, v_ready, v_empty, turn, bh, b,
+                       h, start_m, n_q, n_k, off, qk_scale, hi, n_full, 1, CAUSAL, NM, STAGES, V_STAGES, PINGPONG)),
+        (_ws_load, (q_desc, k_desc, v_desc, q_buf, k_buf, v_buf, q_bar, k_ready, k_empty, v_ready, v_empty, b, h, hk,
+                    start_m, hi, NM, STAGES, V_STAGES)),
+    ], [4, 1], [240, 24])
+
+
 def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos_off: int, nm24: bool = False,
             scale: float = 1.0) -> Optional[str]:
     """Why the kernel cannot run these inputs (DFSS 2:4 with ``nm24``), or ``None`` where it can.
@@ -340,6 +558,15 @@ def _desc(t: torch.Tensor, rows: int, groups: bool = False) -> TensorDescriptor:
 
 
 _kernel = FastLaunch(_attn_fwd)
+_kernel_ws = FastLaunch(_attn_fwd_ws)
+#: registers per thread of the warp-specialised kernel at entry: its 12 warps (two consumer warp
+#: groups, a producer warp padded to a group) share the SM's 64K; setmaxnreg then moves them
+_WS_MAXNREG = 168
+
+
+def kernel_for(cfg: dict) -> FastLaunch:
+    """The launcher of the kernel that ``cfg`` runs: warp-specialised (key ``WS``) or not."""
+    return _kernel_ws if cfg.get("WS") else _kernel
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, pos_off: int,
@@ -348,18 +575,26 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cau
     float32, contiguous) of dense attention, or of DFSS 2:4 with ``nm24`` (:func:`applies` says when),
     causal with query ``i`` at position ``i + pos_off``, under the launch configuration ``cfg``
     (``configs.GLUON_FWD``'s keys)."""
+    if cfg.get("WS") and cfg["BLOCK_M"] != 128:
+        raise ValueError(f"the warp-specialised Gluon forward runs query tiles of 128 (two warp groups of 64), "
+                         f"not BLOCK_M={cfg['BLOCK_M']}")
     grid, args = launch_args(q, k, v, scale, pos_off, out, lse, cfg, nm24)
-    _kernel[grid](*args, CAUSAL=causal, STAGES=cfg["STAGES"], V_STAGES=cfg.get("V_STAGES", cfg["STAGES"]), NM=nm24,
-                  num_warps=cfg["num_warps"])
+    stages, v_stages = cfg["STAGES"], cfg.get("V_STAGES", cfg["STAGES"])
+    if cfg.get("WS"):
+        _kernel_ws[grid](*args, CAUSAL=causal, STAGES=stages, V_STAGES=v_stages, NM=nm24,
+                         PINGPONG=bool(cfg.get("PINGPONG", True)), num_warps=4, maxnreg=_WS_MAXNREG)
+    else:
+        _kernel[grid](*args, CAUSAL=causal, STAGES=stages, V_STAGES=v_stages, NM=nm24, num_warps=cfg["num_warps"])
 
 
 def launch_args(q, k, v, scale: float, pos_off: int, out, lse, cfg: dict, nm24: bool) -> tuple:
     """``(grid, args)`` of :func:`forward`'s launch: its positional arguments (the descriptors of q, k,
     v and out, then lse and the sizes). A launch plan repeats them with a call's own tensors
-    (``backend._GluonPlan``)."""
+    (``backend._GluonPlan``). The warp-specialised kernel reads each half of a query tile apart."""
     B, Hq, Nq, D = q.shape
     Hk, Nk = k.shape[1], k.shape[2]
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    rows = bm // 2 if cfg.get("WS") else bm
     grid = (triton.cdiv(Nq, bm), B * Hq)
-    return grid, (_desc(q, bm), _desc(k, bn, nm24), _desc(v, bn, nm24), _desc(out, bm), lse, Hq, Hq // Hk, Nq, Nk,
-                  pos_off, scale * LOG2E)
+    return grid, (_desc(q, rows), _desc(k, bn, nm24), _desc(v, bn, nm24), _desc(out, rows), lse, Hq, Hq // Hk, Nq,
+                  Nk, pos_off, scale * LOG2E)
