@@ -29,10 +29,11 @@ from attention import attncomp_fn, bench_ms, config_name, flops, make_inputs, sd
 from hopper import gemm_tflops  # noqa: E402
 
 # (BLOCK_M, BLOCK_N, warps, key ring, value ring[, kind]); kind "ws": the warp-specialised kernel (two
-# consumer warp groups of BLOCK_M / 2 queries taking turns, a producer warp), "wsnp": the same without turns
+# or three consumer warp groups of 64 queries, taking turns when two, and a producer warp), "wsnp": without turns
 VARIANTS = {64: [(64, 128, 4, 2, 2), (64, 128, 4, 2, 1), (64, 64, 4, 2, 2), (128, 64, 8, 2, 2), (128, 128, 8, 2, 2),
                  (128, 128, 4, 2, 2, "ws"), (128, 128, 4, 3, 3, "ws"), (128, 128, 4, 2, 2, "wsnp"),
-                 (128, 128, 4, 3, 3, "wsnp"), (128, 256, 4, 2, 2, "wsnp")],
+                 (128, 128, 4, 3, 3, "wsnp"), (128, 256, 4, 2, 2, "wsnp"), (192, 128, 4, 2, 2, "wsnp"),
+                 (192, 128, 4, 3, 3, "wsnp")],
             128: [(128, 128, 8, 2, 2), (128, 128, 8, 2, 1), (64, 128, 4, 2, 1), (64, 64, 4, 2, 2), (64, 64, 4, 3, 3),
                   (64, 128, 4, 2, 2), (128, 128, 4, 2, 2, "ws"), (128, 128, 4, 2, 2, "wsnp"), (128, 64, 4, 3, 3, "ws"),
                   (128, 128, 4, 3, 2, "ws"), (128, 128, 4, 3, 2, "wsnp"), (128, 128, 4, 2, 1, "wsnp")]}
@@ -123,7 +124,7 @@ def run(args) -> list:
         timed.append(("attncomp default", bench_ms(attncomp_fn(policy, causal, q, k, v, None, "fwd"),
                                                    False)))
         ran.append(f"{policy} D={D} N={N} causal={int(causal)}: {config_name(TB.last_configs['fwd'])}")
-        default = configs.gluon_config(D, causal, policy == "dfss")  # None: the template's sites
+        default = configs.gluon_config(D, causal, policy == "dfss", N)  # None: the template's sites
         variants = VARIANTS[D] if N in args.variants_at else []
         cfgs = ([dict(default, KERNEL="gluon")] if default else []) + [
             dict(_cfg(x), KERNEL="gluon") for x in variants if _cfg(x) != default]

@@ -1,5 +1,5 @@
 """The Gluon Hopper forward (``attncomp/codegen/triton/hopper.py``) on an sm_90 GPU, dense and DFSS 2:4:
-every configuration of ``configs.GLUON_FWD`` / ``GLUON_FWD_DFSS`` (and one more) against the float64
+every configuration of ``configs.GLUON_FWD`` / ``GLUON_FWD_SHORT`` / ``GLUON_FWD_DFSS`` (and more) against the float64
 reference, output and ``lse`` written into poisoned buffers, at odd lengths, GQA, causal aligned top-left and
 bottom-right, float16 and bfloat16, tied logits (DFSS); the template's backward from its ``lse``; and which
 calls the backend hands to it.
@@ -43,13 +43,17 @@ def TB(monkeypatch):
 def _configs(D, dfss=False):
     from attncomp.codegen.triton import configs
 
-    table = configs.GLUON_FWD_DFSS if dfss else configs.GLUON_FWD
-    own = [c for (d, _), c in sorted(table.items(), key=str) if d == D]
+    table = configs.GLUON_FWD_DFSS if dfss else {**configs.GLUON_FWD, **{(d, c, "short"): cfg for (d, c), cfg
+                                                                     in configs.GLUON_FWD_SHORT.items()}}
+    own = [c for (d, *_), c in sorted(table.items(), key=str) if d == D]
     own = [c for i, c in enumerate(own) if c not in own[:i]]
     more = [dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, STAGES=2, V_STAGES=2),  # two warp groups per block
             dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, STAGES=2, V_STAGES=1),  # one warp group per block
-            # warp-specialised, the consumers taking turns
-            dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, STAGES=2, V_STAGES=2, WS=True, PINGPONG=True)]
+            # warp-specialised: two consumers taking turns; three
+            dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, STAGES=2, V_STAGES=2, WS=True, PINGPONG=True),
+            dict(BLOCK_M=192, BLOCK_N=128, num_warps=4, STAGES=2, V_STAGES=2, WS=True, PINGPONG=False)]
+    if D == 128:  # (three consumers spill at D=128)
+        more.pop()
     return [dict(c, KERNEL="gluon") for c in own + [c for c in more if c not in own]]
 
 

@@ -81,3 +81,20 @@ def test_gluon_forward_compiles_for_hopper(tmp_path):
     for r in gluon:
         assert "error" not in r, r
         assert r["fits"] and r["blocks_per_sm"] >= 1 and r["spill"] == 0 and r["wgmma"] > 0, r
+
+
+@pytest.mark.parametrize("bad", [dict(BLOCK_M=256, PINGPONG=False), dict(BLOCK_M=64, PINGPONG=False),
+                                 dict(BLOCK_M=192, PINGPONG=True)], ids=["256", "64", "192-turns"])
+def test_warp_specialised_config_is_checked(bad):
+    """A warp-specialised configuration the kernel cannot run (query tiles other than two or three warp
+    groups of 64, turns with three) raises before anything is built or launched."""
+    import torch
+
+    try:
+        from attncomp.codegen.triton import hopper
+    except ImportError as e:  # a Triton without Gluon
+        pytest.skip(str(e))
+    q = torch.zeros(1, 1, 256, 64, dtype=torch.bfloat16)
+    cfg = dict(BLOCK_N=128, num_warps=4, STAGES=2, V_STAGES=2, WS=True, **bad)
+    with pytest.raises(ValueError, match="warp-specialised"):
+        hopper.forward(q, q, q, 0.125, False, 0, torch.empty_like(q), torch.empty(1, 1, 256), cfg)

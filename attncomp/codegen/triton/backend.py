@@ -537,7 +537,7 @@ def _gluon_forward(spec, q, k, v, attn_mask, dropout_p, preds, block_pattern, la
                                             config is not None)
     cfg = None
     if why is None:  # (without a config, _gluon_why_not checked that a default exists)
-        cfg = config or configs.gluon_config(q.shape[-1], causal, nm24)
+        cfg = config or configs.gluon_config(q.shape[-1], causal, nm24, q.shape[2])
         if _GLUON_OFF:  # configurations whose compile failed (only then is the key built)
             why = _GLUON_OFF.get((nm24, *sorted(cfg.items())))
     if q.is_cuda:

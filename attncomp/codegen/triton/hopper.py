@@ -23,11 +23,11 @@ D)`` view, so that column ``r * G + g`` of ``Q K^T`` holds member ``r`` of group
 members of a group sit in one thread's registers (the template gets the same from its key order,
 ``common._key_order``); ``P @ V`` reads the value rows in the same order.
 
-The warp-specialised kernel (:func:`_attn_fwd_ws`, configuration key ``WS``) runs the same loop in two
-consumer warp groups, each on one half of a 128-query tile, fed by a producer warp that owns every TMA
-copy (the rings' slots are released by both consumers before the producer refills them), with the
-registers moved to the consumers (``setmaxnreg``); ``PINGPONG`` makes the consumers take turns issuing
-their matrix products.
+The warp-specialised kernel (:func:`_attn_fwd_ws`, configuration key ``WS``) runs the same loop in two or
+three consumer warp groups, each on 64 rows of a 128- or 192-query tile, fed by a producer warp that owns
+every TMA copy (the rings' slots are released by every consumer before the producer refills them), with
+the registers moved to the consumers (``setmaxnreg``); ``PINGPONG`` makes two consumers take turns
+issuing their matrix products.
 
 It computes what the template's forward computes for a site whose policy keeps every entry or is DFSS
 2:4, with no mask tensor, no predicate vectors and no dropout: ``out`` and ``lse`` of DESIGN.md §4. Which sites it
@@ -300,27 +300,29 @@ def _kv_step(j, q, k_buf, v_buf, k_bar, v_bar, k_desc, v_desc, m_i, l_i, o, p_cu
 
 
 # -- the warp-specialised forward (configuration key ``WS``) ----------------------------------------
-# Per block of ``BLOCK_M = 2 * M_WG`` queries: a producer warp fills the query halves and the key and
-# value rings through TMA; two consumer warp groups, one per half of the query tile, each run the
-# loop of :func:`_kv_step` on their ``M_WG`` rows (the softmax of tile ``j`` while ``P_{j-1} V_{j-1}``
-# runs), sharing the rings: a slot is refilled once both consumers released it (its ``empty``
-# barrier counts two arrivals). With ``PINGPONG`` the consumers take turns issuing their matrix
-# products (a barrier per consumer, passed after each issue), so that one warp group's softmax runs
-# while the tensor cores serve the other's products. Registers go where the work is
-# (``setmaxnreg``): 240 per consumer thread, 24 per producer thread.
+# Per block of ``BLOCK_M = NUM_WG * M_WG`` queries (``M_WG`` = 64, ``NUM_WG`` 2 or 3): a producer warp
+# fills each consumer's query rows and the key and value rings through TMA; ``NUM_WG`` consumer warp
+# groups, one per ``M_WG`` rows of the query tile, each run the loop of :func:`_kv_step` (the softmax of
+# tile ``j`` while ``P_{j-1} V_{j-1}`` runs), sharing the rings: a slot is refilled once every consumer
+# released it (its ``empty`` barrier counts ``NUM_WG`` arrivals). With ``PINGPONG`` (two consumers) they
+# take turns issuing their matrix products (a barrier per consumer, passed after each issue), so that one
+# warp group's softmax runs while the tensor cores serve the other's products. Registers go where the
+# work is (``setmaxnreg``, ``_WS_REGS``): 240 per consumer thread with two, 160-168 with three, 24 per
+# producer thread.
 
 
 @gluon.jit
 def _ws_load(q_desc, k_desc, v_desc, q_buf, k_buf, v_buf, q_bar, k_ready, k_empty, v_ready, v_empty, b, h, hk,
              start_m, hi, NM: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr):
-    """The producer: both query halves, then key tile ``j`` and value tile ``j`` for ``j < hi``, each
-    into its ring slot once both consumers released what the slot held."""
+    """The producer: every consumer's query rows, then key tile ``j`` and value tile ``j`` for ``j < hi``,
+    each into its ring slot once every consumer released what the slot held."""
     M_WG: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     BOXES: gl.constexpr = 4 * (HEAD_D // k_desc.block_type.shape[4]) if NM else 1
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2] * (4 if NM else 1)
     kv_bytes: gl.constexpr = k_desc.block_type.nbytes * BOXES
-    for w in gl.static_range(2):
+    NUM_WG: gl.constexpr = q_buf.shape[0]
+    for w in gl.static_range(NUM_WG):
         mbarrier.expect(q_bar.index(w), q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [b, h, start_m + w * M_WG, 0], q_bar.index(w), q_buf.index(w))
     for j in range(hi):
@@ -357,10 +359,12 @@ def _ws_release(bar):
 
 
 @gluon.jit
-def _ws_consume(o_desc, lse_ptr, q_buf, k_buf, v_buf, q_bar, k_ready, k_empty, v_ready, v_empty, turn, bh, b, h,
-                start_m, n_q, n_k, off, qk_scale, hi, n_full, WG: gl.constexpr, CAUSAL: gl.constexpr,
-                NM: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr, PINGPONG: gl.constexpr):
-    """Consumer ``WG``: rows ``[start_m + WG * M_WG, start_m + (WG + 1) * M_WG)`` of the query tile."""
+def _ws_consume(o_desc, lse_ptr, smem, bh, b, h, start_m, n_q, n_k, off, qk_scale, hi, n_full, WG: gl.constexpr,
+                CAUSAL: gl.constexpr, NM: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr,
+                PINGPONG: gl.constexpr):
+    """Consumer ``WG``: rows ``[start_m + WG * M_WG, start_m + (WG + 1) * M_WG)`` of the query tile;
+    ``smem``: the buffers and barriers the partitions share."""
+    q_buf, k_buf, v_buf, q_bar, k_ready, k_empty, v_ready, v_empty, turn = smem
     M_WG: gl.constexpr = o_desc.block_type.shape[2]
     HEAD_D: gl.constexpr = o_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_buf.shape[3] * (4 if NM else 1)
@@ -456,9 +460,9 @@ def _ws_step(j, q, k_buf, v_buf, k_ready, k_empty, v_ready, v_empty, turn, m_i, 
 @gluon.jit
 def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, lse_ptr, Hq, groups, n_q, n_k, off, qk_scale,
                  CAUSAL: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr, NM: gl.constexpr,
-                 PINGPONG: gl.constexpr, num_warps: gl.constexpr):
+                 PINGPONG: gl.constexpr, NUM_WG: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     M_WG: gl.constexpr = q_desc.block_type.shape[2]
-    BLOCK_M: gl.constexpr = 2 * M_WG
+    BLOCK_M: gl.constexpr = NUM_WG * M_WG
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     BOXES: gl.constexpr = 4 * (HEAD_D // k_desc.block_type.shape[4]) if NM else 1
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2] * (4 if NM else 1)
@@ -471,24 +475,25 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, lse_ptr, Hq, groups, n_q, n_k, 
     hk = h // groups
     start_m = pid_m * BLOCK_M
 
-    q_buf = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    q_buf = gl.allocate_shared_memory(dtype, [NUM_WG] + q_desc.block_type.shape, q_desc.layout)
     k_buf = gl.allocate_shared_memory(dtype, [STAGES * BOXES] + k_desc.block_type.shape, k_desc.layout)
     v_buf = gl.allocate_shared_memory(dtype, [V_STAGES * BOXES] + v_desc.block_type.shape, v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_bar = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
+    for i in gl.static_range(NUM_WG):
         mbarrier.init(q_bar.index(i), count=1)
+    for i in gl.static_range(2):
         mbarrier.init(turn.index(i), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)
+        mbarrier.init(k_empty.index(i), count=NUM_WG)
     for i in gl.static_range(V_STAGES):
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(v_empty.index(i), count=2)
+        mbarrier.init(v_empty.index(i), count=NUM_WG)
     fence_async_shared()
     if PINGPONG:  # the first consumer takes the first turn
         mbarrier.arrive(turn.index(0), count=1)
@@ -501,14 +506,28 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, lse_ptr, Hq, groups, n_q, n_k, 
         n_full = gl.minimum(n_full, (start_m + off + 1) // BLOCK_N)
     n_full = gl.maximum(n_full, 1)
 
-    gl.warp_specialize([
-        (_ws_consume, (o_desc, lse_ptr, q_buf, k_buf, v_buf, q_bar, k_ready, k_empty, v_ready, v_empty, turn, bh, b,
-                       h, start_m, n_q, n_k, off, qk_scale, hi, n_full, 0, CAUSAL, NM, STAGES, V_STAGES, PINGPONG)),
-        (_ws_consume, (o_desc, lse_ptr, q_buf, k_buf, v_buf, q_bar, k_ready, k_empty, v_ready, v_empty, turn, bh, b,
-                       h, start_m, n_q, n_k, off, qk_scale, hi, n_full, 1, CAUSAL, NM, STAGES, V_STAGES, PINGPONG)),
-        (_ws_load, (q_desc, k_desc, v_desc, q_buf, k_buf, v_buf, q_bar, k_ready, k_empty, v_ready, v_empty, b, h, hk,
-                    start_m, hi, NM, STAGES, V_STAGES)),
-    ], [4, 1], [240, 24])
+    # (turns: two consumers only)
+    smem = (q_buf, k_buf, v_buf, q_bar, k_ready, k_empty, v_ready, v_empty, turn)
+    if NUM_WG == 2:
+        gl.warp_specialize([
+            (_ws_consume, (o_desc, lse_ptr, smem, bh, b, h, start_m, n_q, n_k, off, qk_scale, hi, n_full, 0, CAUSAL,
+                           NM, STAGES, V_STAGES, PINGPONG)),
+            (_ws_consume, (o_desc, lse_ptr, smem, bh, b, h, start_m, n_q, n_k, off, qk_scale, hi, n_full, 1, CAUSAL,
+                           NM, STAGES, V_STAGES, PINGPONG)),
+            (_ws_load, (q_desc, k_desc, v_desc, q_buf, k_buf, v_buf, q_bar, k_ready, k_empty, v_ready, v_empty, b, h,
+                        hk, start_m, hi, NM, STAGES, V_STAGES)),
+        ], [4, 1], [CONSUMER_REGS, 24])
+    else:
+        gl.warp_specialize([
+            (_ws_consume, (o_desc, lse_ptr, smem, bh, b, h, start_m, n_q, n_k, off, qk_scale, hi, n_full, 0, CAUSAL,
+                           NM, STAGES, V_STAGES, False)),
+            (_ws_consume, (o_desc, lse_ptr, smem, bh, b, h, start_m, n_q, n_k, off, qk_scale, hi, n_full, 1, CAUSAL,
+                           NM, STAGES, V_STAGES, False)),
+            (_ws_consume, (o_desc, lse_ptr, smem, bh, b, h, start_m, n_q, n_k, off, qk_scale, hi, n_full, 2, CAUSAL,
+                           NM, STAGES, V_STAGES, False)),
+            (_ws_load, (q_desc, k_desc, v_desc, q_buf, k_buf, v_buf, q_bar, k_ready, k_empty, v_ready, v_empty, b, h,
+                        hk, start_m, hi, NM, STAGES, V_STAGES)),
+        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
 
 
 def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos_off: int, nm24: bool = False,
@@ -559,9 +578,10 @@ def _desc(t: torch.Tensor, rows: int, groups: bool = False) -> TensorDescriptor:
 
 _kernel = FastLaunch(_attn_fwd)
 _kernel_ws = FastLaunch(_attn_fwd_ws)
-#: registers per thread of the warp-specialised kernel at entry: its 12 warps (two consumer warp
-#: groups, a producer warp padded to a group) share the SM's 64K; setmaxnreg then moves them
-_WS_MAXNREG = 168
+#: per number of consumer warp groups of the warp-specialised kernel: registers per thread at entry
+#: (the consumers and the producer warp, padded to a group, share the SM's 64K) and per consumer
+#: thread after ``setmaxnreg`` (the producer's group keeps 24)
+_WS_REGS = {2: (168, 240), 3: (128, 160)}
 
 
 def kernel_for(cfg: dict) -> FastLaunch:
@@ -575,14 +595,18 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cau
     float32, contiguous) of dense attention, or of DFSS 2:4 with ``nm24`` (:func:`applies` says when),
     causal with query ``i`` at position ``i + pos_off``, under the launch configuration ``cfg``
     (``configs.GLUON_FWD``'s keys)."""
-    if cfg.get("WS") and cfg["BLOCK_M"] != 128:
-        raise ValueError(f"the warp-specialised Gluon forward runs query tiles of 128 (two warp groups of 64), "
-                         f"not BLOCK_M={cfg['BLOCK_M']}")
+    if cfg.get("WS") and (cfg["BLOCK_M"] not in (128, 192) or (cfg.get("PINGPONG", True) and cfg["BLOCK_M"] != 128)):
+        raise ValueError(f"the warp-specialised Gluon forward runs query tiles of 128 or 192 (two or three consumer "
+                         f"warp groups of 64; turns with two), not BLOCK_M={cfg['BLOCK_M']}"
+                         f"{' with PINGPONG' if cfg.get('PINGPONG', True) else ''}")
     grid, args = launch_args(q, k, v, scale, pos_off, out, lse, cfg, nm24)
     stages, v_stages = cfg["STAGES"], cfg.get("V_STAGES", cfg["STAGES"])
     if cfg.get("WS"):
+        wg = cfg["BLOCK_M"] // 64
+        maxnreg, regs = _WS_REGS[wg]
         _kernel_ws[grid](*args, CAUSAL=causal, STAGES=stages, V_STAGES=v_stages, NM=nm24,
-                         PINGPONG=bool(cfg.get("PINGPONG", True)), num_warps=4, maxnreg=_WS_MAXNREG)
+                         PINGPONG=bool(cfg.get("PINGPONG", True)), NUM_WG=wg, CONSUMER_REGS=regs, num_warps=4,
+                         maxnreg=maxnreg)
     else:
         _kernel[grid](*args, CAUSAL=causal, STAGES=stages, V_STAGES=v_stages, NM=nm24, num_warps=cfg["num_warps"])
 
@@ -594,7 +618,7 @@ def launch_args(q, k, v, scale: float, pos_off: int, out, lse, cfg: dict, nm24: 
     B, Hq, Nq, D = q.shape
     Hk, Nk = k.shape[1], k.shape[2]
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    rows = bm // 2 if cfg.get("WS") else bm
+    rows = 64 if cfg.get("WS") else bm
     grid = (triton.cdiv(Nq, bm), B * Hq)
     return grid, (_desc(q, rows), _desc(k, bn, nm24), _desc(v, bn, nm24), _desc(out, rows), lse, Hq, Hq // Hk, Nq,
                   Nk, pos_off, scale * LOG2E)
