@@ -156,6 +156,18 @@ def _nm_cols(BLOCK_N: gl.constexpr, layout: gl.constexpr):
 
 
 @gluon.jit
+def _key_range(n_k, start_m, off, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """``(hi, n_full)`` of the query tile from ``start_m``: key tiles ``[0, hi)`` are visited (all, or up
+    to the diagonal), ``[0, n_full)`` need no mask for any of its rows (at least the first is masked)."""
+    hi = gl.cdiv(n_k, BLOCK_N)
+    n_full = n_k // BLOCK_N
+    if CAUSAL:
+        hi = gl.minimum(hi, gl.cdiv(start_m + BLOCK_M + off, BLOCK_N))
+        n_full = gl.minimum(n_full, (start_m + off + 1) // BLOCK_N)
+    return hi, gl.maximum(n_full, 1)
+
+
+@gluon.jit
 def _attn_fwd(q_desc, k_desc, v_desc, o_desc, lse_ptr, Hq, groups, n_q, n_k, off, qk_scale,
               CAUSAL: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr, NM: gl.constexpr,
               num_warps: gl.constexpr):
@@ -197,13 +209,7 @@ def _attn_fwd(q_desc, k_desc, v_desc, o_desc, lse_ptr, Hq, groups, n_q, n_k, off
         mbarrier.init(v_bar.index(i), count=1)
     fence_async_shared()
 
-    # key tiles [0, hi): all of them, or up to the diagonal; [0, n_full) need no mask
-    hi = gl.cdiv(n_k, BLOCK_N)
-    n_full = n_k // BLOCK_N
-    if CAUSAL:
-        hi = gl.minimum(hi, gl.cdiv(start_m + BLOCK_M + off, BLOCK_N))
-        n_full = gl.minimum(n_full, (start_m + off + 1) // BLOCK_N)
-    n_full = gl.maximum(n_full, 1)
+    hi, n_full = _key_range(n_k, start_m, off, BLOCK_M, BLOCK_N, CAUSAL)
 
     kv_bytes: gl.constexpr = k_desc.block_type.nbytes * BOXES
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
@@ -498,13 +504,7 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, lse_ptr, Hq, groups, n_q, n_k, 
     if PINGPONG:  # the first consumer takes the first turn
         mbarrier.arrive(turn.index(0), count=1)
 
-    # key tiles [0, hi) for the whole query tile; [0, n_full) need no mask for any of its rows
-    hi = gl.cdiv(n_k, BLOCK_N)
-    n_full = n_k // BLOCK_N
-    if CAUSAL:
-        hi = gl.minimum(hi, gl.cdiv(start_m + BLOCK_M + off, BLOCK_N))
-        n_full = gl.minimum(n_full, (start_m + off + 1) // BLOCK_N)
-    n_full = gl.maximum(n_full, 1)
+    hi, n_full = _key_range(n_k, start_m, off, BLOCK_M, BLOCK_N, CAUSAL)  # (for every consumer's rows)
 
     # (turns: two consumers only)
     smem = (q_buf, k_buf, v_buf, q_bar, k_ready, k_empty, v_ready, v_empty, turn)
