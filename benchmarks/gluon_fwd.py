@@ -51,11 +51,7 @@ def _cfg(v):
 
 
 def _name(v) -> str:
-    return "gluon %dx%dw%ds%dv%d" % v[:5] + (" " + v[5] if len(v) > 5 else "")
-
-
-def _name_of(cfg) -> str:
-    return config_name(dict(cfg, KERNEL="gluon"))
+    return config_name(dict(_cfg(v), KERNEL="gluon"))
 
 
 def check(variants, args) -> list:
@@ -129,7 +125,7 @@ def run(args) -> list:
         cfgs = ([dict(default, KERNEL="gluon")] if default else []) + [
             dict(_cfg(x), KERNEL="gluon") for x in variants if _cfg(x) != default]
         for cfg in cfgs:
-            name = _name_of(cfg)
+            name = config_name(cfg)
             try:  # through the backend's host path, as a model's call runs it
                 ms = bench_ms(lambda: TB.attention_forward(spec, q, k, v, config=cfg), False)
             except Exception as e:  # a configuration that does not fit is reported, the others go on

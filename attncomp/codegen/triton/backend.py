@@ -577,6 +577,7 @@ class _GluonPlan:
 
     def __init__(self, mod, spec, q, off: int, cfg: dict, nm24: bool, entry: tuple, state: tuple):
         self.mod, self.cfg, self.nm24, self.entry, self.state = mod, cfg, nm24, entry, state
+        self.kernel = mod.kernel_for(cfg)
         self.scale, self.off = _scale(spec, q.shape[-1]), off
         self.config = dict(cfg, KERNEL="gluon")
         B, Hq, Nq, D = q.shape
@@ -584,7 +585,7 @@ class _GluonPlan:
 
     def call(self, q, k, v, attn_mask, q_valid, k_valid, seed):
         """``(out, lse)`` for the call's tensors, or None where the plan does not hold now."""
-        kernel = self.mod.kernel_for(self.cfg)
+        kernel = self.kernel
         state = _state(_seed_word(0))
         if state != self.state or not configs.gluon_enabled() or not kernel.short_path_open():
             return None

@@ -142,10 +142,10 @@ GPU_DEFAULTS_NM: Dict[str, Dict[tuple, Config]] = {
 # kernel (two consumer warp groups of ``BLOCK_M / 2`` queries and a producer warp; ``PINGPONG``: the
 # consumers take turns issuing their products). From ``benchmarks/gluon_fwd.py`` on an H100 (bf16,
 # B=4, H=16, N=16384; benchmarks/README.md "A Gluon forward for Hopper" and "The warp-specialised
-# Gluon forward"): at D=128 the warp-specialised 128x128 kernel without turns measured 1.11x / 1.06-1.14x
-# cuDNN (full / causal) against 0.86-0.94x for the one-warp-group kernel; with turns 1.06x / 1.09x. At
-# D=64 three consumer warp groups (192-query tiles) measured 1.09-1.10x / 1.03-1.06x, two 0.91-0.97x, the
-# one-warp-group kernel 0.99x / 1.00-1.01x in the same call.
+# Gluon forward"): at D=128 the warp-specialised 128x128 kernel without turns measured 0.99-1.11x /
+# 1.06-1.14x cuDNN (full / causal, over the calls) against 0.87-0.94x for the one-warp-group kernel; with
+# turns 1.06x / 1.09x. At D=64 three consumer warp groups (192-query tiles) measured 1.09-1.10x / 1.03-1.06x,
+# two 0.91-0.97x / 0.96x, the one-warp-group kernel 0.99x / 0.96-1.01x in the same call.
 _WS = dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, STAGES=2, V_STAGES=2, WS=True, PINGPONG=False)
 GLUON_FWD: Dict[tuple, Config] = {
     (64, False): dict(_WS, BLOCK_M=192),
@@ -154,10 +154,10 @@ GLUON_FWD: Dict[tuple, Config] = {
     (128, True): _WS,
 }
 # DFSS 2:4 through the same kernels (hopper.py, NM; key/value tiles read as one TMA box per member and
-# 128-byte column chunk). The warp-specialised kernel: D=128 0.83x / 0.89x dense cuDNN (full / causal,
-# N=16384) against 0.70-0.74x / 0.77-0.79x for the one-warp-group kernel and 0.67x / 0.74x for the
-# template; D=64 (three-deep rings) 0.81-0.82x / 0.81x against the template's 0.70x (three consumer warp
-# groups spill there: 0.59-0.79x).
+# 128-byte column chunk). The warp-specialised kernel: D=128 0.83-0.84x / 0.84-0.89x dense cuDNN (full /
+# causal, N=16384, over the calls) against 0.70-0.74x / 0.77-0.79x for the one-warp-group kernel and
+# 0.67x / 0.74x for the template; D=64 (three-deep rings) 0.79-0.82x / 0.79-0.81x against the template's
+# 0.69-0.70x (three consumer warp groups spill there: 0.59-0.79x).
 GLUON_FWD_DFSS: Dict[tuple, Config] = {
     (64, False): dict(_WS, STAGES=3, V_STAGES=3),
     (64, True): dict(_WS, STAGES=3, V_STAGES=3),
@@ -172,7 +172,7 @@ GLUON_MIN_KEYS = 2048
 # Dense causal sites at D=64 with fewer queries than this: one warp group per block (2-3 blocks per SM)
 # balance the causal tiles better than 192-query tiles on one block per SM: at N=4096 the warp-specialised
 # kernel measured 0.85x cuDNN, the one-warp-group kernel 0.95-0.99x (H100, attention.py, two calls; at
-# N=16384 1.04-1.06x against 0.97-1.01x).
+# N=16384 1.03-1.06x against 0.96-1.01x).
 GLUON_FWD_SHORT: Dict[tuple, Config] = {
     (64, True): dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, STAGES=2, V_STAGES=2),
 }

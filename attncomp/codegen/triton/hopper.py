@@ -168,6 +168,19 @@ def _key_range(n_k, start_m, off, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, 
 
 
 @gluon.jit
+def _write_out(o, m_i, l_i, q, q_tile, o_desc, lse_ptr, b, h, bh, row0, rows, n_q, row_o: gl.constexpr):
+    """The epilogue: ``O / l`` written through TMA from the query rows' buffer ``q_tile`` (``q``: its MMA
+    view; rows past ``N`` clipped) and the natural-log ``lse`` of ``rows``."""
+    o = o / gl.expand_dims(gl.convert_layout(l_i, row_o), 1)
+    q.store(o.to(o_desc.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [b, h, row0, 0], q_tile)
+    lse = (m_i + gl.log2(l_i)) / 1.4426950408889634
+    gl.store(lse_ptr + bh.to(gl.int64) * n_q + rows, lse, mask=rows < n_q)
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
 def _attn_fwd(q_desc, k_desc, v_desc, o_desc, lse_ptr, Hq, groups, n_q, n_k, off, qk_scale,
               CAUSAL: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr, NM: gl.constexpr,
               num_warps: gl.constexpr):
@@ -264,14 +277,7 @@ def _attn_fwd(q_desc, k_desc, v_desc, o_desc, lse_ptr, Hq, groups, n_q, n_k, off
         mbarrier.invalidate(v_bar.index(i))
     mbarrier.invalidate(q_bar)
 
-    l_o = gl.convert_layout(l_i, row_o)
-    o = o / gl.expand_dims(l_o, 1)
-    q.store(o.to(dtype))  # the query tile's buffer holds the output tile
-    fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [b, h, start_m, 0], q_buf)
-    lse = (m_i + gl.log2(l_i)) / 1.4426950408889634
-    gl.store(lse_ptr + bh.to(gl.int64) * n_q + rows, lse, mask=rows < n_q)
-    tma.store_wait(pendings=0)
+    _write_out(o, m_i, l_i, q, q_buf, o_desc, lse_ptr, b, h, bh, start_m, rows, n_q, row_o)
 
 
 @gluon.jit
@@ -358,8 +364,9 @@ def _ws_pass(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
 
 @gluon.jit
 def _ws_release(bar):
-    """Releases a ring slot that this warp group's finished MMAs read: every warp has waited for them
-    before the one arrival (one thread's) counts for the group."""
+    """Releases a ring slot that this warp group's finished MMAs read: one arrival for the group (the
+    slot's ``empty`` barrier expects one per consumer), after every warp of the group has waited for
+    its MMAs."""
     gl.thread_barrier()
     mbarrier.arrive(bar, count=1)
 
@@ -425,14 +432,8 @@ def _ws_consume(o_desc, lse_ptr, smem, bh, b, h, start_m, n_q, n_k, off, qk_scal
     _ws_pass(turn, WG, PINGPONG)
     o = warpgroup_mma_wait(0, deps=(o_tok, ))
 
-    l_o = gl.convert_layout(l_i, row_o)
-    o = o / gl.expand_dims(l_o, 1)
-    q.store(o.to(dtype))  # this half's query buffer holds its output tile (no MMA reads it any more)
-    fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [b, h, row0, 0], q_buf.index(WG))
-    lse = (m_i + gl.log2(l_i)) / 1.4426950408889634
-    gl.store(lse_ptr + bh.to(gl.int64) * n_q + rows, lse, mask=rows < n_q)
-    tma.store_wait(pendings=0)
+    # (this consumer's query buffer holds its output tile: no MMA reads it any more)
+    _write_out(o, m_i, l_i, q, q_buf.index(WG), o_desc, lse_ptr, b, h, bh, row0, rows, n_q, row_o)
 
 
 @gluon.jit
