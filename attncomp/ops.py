@@ -359,7 +359,8 @@ def call_signature(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
 
 # -- launch plans at the op ---------------------------------------------------------------------------
 # A backend may keep a launch plan for a call (the Triton backend: the template's dense and DFSS
-# forwards that build nothing per call, and the Gluon forward; the SDPA backend: every forward it runs).
+# forwards that build nothing per call, the Gluon forward, and the recorded hash/drop forwards, which
+# alone take calls with policy tensors (``takes_aux``); the SDPA backend: every forward it runs).
 # The op keeps the plan a call took under the call's own key (the spec string, the tensors' signature,
 # what backend selection reads besides), so that a repeated call goes from here to the plan without
 # parsing, selecting or checking again. The plan itself checks what else it depends on
@@ -375,10 +376,11 @@ def _selection_state() -> tuple:
     return _select_env()
 
 
-def _call_key(spec: str, q, k, v, attn_mask, q_valid, k_valid, dropout_p, seed) -> tuple:
+def _call_key(spec: str, q, k, v, attn_mask, q_valid, k_valid, dropout_p, seed, q_aux=None, k_aux=None) -> tuple:
     preds = None if q_valid is None and k_valid is None else (q_valid, k_valid)
     s = seed_mix(seed)  # by what kernels specialise an integer on (1, multiple of 16): one plan per class
-    return spec, _selection_state(), call_signature(q, k, v, attn_mask, preds, dropout_p), s == 1, s & 15 == 0
+    return (spec, _selection_state(), call_signature(q, k, v, attn_mask, preds, dropout_p), s == 1, s & 15 == 0,
+            _tensor_sig(q_aux), _tensor_sig(k_aux))
 
 
 _select = None
@@ -404,13 +406,14 @@ def _attention_impl(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor]
                     q_valid: Optional[Tensor], k_valid: Optional[Tensor], spec: str, dropout_p: float,
                     seed: int) -> Tuple[Tensor, Tensor]:
     key = state = None
-    if (q_aux is None and k_aux is None and block_pattern is None and q_pos is None and k_pos is None
-            and q_seg is None and k_seg is None):
+    aux = q_aux is not None or k_aux is not None  # (policy tensors: only plans that take them, see below)
+    if block_pattern is None and q_pos is None and k_pos is None and q_seg is None and k_seg is None:
         if _CALLS:  # (no key is built while no backend has given a plan: the reference alone, say)
-            key = _call_key(spec, q, k, v, attn_mask, q_valid, k_valid, dropout_p, seed)
+            key = _call_key(spec, q, k, v, attn_mask, q_valid, k_valid, dropout_p, seed, q_aux, k_aux)
             plan = _CALLS.get(key)
             if plan is not None:
-                res = plan.call(q, k, v, attn_mask, q_valid, k_valid, seed)
+                res = (plan.call(q, k, v, attn_mask, q_valid, k_valid, seed, q_aux=q_aux, k_aux=k_aux) if aux
+                       else plan.call(q, k, v, attn_mask, q_valid, k_valid, seed))
                 if res is not None:
                     return res
         state = _selection_state() if key is None else key[1]
@@ -424,9 +427,11 @@ def _attention_impl(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor]
     if state is not None:
         taken = getattr(be, "taken_plan", None)
         plan = taken() if taken is not None else None
+        if aux and not getattr(plan, "takes_aux", False):
+            plan = None
         if plan is not None and state == _selection_state():  # the choice was a kept one (see selection_state)
             if key is None:
-                key = _call_key(spec, q, k, v, attn_mask, q_valid, k_valid, dropout_p, seed)
+                key = _call_key(spec, q, k, v, attn_mask, q_valid, k_valid, dropout_p, seed, q_aux, k_aux)
             bounded_put(_CALLS, key, plan, _MAX_CALLS)
     return out, lse
 

@@ -5,8 +5,9 @@ timed in one process: ``eager_ms`` (the model as it is), ``compile_ms`` (``torch
 default mode), ``attncomp_ms`` (``attncomp.compile(model, policy)``, dynamo capture + Inductor around
 the op), each the median of ``--iters`` timed calls after 2 warm-up calls (CPU: at least 7 calls, as
 BENCHMARKS.md asks). ``host_us`` is the host time of one op call at the site's spec on a tiny shape
-(1 x 1 x 16 x D, q, k and v laid out as a model's projections give them): what the op adds per call
-besides its arithmetic.
+(1 x 1 x 16 x D, q, k and v laid out as a model's projections give them), called as the compiled
+graph calls it (hash: no buckets, the op derives them; drop: ``attncomp::policy_aux`` draws keep masks
+from a fresh seed, then the op; the draw counts): what the op adds per call besides its arithmetic.
 
 Rows: ``{"model", "device", "mode": "infer"|"train", "B", "N", "policy", "eager_ms", "compile_ms",
 "attncomp_ms", "host_us"}``; a table is printed last, JSON is written to
@@ -134,16 +135,22 @@ def host_us(fast, device, iters: int = 50) -> float:
     q = torch.randn(1, 16, spec.gqa_groups, D, device=device, dtype=dt).transpose(1, 2)
     k = torch.randn(1, 16, 1, D, device=device, dtype=dt).transpose(1, 2)
     v = torch.randn(1, 16, 1, D, device=device, dtype=dt).transpose(1, 2)
-    q_aux, k_aux = attncomp.ops.materialize_aux(spec, q, k)
+    # as the compiled graph calls the op: hash buckets left to the op, drop's keep masks drawn per call
+    # (attncomp::policy_aux, a fresh seed each time)
+    pol = spec.policy.name
     args = [None] * len(A)
-    for name, val in (("q", q), ("k", k), ("v", v), ("q_aux", q_aux), ("k_aux", k_aux), ("spec", spec.to_json()),
-                      ("dropout_p", 0.0), ("seed", 0)):
+    for name, val in (("q", q), ("k", k), ("v", v), ("spec", spec.to_json()), ("dropout_p", 0.0), ("seed", 0)):
         args[A[name]] = val
     if spec.mask_kind != "none":
         args[A["attn_mask"]] = torch.ones(1, 1, 16, 16, dtype=torch.bool, device=device) \
             if spec.mask_kind == "bool" else torch.zeros(1, 1, 16, 16, dtype=dt, device=device)
 
+    seeds = iter(range(1, 1 << 30))
+
     def call():
+        if pol == "drop":
+            aux = torch.ops.attncomp.policy_aux(q, k, args[A["spec"]], next(seeds))
+            args[A["q_aux"]], args[A["k_aux"]] = aux
         torch.ops.attncomp.attention(*args)
 
     return timed_ms(lambda: [call() for _ in range(iters)], 5, device) * 1e3 / iters

@@ -43,8 +43,10 @@ def _expand_kv(x: torch.Tensor, hq: int) -> torch.Tensor:
 
 def tracing() -> bool:
     """Whether torch ops run under a dispatch mode now (fake tensors, functionalisation, a tracer's
-    proxies, or a user's mode): tensors made now must not enter a cache that real calls read."""
-    return torch._C._len_torch_dispatch_stack() > 0
+    proxies, or a user's mode): tensors made now must not enter a cache that real calls read. The
+    mode that records a call's launches (``codegen/triton/record.py``) runs real ops: not counted."""
+    n = torch._C._len_torch_dispatch_stack()
+    return n > 1 or (n == 1 and not getattr(torch._C._get_dispatch_stack_at(0), "records_launches", False))
 
 
 def cacheable(device) -> bool:

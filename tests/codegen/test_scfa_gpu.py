@@ -99,3 +99,48 @@ def test_counting_sort_layout_equals_torch_sort(scfa):
     b = L.sorted_layout(qb, kb)
     for name in ("q_perm", "k_perm", "lo", "hi"):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
+@pytest.mark.parametrize("policy", ["hash", "drop"])
+def test_replayed_sorted_forwards_and_their_backward(policy, monkeypatch):
+    """The op called as compiled graphs call a hash/drop site, five times with fresh inputs (drop: keep
+    masks drawn from a fresh seed each time): from the third call the draw and the forward replay
+    recorded launches (``backend._SortedPlan``/``_DrawPlan``) into poisoned workspaces; outputs and the
+    backward's gradients (which read the replayed layout) match the float32 reference."""
+    pytest.importorskip("triton")
+    from attncomp import ops
+    from attncomp.codegen import reference as R
+    from attncomp.codegen.triton import backend as TB
+    from attncomp.codegen.triton import record
+    from attncomp.policy import Drop, Hash
+    from attncomp.spec import AttentionSpec
+    from tests.utils import poison
+
+    def poisoned(shape, stride, dtype, device):
+        t = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+        return t.fill_(0xA5) if dtype == torch.uint8 else poison(t)  # (the workspace: bytes)
+
+    monkeypatch.setattr(record, "_alloc", poisoned)
+    replays = []
+    real = TB._SortedPlan.run
+    monkeypatch.setattr(TB._SortedPlan, "run", lambda self, *a, **kw: replays.append(1) or real(self, *a, **kw))
+    pol = Hash(n_buckets=16) if policy == "hash" else Drop(q_rate=0.5, k_rate=0.5)
+    spec = AttentionSpec(causal=True, policy=pol, backend="triton")
+    js = spec.to_json()
+    f = torch.float32
+    for call in range(5):
+        q, k, v = qkv(2, 8, 1000, 64, Hk=2, Nk=1000, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+        qa = ka = None
+        if policy == "drop":
+            qa, ka = torch.ops.attncomp.policy_aux(q, k, js, 1000 + call)
+        out = torch.ops.attncomp.attention(q, k, v, None, qa, ka, None, None, None, None, None, None, None, js,
+                                           0.0, 0)[0]
+        go = torch.randn_like(out)
+        out.backward(go)
+        aux = ops.materialize_aux(spec, q.detach(), k.detach(), seed=1000 + call if policy == "drop" else None)
+        qd, kd, vd = (t.detach().to(f) for t in (q, k, v))
+        ro = R.attention(qd, kd, vd, None, spec=spec, q_aux=aux[0], k_aux=aux[1])[0]
+        assert_close(out.detach(), ro, q.dtype, f"call {call}")
+        ref = R.attention_backward(qd, kd, vd, None, go.to(f), spec=spec, q_aux=aux[0], k_aux=aux[1])[:3]
+        _grads_close((q.grad, k.grad, v.grad), ref, q.dtype)
+    assert len(replays) == 3

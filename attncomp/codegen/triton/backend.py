@@ -27,8 +27,8 @@ import torch
 from triton.runtime.errors import OutOfResources
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ...ops import bounded_put as _put, bucket_range, call_signature, output_strides
-from ...policy import DFSS, SPION, Hash
+from ...ops import _tensor_sig, bounded_put as _put, bucket_range, call_signature, output_strides
+from ...policy import DFSS, SPION, Hash, _stream_seed
 from ...spec import AttentionSpec
 from ..reference import cacheable
 from . import configs
@@ -39,7 +39,7 @@ from .layout import GK_IDS, Layout, counting_layout, derive_layout, layout_from_
 from .schedule import tile_lists, tile_summary
 from .template import (MODE_DKDV, MODE_DQ, MODE_FWD, POLICY_DENSE, POLICY_DFSS, POLICY_SORTED, POLICY_SPION,
                        POS_ARANGE, POS_NONE, POS_VECTOR, SCHED_LIST, SCHED_SPAN)
-from . import template
+from . import layout as _layout_mod, record, template
 from .launch import FastLaunch
 
 __all__ = ["TritonBackend", "attention_forward", "attention_backward", "Site", "draw_keep", "spec_window"]
@@ -406,31 +406,68 @@ def attention_forward(spec: AttentionSpec, q, k, v, attn_mask=None, dropout_p: f
     given = q, k, v
     q, k, v = _last_contiguous(q), _last_contiguous(k), _last_contiguous(v)
     as_given = q is given[0] and k is given[1] and v is given[2]  # no copy made here
-    # a launch plan (below) serves dense and DFSS calls that bring nothing of their own to sort or list
+    # a launch plan (below) serves dense and DFSS calls that bring nothing of their own to sort or list,
+    # and hash/drop calls that derive their layout on the device (a recorded plan)
     key = None
+    kind = _POLICIES.get(spec.policy.name)
+    derived = kind == POLICY_SORTED and q_aux is None and k_aux is None
+    # hash/drop given their policy tensors (drop's keep masks from draw_keep), without position vectors
+    given = (kind == POLICY_SORTED and q_aux is not None and k_aux is not None
+             and (preds is None or (preds.q_pos is None and preds.k_pos is None)))
+    aux = {"q_aux": q_aux, "k_aux": k_aux} if given else {}
     if (config is None and block_pattern is None and layout is None
-            and _POLICIES.get(spec.policy.name) in (POLICY_DENSE, POLICY_DFSS) and _attention_kernel.short_path_open()):
+            and (kind in (POLICY_DENSE, POLICY_DFSS) or derived or given) and _attention_kernel.short_path_open()):
         sw = _seed_word(seed)
-        key = _plan_key(spec, q, k, v, attn_mask, preds, dropout_p, sw)
+        key = _plan_key(spec, q, k, v, attn_mask, preds, dropout_p, sw, q_aux, k_aux)
         plan = _PLANS.get(key)
         if plan is not None:
-            if as_given:  # a plan the op may keep serves the call's tensors as they come
-                _TAKEN.plan = plan
-            return plan.run(q, k, v, attn_mask, preds and preds.q_valid, preds and preds.k_valid, sw)
-        if key not in _SEEN:  # a plan is built the second time its key is seen (decode steps never repeat)
+            res = plan.run(q, k, v, attn_mask, preds and preds.q_valid, preds and preds.k_valid, sw, **aux)
+            if res is not None:
+                if as_given:  # a plan the op may keep serves the call's tensors as they come
+                    _TAKEN.plan = plan
+                return res
+            key = None
+        elif key not in _SEEN:  # a plan is built the second time its key is seen (decode steps never repeat)
             _put(_SEEN, key, True, _MAX_PLANS)
             key = None
     if check is not None:
         check()
+    if key is not None and (derived or given) and cacheable(q.device):
+        window = spec_window(spec, q.shape[2], k.shape[2]) if given else None
+        if given:  # the layout first (the cache's, from the draw), then the launches that read it
+            layout = _layout_for(spec, q_aux, k_aux, window)
+        with record.record() as rec:
+            out, lse, site, launched = _forward(spec, q, k, v, attn_mask, dropout_p, seed, preds, None, None,
+                                                block_pattern, layout, config)
+        plan = _SortedPlan.make(spec, rec, site, q, k, v, attn_mask, preds, out, lse, launched, key[-1], window,
+                                layout)
+    else:
+        out, lse, site, launched = _forward(spec, q, k, v, attn_mask, dropout_p, seed, preds, q_aux, k_aux,
+                                            block_pattern, layout, config)
+        plan = None
+        if key is not None and site is not None and site.sched == SCHED_SPAN and launched:
+            entry = _attention_kernel.last_entry
+            plan = entry and _ForwardPlan(spec, site, q, k, v, out, lse, *launched[-1], entry, key[-1])
+            plan = plan if plan and plan.slots else None
+    if plan is not None:
+        _put(_PLANS, key, plan, _MAX_PLANS)
+        if as_given:
+            _TAKEN.plan = plan
+    return out, lse
+
+
+def _forward(spec, q, k, v, attn_mask, dropout_p, seed, preds, q_aux, k_aux, block_pattern, layout, config):
+    """``(out, lse, site, launched)``: the forward through a :class:`Site`; ``launched`` lists the
+    launches' ``(config, grid, tma)`` (``site`` None and nothing launched for empty sizes)."""
     site = Site(spec, q, k, v, attn_mask, dropout_p, seed, preds, q_aux, k_aux, block_pattern, layout)
     B, Hq, Nq, Nk = site.B, site.Hq, site.Nq, site.Nk
     out = _out_empty(q, site.Dv)
     lse = _empty((B, Hq, Nq), torch.float32, q.device)
-    if Nq == 0 or B * Hq == 0:
-        return out, lse
-    if Nk == 0:
-        return out.zero_(), lse.fill_(float("-inf"))
     launched = []
+    if Nq == 0 or B * Hq == 0:
+        return out, lse, site, launched
+    if Nk == 0:
+        return out.zero_(), lse.fill_(float("-inf")), site, launched
 
     def launch(cfg):
         bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
@@ -444,14 +481,7 @@ def attention_forward(spec: AttentionSpec, q, k, v, attn_mask=None, dropout_p: f
         launched.append((cfg, grid, tma))
 
     _run_tuned("fwd", site, launch, configs.fwd_candidates, config)
-    if key is not None and site.sched == SCHED_SPAN:
-        entry = _attention_kernel.last_entry
-        plan = entry and _ForwardPlan(spec, site, q, k, v, out, lse, *launched[-1], entry, key[-1])
-        if plan and plan.slots:
-            _put(_PLANS, key, plan, _MAX_PLANS)
-            if as_given:
-                _TAKEN.plan = plan
-    return out, lse
+    return out, lse, site, launched
 
 
 # -- the Gluon Hopper forward -------------------------------------------------------------------
@@ -637,15 +667,19 @@ def _state(sw: int) -> tuple:
             torch.are_deterministic_algorithms_enabled())
 
 
-def _plan_key(spec, q, k, v, attn_mask, preds, dropout_p, sw: int) -> tuple:
+def _plan_key(spec, q, k, v, attn_mask, preds, dropout_p, sw: int, q_aux=None, k_aux=None) -> tuple:
     # the spec by identity: its plan holds it, so no other object takes that id while the plan lives
-    return id(spec), call_signature(q, k, v, attn_mask, preds, dropout_p), _state(sw)
+    return (id(spec), call_signature(q, k, v, attn_mask, preds, dropout_p), _tensor_sig(q_aux), _tensor_sig(k_aux),
+            _state(sw))
 
 
 # the plan the latest forward of this thread took (TritonBackend.taken_plan)
 _TAKEN = threading.local()
 # pointer parameters of the template that its forward never reads
 _UNUSED_IN_FWD = frozenset(("DO", "Delta", "DQ", "DK", "DV"))
+# the template's pointer parameter of each predicate vector of a Site
+_PRED_PARAMS = (("QPos", "q_pos"), ("KPos", "k_pos"), ("QSeg", "q_seg"), ("KSeg", "k_seg"), ("QVal", "q_val"),
+                ("KVal", "k_val"))
 # a tensor argument as a plan launch passes it: its address (Triton's launcher takes an integer as
 # is, where for a tensor it calls data_ptr() and asks the driver about the pointer)
 _ptr = torch.Tensor.data_ptr
@@ -713,6 +747,94 @@ class _ForwardPlan:
         _attention_kernel.launch_entry(self.entry, self.grid, args, device)
         last_configs["fwd"] = self.config
         return out, lse
+
+
+class _SortedPlan:
+    """A ``hash``/``drop`` forward kept as the recorded launches of one call (:class:`.record.Replay`)
+    and replayed for the calls of the same key:
+
+    * a layout derived on the device (no policy tensors given): the counting sort (three launches),
+      the tile summaries and lists, the forward; one workspace allocation for the layout and lists.
+      The layout stays in the workspace; the backward of the call finds it in the layout cache as
+      views made on demand (:class:`_LazyLayout`);
+    * policy tensors given (``drop``'s keep masks from :func:`draw_keep`): the layout comes from the
+      cache (the draw's) for each call, and the summaries, lists and forward read it."""
+
+    #: the op may hand it calls with policy tensors (``ops._attention_impl``)
+    takes_aux = True
+
+    def __init__(self, spec, replay: "record.Replay", fields, window, config: dict, state: tuple, given: bool):
+        self.replay, self.fields, self.window, self.config, self.state = replay, fields, window, config, state
+        self.spec, self.policy, self.given = spec, spec.policy, given
+
+    @classmethod
+    def make(cls, spec, rec, site, q, k, v, attn_mask, preds, out, lse, launched, state, window=None,
+             layout: Optional[Layout] = None) -> "Optional[_SortedPlan]":
+        """The plan of a recorded call (``layout``: the one it was given, read in place), or None where
+        the recording cannot be replayed."""
+        get = (lambda nm: getattr(preds, nm, None)) if preds is not None else (lambda nm: None)
+        inputs = {"q": q, "k": k, "v": v, "mask": attn_mask, "q_val": get("q_valid"), "k_val": get("k_valid")}
+        if layout is not None:
+            if layout.window != window:
+                return None
+            inputs.update(q_perm=layout.q_perm, k_perm=layout.k_perm, lo=layout.lo, hi=layout.hi)
+        present = [t.data_ptr() for t in inputs.values() if t is not None]
+        if not launched or site is None or site.layout is None or len(set(present)) != len(present):
+            return None  # (tensors at one address: which one a launch read is ambiguous)
+        # pointers the forward does not read at this site: null (as a _ForwardPlan passes them)
+        unread = set(_UNUSED_IN_FWD) | {nm for nm, t in (("Mask", site.mask_kind == MASK_NONE),
+                                                          ("Pat", not site.spion_bs), ("Desc0", not launched[-1][2]),
+                                                          ("Desc1", not launched[-1][2])) if t}
+        unread |= {nm for nm, attr in _PRED_PARAMS if getattr(site, attr) is None}
+        try:
+            replay = record.Replay(rec, inputs, {"out": out, "lse": lse}, {_attention_kernel: {"seed": "seed"}},
+                                   {_attention_kernel: unread})
+        except ValueError:
+            return None
+        fields = None
+        if layout is None:
+            fields = _layout_fields(replay, site.layout)
+            if fields is None:
+                return None
+        return cls(spec, replay, fields, site.layout.window, launched[-1][0], state, layout is not None)
+
+    def call(self, q, k, v, attn_mask, q_valid, k_valid, seed, q_aux=None, k_aux=None):
+        """:meth:`run` for a call the op matched by its own key, or None where the plan does not hold now."""
+        sw = _seed_word(seed)
+        state = _state(sw)
+        if state != self.state or not self.replay.open():
+            return None
+        return self.run(q, k, v, attn_mask, q_valid, k_valid, sw, state[2], q_aux=q_aux, k_aux=k_aux)
+
+    def run(self, q, k, v, attn_mask, q_valid, k_valid, sw: int, device=None, q_aux=None, k_aux=None):
+        addresses = {"q": _ptr(q), "k": _ptr(k), "v": _ptr(v), "seed": sw}
+        if self.given:
+            if q_aux is None or k_aux is None:
+                return None
+            lay = _layout_for(self.spec, q_aux, k_aux, self.window, lazy=True)
+            if lay.window != self.window:
+                return None
+            if type(lay) is _LazyLayout:
+                addresses["q_perm"], addresses["k_perm"], addresses["lo"], addresses["hi"] = lay.addresses()
+            else:
+                addresses.update(q_perm=_ptr(lay.q_perm), k_perm=_ptr(lay.k_perm), lo=_ptr(lay.lo), hi=_ptr(lay.hi))
+        if attn_mask is not None:
+            addresses["mask"] = _ptr(attn_mask)
+        if q_valid is not None:
+            addresses["q_val"] = _ptr(q_valid)
+        if k_valid is not None:
+            addresses["k_val"] = _ptr(k_valid)
+        ws, outs = self.replay.run(addresses, device)
+        if not self.given:
+            try:  # the layout, for the backward of this call
+                key = _derived_key(self.policy, q, k)
+            except RuntimeError:  # inference tensors: the backward derives it again
+                key = None
+            if key is not None:
+                _remember(key, (weakref.ref(q), weakref.ref(k), _LazyLayout(ws, self.fields, self.window)),
+                          ws.device)
+        last_configs["fwd"] = self.config
+        return outs["out"], outs["lse"]
 
 
 def attention_backward(spec: AttentionSpec, q, k, v, attn_mask, out, lse, grad_out, dropout_p: float = 0.0,
@@ -797,6 +919,9 @@ def _run_tuned(kind: str, site: Site, launch, candidates_fn, config: Optional[di
         if config is not None:
             launch(config)
         else:
+            rec = record.active()
+            if rec is not None:  # a choice measured now launches candidates a replay must not repeat
+                rec.spoil("the launch configuration was chosen during the call")
             cands = candidates_fn(site.D, site.Dv, site.dtype, site.nm_m, site.spion_bs, configs.gpu_tag(site.device),
                                   site.win_right is not None)
             config = configs.choose(f"triton_attention_{kind}", site.tune_key(), cands,
@@ -861,37 +986,68 @@ def _sort_aux(spec: AttentionSpec, q_aux, k_aux, window=None) -> Layout:
     return layout_from_aux(spec, q_aux, k_aux, window)
 
 
-def _layout_for(spec: AttentionSpec, q_aux, k_aux, window=None) -> Layout:
+def _layout_for(spec: AttentionSpec, q_aux, k_aux, window=None, lazy: bool = False) -> Layout:
+    """The layout of given policy tensors: remembered (a draw's, or an earlier call's), else sorted.
+    ``lazy``: a remembered :class:`_LazyLayout` is returned as it is (no views made)."""
     try:
         key = (spec.policy.name, _tensor_key(q_aux), _tensor_key(k_aux))
     except RuntimeError:  # inference tensors track no version: nothing to key a cache on
         return _sort_aux(spec, q_aux, k_aux, window)
     hit = _LAYOUT_CACHE.get(key)
     if hit is not None and hit[0] is q_aux and hit[1] is k_aux:
-        return hit[2]
+        lay = hit[2]
+        return lay.get() if type(lay) is _LazyLayout and not lazy else lay
     lay = _sort_aux(spec, q_aux, k_aux, window)
     _remember(key, (q_aux, k_aux, lay))
     return lay
 
 
-def _remember(key, entry) -> None:
+def _remember(key, entry, device=None) -> None:
     """Keep a layout for the backward of the same call (not one made where no tensor may be cached:
     :func:`...codegen.reference.cacheable`)."""
-    if cacheable(entry[2].lo.device):
+    if cacheable(entry[2].lo.device if device is None else device):
         _put(_LAYOUT_CACHE, key, entry, _LAYOUT_CACHE_SIZE)
+
+
+def _derived_key(policy, q: torch.Tensor, k: torch.Tensor) -> tuple:
+    """The cache key of the layout derived from q and k: the tensors' identity, version and view
+    (the entry's weak references confirm the identity; raises RuntimeError for inference tensors)."""
+    return ("derived", policy, id(q), q._version, q.shape, q.stride(), id(k), k._version, k.shape, k.stride())
+
+
+class _LazyLayout:
+    """A layout whose tensors lie in a replayed plan's workspace (:class:`_SortedPlan`): views made
+    when a backward asks for them."""
+
+    __slots__ = ("ws", "fields", "window", "device", "_layout")
+
+    def __init__(self, ws: torch.Tensor, fields: tuple, window):
+        self.ws, self.fields, self.window, self.device, self._layout = ws, fields, window, ws.device, None
+
+    def get(self) -> Layout:
+        if self._layout is None:
+            self._layout = Layout(*(record.workspace_view(self.ws, *f) for f in self.fields), window=self.window)
+        return self._layout
+
+    def addresses(self) -> tuple:
+        """The addresses of ``q_perm``, ``k_perm``, ``lo``, ``hi``, without making views."""
+        base = self.ws.data_ptr()
+        return tuple(base + f[0] for f in self.fields[:4])
 
 
 def _derived_for(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, window=None) -> Layout:
     """:func:`.layout.derive_layout` of q and k, remembered for the backward of the same call (which
     gets the same q and k): keyed by the tensors' identity and version, held by weak reference (the
-    cache keeps no q or k alive). A remembered layout of another window is cut by the caller."""
+    cache keeps no q or k alive). A remembered layout of another window is cut by the caller. A call
+    being recorded (:mod:`.record`) derives it: its plan must hold the launches."""
     try:
-        key = ("derived", spec.policy, _tensor_key(q), _tensor_key(k))
+        key = _derived_key(spec.policy, q, k)
     except RuntimeError:  # inference tensors: no cache
         return derive_layout(spec, q, k, window=window)
     hit = _LAYOUT_CACHE.get(key)
-    if hit is not None and hit[0]() is q and hit[1]() is k:
-        return hit[2]
+    if hit is not None and hit[0]() is q and hit[1]() is k and record.active() is None:
+        lay = hit[2]
+        return lay.get() if type(lay) is _LazyLayout else lay
     lay = derive_layout(spec, q, k, window=window)
     _remember(key, (weakref.ref(q), weakref.ref(k), lay))
     return lay
@@ -902,15 +1058,76 @@ def draw_keep(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, seed: Optio
     draws them from ``seed``), drawn by the counting sort's kernels (:func:`.layout.derive_layout`),
     whose layout is remembered for the attention calls that get these masks: the forward and
     backward of the site then sort nothing. The layout's ranges are cut to the window of the spec's
-    bounds around default positions, which the site uses unless it has position tensors."""
-    lay = derive_layout(spec, q, k, seed=seed, window=spec_window(spec, q.shape[2], k.shape[2]))
-    q_keep, k_keep = lay.q_groups == 0, lay.k_groups == 0
+    bounds around default positions, which the site uses unless it has position tensors.
+
+    Repeats of a draw (same spec object, signature of q and k, classes of the two seed words) replay
+    the recorded launches of one (:class:`_DrawPlan`), as :class:`_SortedPlan` does for a forward."""
+    s = spec.policy.seed if seed is None else seed
+    words = _seed_word(_stream_seed(s, 0)), _seed_word(_stream_seed(s, 1))
+    key = None
+    if _attention_kernel.short_path_open() and cacheable(q.device):
+        key = ("draw", id(spec), call_signature(q, k, k, None, None, 0.0), _state(words[0]), _state(words[1])[:2])
+        plan = _PLANS.get(key)
+        if plan is not None and plan.replay.open():
+            return plan.run(q, k, words)
+        if key not in _SEEN:
+            _put(_SEEN, key, True, _MAX_PLANS)
+            key = None
+    if key is None:
+        return _draw(spec, q, k, seed)[:2]
+    with record.record() as rec:
+        q_keep, k_keep, lay = _draw(spec, q, k, seed)
+    plan = _DrawPlan.make(spec, rec, q, k, q_keep, k_keep, lay)
+    if plan is not None:
+        _put(_PLANS, key, plan, _MAX_PLANS)
+    return q_keep, k_keep
+
+
+def _draw(spec: AttentionSpec, q, k, seed):
+    q_keep = torch.empty(q.shape[:3], dtype=torch.bool, device=q.device)
+    k_keep = torch.empty(k.shape[:3], dtype=torch.bool, device=k.device)
+    lay = derive_layout(spec, q, k, seed=seed, window=spec_window(spec, q.shape[2], k.shape[2]), keep=(q_keep, k_keep))
+    _remember_keep(spec, q_keep, k_keep, lay, q.device)
+    return q_keep, k_keep, lay
+
+
+def _remember_keep(spec: AttentionSpec, q_keep, k_keep, lay, device) -> None:
     try:
         key = (spec.policy.name, _tensor_key(q_keep), _tensor_key(k_keep))
     except RuntimeError:  # inference tensors: the site sorts the masks itself
+        return
+    _remember(key, (q_keep, k_keep, lay), device)
+
+
+class _DrawPlan:
+    """Keep draws of ``drop`` with their sorted layout (:func:`draw_keep`), kept as the recorded
+    launches of one draw: the counting sort's three launches, writing the masks too."""
+
+    def __init__(self, spec, replay: "record.Replay", fields, window):
+        self.spec, self.replay, self.fields, self.window = spec, replay, fields, window
+
+    @classmethod
+    def make(cls, spec, rec, q, k, q_keep, k_keep, lay) -> "Optional[_DrawPlan]":
+        seeds = {"q_seed": "q_seed", "k_seed": "k_seed"}
+        try:
+            replay = record.Replay(rec, {"q": q, "k": k} if q.data_ptr() != k.data_ptr() else {"q": q},
+                                   {"q_keep": q_keep, "k_keep": k_keep}, {_layout_mod._layout_hist: seeds})
+        except ValueError:
+            return None
+        fields = _layout_fields(replay, lay)
+        return None if fields is None else cls(spec, replay, fields, lay.window)
+
+    def run(self, q, k, words):
+        ws, outs = self.replay.run({"q": _ptr(q), "k": _ptr(k), "q_seed": words[0], "k_seed": words[1]})
+        q_keep, k_keep = outs["q_keep"], outs["k_keep"]
+        _remember_keep(self.spec, q_keep, k_keep, _LazyLayout(ws, self.fields, self.window), ws.device)
         return q_keep, k_keep
-    _remember(key, (q_keep, k_keep, lay))
-    return q_keep, k_keep
+
+
+def _layout_fields(replay: "record.Replay", lay: Layout):
+    """Where the replay's workspace holds the layout's tensors (``record.Replay.buffer``), or None."""
+    fields = tuple(replay.buffer(t) for t in (lay.q_perm, lay.k_perm, lay.lo, lay.hi, lay.q_groups, lay.k_groups))
+    return None if any(f is None for f in fields) else fields
 
 
 def spec_window(spec: AttentionSpec, Nq: int, Nk: int):

@@ -23,6 +23,8 @@ from typing import Any, Dict, Optional, Sequence
 
 import torch
 
+from .record import _TLS as _RECORDING
+
 __all__ = ["FastLaunch", "fast_launch", "enabled"]
 
 _OPTIONS = frozenset(("num_warps", "num_stages", "num_ctas", "maxnreg", "num_buffers_warp_spec",
@@ -96,6 +98,13 @@ class FastLaunch:
 
     # -- the two paths -------------------------------------------------------------------------
     def run(self, grid, args: tuple, kwargs: dict):
+        kernel = self._run(grid, args, kwargs)
+        rec = getattr(_RECORDING, "rec", None)
+        if rec is not None:  # (a call recorded for replay: .record)
+            rec.launches.append((self, self.last_entry, grid, args))
+        return kernel
+
+    def _run(self, grid, args: tuple, kwargs: dict):
         self.last_entry = None
         if not self.short_path_open():
             return self.fn[grid](*args, **kwargs)

@@ -13,7 +13,7 @@ Two ways to build it, both without a device-to-host read:
 
 * a counting sort in Triton when the ids lie in a known range (``drop``; ``hash`` with buckets
   derived here): per-chunk histograms, a scan over chunks, a stable scatter that also writes the
-  ranges (three launches per side). The group ids themselves are computed in the histogram kernel
+  ranges (three launches, each over both sides). The group ids themselves are computed in the histogram kernel
   (:func:`_group_ids`): read as given, drawn (the ``drop`` keep draw,
   :func:`attncomp.policy.keep_mask` bit for bit, through the same counter-based hash), or hashed
   (angular LSH, :func:`attncomp.policy.lsh_buckets`: one random rotation per KV head, shared by its
@@ -32,6 +32,7 @@ import triton.language as tl
 from ...policy import Drop, Hash, _rotation, _stream_seed
 from .common import _uniform_hash, cdiv, next_pow2, seed_word, window_bound
 from .launch import fast_launch
+from .record import constant
 
 __all__ = ["Layout", "layout_from_aux", "derive_layout", "counting_layout", "sorted_layout", "window_ranges",
            "GK_IDS", "GK_KEEP", "GK_DRAW", "GK_LSH"]
@@ -60,18 +61,18 @@ class Layout(NamedTuple):
 
 
 @triton.jit
-def _group_ids(Src, Rot, row, h_rot, offs, valid, N, sb, sh, sn, H, g_off, rate, seed_word, pos_off,
-               GK: tl.constexpr, DROP_ID: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
-               NB2: tl.constexpr, NB2P: tl.constexpr):
+def _group_ids(Src, Rot, row, h_rot, offs, valid, N, sb, sh, sn, H, g_off, rate, seed_word, pos_off, drop_id,
+               GK: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, NB2: tl.constexpr,
+               NB2P: tl.constexpr):
     """Group ids (int32, from 0) of tokens ``offs`` of row ``row = b * H + h`` of one side."""
     if GK == 0:
         g = (tl.load(Src + row * N + offs, mask=valid, other=0).to(tl.int64) - g_off).to(tl.int32)
     elif GK == 1:
         keep = tl.load(Src + row * N + offs, mask=valid, other=0) != 0
-        g = tl.where(keep, 0, DROP_ID)
+        g = tl.where(keep, 0, drop_id)
     elif GK == 2:
         u = _uniform_hash(seed_word, (row.to(tl.int64) * 65537 + offs + pos_off).to(tl.uint32))
-        g = tl.where(u >= rate, 0, DROP_ID)
+        g = tl.where(u >= rate, 0, drop_id)
     else:
         b = row // H
         h = row % H
@@ -96,29 +97,47 @@ def _group_ids(Src, Rot, row, h_rot, offs, valid, N, sb, sh, sn, H, g_off, rate,
     return tl.where(valid, g, 0)
 
 
-@fast_launch(volatile=("seed_word",))
 @triton.jit
-def _layout_hist(Src, Rot, Grp, Hist, N, n_chunks, H, G_ROT, sb, sh, sn, g_off, rate, seed_word, pos_off,
-                 GK: tl.constexpr, DROP_ID: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
+def _hist_side(Src, Rot, Grp, Hist, Keep, c, row, N, n_chunks, H, G_ROT, sb, sh, sn, g_off, rate, seed_word, pos_off,
+               drop_id, GK: tl.constexpr, KEEP: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
+               NB2: tl.constexpr, NB2P: tl.constexpr, CHUNK: tl.constexpr, R_P2: tl.constexpr):
+    """Group ids of chunk ``c`` of CHUNK tokens of one side's row (written to ``Grp``; with ``KEEP``
+    also whether each token is kept, group 0, as bytes to ``Keep``) and their histogram."""
+    if c < n_chunks:
+        offs = c * CHUNK + tl.arange(0, CHUNK)
+        valid = offs < N
+        g = _group_ids(Src, Rot, row, (row % H) // G_ROT, offs, valid, N, sb, sh, sn, H, g_off, rate, seed_word,
+                       pos_off, drop_id, GK, HEAD_D, BLOCK_D, NB2, NB2P)
+        tl.store(Grp + row * N + offs, g, mask=valid)
+        if KEEP:
+            tl.store(Keep + row * N + offs, (g == 0).to(tl.int8), mask=valid)
+        hist = tl.histogram(g, R_P2, mask=valid)
+        tl.store(Hist + (row * n_chunks + c) * R_P2 + tl.arange(0, R_P2), hist)
+
+
+@fast_launch(volatile=("q_seed", "k_seed"))
+@triton.jit
+def _layout_hist(QSrc, KSrc, Rot, QGrp, KGrp, QHist, KHist, QKeep, KKeep, Nq, Nk, q_nch, k_nch, Hq, Hk, G_ROT,
+                 sqb, sqh, sqn, skb, skh, skn, g_off, q_rate, k_rate, q_seed, k_seed, q_pos_off, k_rows,
+                 GK: tl.constexpr, KEEP: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
                  NB2: tl.constexpr, NB2P: tl.constexpr, CHUNK: tl.constexpr, R_P2: tl.constexpr):
-    """Group ids of a chunk of CHUNK tokens (written to ``Grp``) and their histogram."""
+    """:func:`_hist_side` of both sides in one launch: programs ``(chunk, row)``, the key rows first
+    (dropped keys are group 2), then the query rows (dropped queries: group 1; one rotation per KV
+    head, shared by its ``G_ROT`` query heads)."""
     c = tl.program_id(0)
-    row = tl.program_id(1).to(tl.int64)
-    offs = c * CHUNK + tl.arange(0, CHUNK)
-    valid = offs < N
-    g = _group_ids(Src, Rot, row, (row % H) // G_ROT, offs, valid, N, sb, sh, sn, H, g_off, rate, seed_word, pos_off,
-                   GK, DROP_ID, HEAD_D, BLOCK_D, NB2, NB2P)
-    tl.store(Grp + row * N + offs, g, mask=valid)
-    hist = tl.histogram(g, R_P2, mask=valid)
-    tl.store(Hist + (row * n_chunks + c) * R_P2 + tl.arange(0, R_P2), hist)
+    r = tl.program_id(1).to(tl.int64)
+    if r < k_rows:
+        _hist_side(KSrc, Rot, KGrp, KHist, KKeep, c, r, Nk, k_nch, Hk, 1, skb, skh, skn, g_off, k_rate, k_seed, 0, 2,
+                   GK, KEEP, HEAD_D, BLOCK_D, NB2, NB2P, CHUNK, R_P2)
+    else:
+        _hist_side(QSrc, Rot, QGrp, QHist, QKeep, c, r - k_rows, Nq, q_nch, Hq, G_ROT, sqb, sqh, sqn, g_off, q_rate,
+                   q_seed, q_pos_off, 1, GK, KEEP, HEAD_D, BLOCK_D, NB2, NB2P, CHUNK, R_P2)
 
 
-@fast_launch
 @triton.jit
-def _layout_scan(Hist, StartPos, Start, Count, n_chunks, CB: tl.constexpr, R_P2: tl.constexpr):
-    """Per row: group sizes ``Count``, group starts ``Start`` and ``StartPos[chunk, g]``, the first
+def _scan_side(Hist, StartPos, Start, Count, row, n_chunks, CB: tl.constexpr, R_P2: tl.constexpr):
+    """One row: group sizes ``Count``, group starts ``Start`` and ``StartPos[chunk, g]``, the first
     sorted slot of the chunk's tokens of group ``g``."""
-    row = tl.program_id(0).to(tl.int64)
     r = tl.arange(0, R_P2)
     tot = tl.zeros([R_P2], tl.int32)
     for c0 in range(0, n_chunks, CB):
@@ -138,6 +157,18 @@ def _layout_scan(Hist, StartPos, Start, Count, n_chunks, CB: tl.constexpr, R_P2:
         carry += tl.sum(h, 0)
 
 
+@fast_launch
+@triton.jit
+def _layout_scan(QHist, KHist, QStartPos, KStartPos, QStart, KStart, QCount, KCount, q_nch, k_nch, k_rows,
+                 CB: tl.constexpr, R_P2: tl.constexpr):
+    """:func:`_scan_side` of both sides in one launch: one program per row, the key rows first."""
+    r = tl.program_id(0).to(tl.int64)
+    if r < k_rows:
+        _scan_side(KHist, KStartPos, KStart, KCount, r, k_nch, CB, R_P2)
+    else:
+        _scan_side(QHist, QStartPos, QStart, QCount, r - k_rows, q_nch, CB, R_P2)
+
+
 @triton.jit
 def _group_rank(KGrp, KStartPos, rk, g, t, valid, Nk, k_nch, end, CHUNK: tl.constexpr, R_P2: tl.constexpr):
     """Per query: the sorted slot of the first key of group ``g`` at a position ``>= t`` (``t`` in
@@ -151,40 +182,55 @@ def _group_rank(KGrp, KStartPos, rk, g, t, valid, Nk, k_nch, end, CHUNK: tl.cons
     return tl.where(inside, base + tl.sum((kg == g[:, None]).to(tl.int32), 1), end)
 
 
+@triton.jit
+def _scatter_side(Grp, StartPos, Perm, c, row, N, n_chunks, KStart, KCount, Lo, Hi, H, GROUPS,
+                  KGrp, KStartPos, Nk, k_nch, win_off, win_left, win_right,
+                  RANGES: tl.constexpr, WIN_L: tl.constexpr, WIN_R: tl.constexpr,
+                  CHUNK: tl.constexpr, R_P2: tl.constexpr):
+    """Tokens of chunk ``c`` of one side's row to their sorted slots (stable: rank among the chunk's
+    earlier tokens of the group); with ``RANGES`` (query side) also each sorted query's range of
+    sorted keys of its group, cut to the keys ``i + win_off - win_left <= j <= i + win_off + win_right``
+    where ``WIN_L``/``WIN_R`` (the window of :func:`window_ranges`, from the keys' chunk starts)."""
+    if c < n_chunks:
+        ar = tl.arange(0, CHUNK)
+        offs = c * CHUNK + ar
+        valid = offs < N
+        g = tl.load(Grp + row * N + offs, mask=valid, other=0)
+        rank = tl.sum(((g[:, None] == g[None, :]) & (ar[None, :] < ar[:, None])).to(tl.int32), 1)
+        pos = tl.load(StartPos + (row * n_chunks + c) * R_P2 + g, mask=valid, other=0) + rank
+        tl.store(Perm + row * N + pos, offs, mask=valid)
+        if RANGES:
+            rk = (row // H) * (H // GROUPS) + (row % H) // GROUPS
+            kst = tl.load(KStart + rk * R_P2 + g, mask=valid, other=0)
+            end = kst + tl.load(KCount + rk * R_P2 + g, mask=valid, other=0)
+            lo = kst
+            hi = end
+            p = offs.to(tl.int64) + win_off
+            if WIN_L:
+                t = tl.minimum(tl.maximum(p - win_left, 0), Nk)
+                lo = _group_rank(KGrp, KStartPos, rk, g, t, valid, Nk, k_nch, end, CHUNK, R_P2)
+            if WIN_R:
+                t = tl.minimum(tl.maximum(p + win_right + 1, 0), Nk)
+                hi = tl.maximum(_group_rank(KGrp, KStartPos, rk, g, t, valid, Nk, k_nch, end, CHUNK, R_P2), lo)
+            tl.store(Lo + row * N + pos, lo, mask=valid)
+            tl.store(Hi + row * N + pos, hi, mask=valid)
+
+
 @fast_launch
 @triton.jit
-def _layout_scatter(Grp, StartPos, Perm, N, n_chunks, KStart, KCount, Lo, Hi, H, GROUPS,
-                    KGrp, KStartPos, Nk, k_nch, win_off, win_left, win_right,
-                    RANGES: tl.constexpr, WIN_L: tl.constexpr, WIN_R: tl.constexpr,
-                    CHUNK: tl.constexpr, R_P2: tl.constexpr):
-    """Tokens to their sorted slots (stable: rank among the chunk's earlier tokens of the group);
-    with ``RANGES`` (query side) also each sorted query's range of sorted keys of its group, cut to
-    the keys ``i + win_off - win_left <= j <= i + win_off + win_right`` where ``WIN_L``/``WIN_R``
-    (the window of :func:`window_ranges`, computed from the keys' chunk starts)."""
+def _layout_scatter(QGrp, KGrp, QStartPos, KStartPos, QPerm, KPerm, Nq, Nk, q_nch, k_nch, KStart, KCount, Lo, Hi,
+                    Hq, GROUPS, win_off, win_left, win_right, k_rows,
+                    WIN_L: tl.constexpr, WIN_R: tl.constexpr, CHUNK: tl.constexpr, R_P2: tl.constexpr):
+    """:func:`_scatter_side` of both sides in one launch: programs ``(chunk, row)``, the key rows
+    first, then the query rows with their ranges."""
     c = tl.program_id(0)
-    row = tl.program_id(1).to(tl.int64)
-    ar = tl.arange(0, CHUNK)
-    offs = c * CHUNK + ar
-    valid = offs < N
-    g = tl.load(Grp + row * N + offs, mask=valid, other=0)
-    rank = tl.sum(((g[:, None] == g[None, :]) & (ar[None, :] < ar[:, None])).to(tl.int32), 1)
-    pos = tl.load(StartPos + (row * n_chunks + c) * R_P2 + g, mask=valid, other=0) + rank
-    tl.store(Perm + row * N + pos, offs, mask=valid)
-    if RANGES:
-        rk = (row // H) * (H // GROUPS) + (row % H) // GROUPS
-        kst = tl.load(KStart + rk * R_P2 + g, mask=valid, other=0)
-        end = kst + tl.load(KCount + rk * R_P2 + g, mask=valid, other=0)
-        lo = kst
-        hi = end
-        p = offs.to(tl.int64) + win_off
-        if WIN_L:
-            t = tl.minimum(tl.maximum(p - win_left, 0), Nk)
-            lo = _group_rank(KGrp, KStartPos, rk, g, t, valid, Nk, k_nch, end, CHUNK, R_P2)
-        if WIN_R:
-            t = tl.minimum(tl.maximum(p + win_right + 1, 0), Nk)
-            hi = tl.maximum(_group_rank(KGrp, KStartPos, rk, g, t, valid, Nk, k_nch, end, CHUNK, R_P2), lo)
-        tl.store(Lo + row * N + pos, lo, mask=valid)
-        tl.store(Hi + row * N + pos, hi, mask=valid)
+    r = tl.program_id(1).to(tl.int64)
+    if r < k_rows:
+        _scatter_side(KGrp, KStartPos, KPerm, c, r, Nk, k_nch, KStart, KCount, Lo, Hi, 1, 1,
+                      KGrp, KStartPos, Nk, k_nch, 0, 0, 0, False, False, False, CHUNK, R_P2)
+    else:
+        _scatter_side(QGrp, QStartPos, QPerm, c, r - k_rows, Nq, q_nch, KStart, KCount, Lo, Hi, Hq, GROUPS,
+                      KGrp, KStartPos, Nk, k_nch, win_off, win_left, win_right, True, WIN_L, WIN_R, CHUNK, R_P2)
 
 
 def _side_source(kind: int, src: torch.Tensor):
@@ -201,11 +247,14 @@ def counting_layout(q_src: torch.Tensor, k_src: torch.Tensor, n_groups: int, *, 
                     q_shape: Tuple[int, int, int], k_shape: Tuple[int, int, int], g_off: int = 0,
                     rot: Optional[torch.Tensor] = None, q_rate: float = 0.0, k_rate: float = 0.0,
                     q_seed_word: int = 0, k_seed_word: int = 0,
-                    window: Optional[Tuple[int, Optional[int], Optional[int]]] = None) -> Layout:
+                    window: Optional[Tuple[int, Optional[int], Optional[int]]] = None,
+                    keep: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> Layout:
     """The layout by counting sort; group ids computed on the device per ``kind`` (``GK_*``) from
     ``q_src``/``k_src`` (ids, keep masks, or the q/k tensors for LSH; ignored for draws).
     Ids must lie in ``[g_off, g_off + n_groups)``. With ``window`` the ranges are those of
-    :func:`window_ranges` with it, computed in the same launch."""
+    :func:`window_ranges` with it, computed in the same launch. ``keep``: bool ``(q_keep, k_keep)``
+    of the sides' shapes, written with whether each token is in group 0 (kept, for ``drop``).
+    Three launches, each over both sides."""
     (B, Hq, Nq), (_, Hk, Nk) = q_shape, k_shape
     dev = q_src.device
     i32 = torch.int32
@@ -214,39 +263,37 @@ def counting_layout(q_src: torch.Tensor, k_src: torch.Tensor, n_groups: int, *, 
     D = q_src.shape[-1] if kind == GK_LSH else 16
     nb2 = rot.shape[-1] if kind == GK_LSH else 1
     lsh = dict(HEAD_D=D, BLOCK_D=max(16, next_pow2(D)), NB2=nb2, NB2P=max(16, next_pow2(nb2)))
-    rot_t = rot if rot is not None else torch.empty(1, device=dev)
-
-    def side(src, rows_h, n, groups_rot, rate, seed_word, drop_id, pos_off=0):
-        x, (sb, sh, sn) = _side_source(kind, src)
-        rows = B * rows_h
-        nch = cdiv(n, _CHUNK)
-        grp = torch.empty((B, rows_h, n), dtype=i32, device=dev)
-        hist = torch.empty((rows, nch, R_P2), dtype=i32, device=dev)
-        _layout_hist[(nch, rows)](x, rot_t, grp, hist, n, nch, rows_h, groups_rot, sb, sh, sn, g_off, float(rate),
-                                  seed_word, pos_off, GK=kind, DROP_ID=drop_id, CHUNK=_CHUNK, R_P2=R_P2,
-                                  num_warps=1 if kind != GK_LSH else 4, **lsh)
-        startpos = torch.empty_like(hist)
-        start = torch.empty((rows, R_P2), dtype=i32, device=dev)
-        count = torch.empty_like(start)
-        _layout_scan[(rows,)](hist, startpos, start, count, nch, CB=CB, R_P2=R_P2)
-        return grp, nch, startpos, start, count
-
-    kg, k_nch, k_sp, k_st, k_ct = side(k_src, Hk, Nk, 1, k_rate, k_seed_word, 2)
-    # queries shorter than keys are the last Nq positions (as attncomp.ops.materialize_aux draws them)
-    qg, q_nch, q_sp, _, _ = side(q_src, Hq, Nq, Hq // Hk, q_rate, q_seed_word, 1, Nk - Nq if Nq < Nk else 0)
+    qx, (sqb, sqh, sqn) = _side_source(kind, q_src)
+    kx, (skb, skh, skn) = _side_source(kind, k_src)
+    q_rows, k_rows = B * Hq, B * Hk
+    q_nch, k_nch = cdiv(Nq, _CHUNK), cdiv(Nk, _CHUNK)
+    qg = torch.empty((B, Hq, Nq), dtype=i32, device=dev)
+    kg = torch.empty((B, Hk, Nk), dtype=i32, device=dev)
+    q_hist = torch.empty((q_rows, q_nch, R_P2), dtype=i32, device=dev)
+    k_hist = torch.empty((k_rows, k_nch, R_P2), dtype=i32, device=dev)
+    q_keep, k_keep = (qg, kg) if keep is None else (t.view(torch.uint8) for t in keep)
+    _layout_hist[(max(q_nch, k_nch), k_rows + q_rows)](
+        qx, kx, qx if rot is None else rot, qg, kg, q_hist, k_hist, q_keep, k_keep, Nq, Nk, q_nch, k_nch, Hq, Hk,
+        Hq // Hk, sqb, sqh, sqn, skb, skh, skn, g_off, float(q_rate), float(k_rate), q_seed_word, k_seed_word,
+        # queries shorter than keys are the last Nq positions (as attncomp.ops.materialize_aux draws them)
+        Nk - Nq if Nq < Nk else 0, k_rows, GK=kind, KEEP=keep is not None, CHUNK=_CHUNK, R_P2=R_P2,
+        num_warps=1 if kind != GK_LSH else 4, **lsh)
+    q_sp, k_sp = torch.empty_like(q_hist), torch.empty_like(k_hist)
+    q_st = torch.empty((q_rows, R_P2), dtype=i32, device=dev)
+    k_st = torch.empty((k_rows, R_P2), dtype=i32, device=dev)
+    q_ct, k_ct = torch.empty_like(q_st), torch.empty_like(k_st)
+    _layout_scan[(k_rows + q_rows,)](q_hist, k_hist, q_sp, k_sp, q_st, k_st, q_ct, k_ct, q_nch, k_nch, k_rows,
+                                     CB=CB, R_P2=R_P2)
     q_perm = torch.empty((B, Hq, Nq), dtype=i32, device=dev)
     lo, hi = torch.empty_like(q_perm), torch.empty_like(q_perm)
     k_perm = torch.empty((B, Hk, Nk), dtype=i32, device=dev)
     w_off, w_left, w_right = window if window is not None else (0, None, None)
     if w_left is None and w_right is None:
         window = None
-    _layout_scatter[(q_nch, B * Hq)](qg, q_sp, q_perm, Nq, q_nch, k_st, k_ct, lo, hi, Hq, Hq // Hk,
-                                     kg, k_sp, Nk, k_nch, int(w_off), window_bound(w_left), window_bound(w_right),
-                                     RANGES=True, WIN_L=w_left is not None, WIN_R=w_right is not None,
-                                     CHUNK=_CHUNK, R_P2=R_P2, num_warps=2)
-    _layout_scatter[(k_nch, B * Hk)](kg, k_sp, k_perm, Nk, k_nch, k_st, k_ct, lo, hi, Hk, 1,
-                                     kg, k_sp, Nk, k_nch, 0, 0, 0,
-                                     RANGES=False, WIN_L=False, WIN_R=False, CHUNK=_CHUNK, R_P2=R_P2, num_warps=2)
+    _layout_scatter[(max(q_nch, k_nch), k_rows + q_rows)](
+        qg, kg, q_sp, k_sp, q_perm, k_perm, Nq, Nk, q_nch, k_nch, k_st, k_ct, lo, hi, Hq, Hq // Hk,
+        int(w_off), window_bound(w_left), window_bound(w_right), k_rows,
+        WIN_L=w_left is not None, WIN_R=w_right is not None, CHUNK=_CHUNK, R_P2=R_P2, num_warps=2)
     return Layout(q_perm, k_perm, lo, hi, qg, kg, window)
 
 
@@ -308,16 +355,19 @@ def _rotation_on(D: int, n_buckets: int, Hk: int, seed: int, device) -> torch.Te
     key = (D, n_buckets, Hk, seed, str(device))
     r = _ROT_CACHE.get(key)
     if r is None:
-        r = _ROT_CACHE[key] = _rotation(D, n_buckets, Hk, seed, device, torch.float32).contiguous()
+        # (a constant that recorded plans read as it is: .record)
+        r = _ROT_CACHE[key] = constant(_rotation(D, n_buckets, Hk, seed, device, torch.float32).contiguous())
     return r
 
 
-def derive_layout(spec, q: torch.Tensor, k: torch.Tensor, seed: Optional[int] = None, window=None) -> Layout:
+def derive_layout(spec, q: torch.Tensor, k: torch.Tensor, seed: Optional[int] = None, window=None,
+                  keep: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> Layout:
     """The policy's per-token tensors derived on the device and sorted in the same kernels:
     LSH buckets (``hash``, as :func:`attncomp.policy.lsh_buckets`) or keep draws (``drop``, as
     :func:`attncomp.policy.keep_mask` with streams 0 and 1 of ``seed``, default the policy's).
     ``layout.q_groups``/``k_groups`` hold the buckets, or 0 (kept) / nonzero (dropped); the ranges
-    are cut to ``window`` (:func:`window_ranges`)."""
+    are cut to ``window`` (:func:`window_ranges`); ``drop`` also writes its keep masks to ``keep``
+    (bool ``(q_keep, k_keep)``) where given."""
     pol = spec.policy
     B, Hq, Nq, D = q.shape
     Hk, Nk = k.shape[1], k.shape[2]
@@ -329,5 +379,5 @@ def derive_layout(spec, q: torch.Tensor, k: torch.Tensor, seed: Optional[int] = 
         s = pol.seed if seed is None else seed
         return counting_layout(q, k, 3, kind=GK_DRAW, q_rate=pol.q_rate, k_rate=pol.k_rate,
                                q_seed_word=seed_word(_stream_seed(s, 0)), k_seed_word=seed_word(_stream_seed(s, 1)),
-                               **shapes)
+                               keep=keep, **shapes)
     raise ValueError(f"policy {pol.name!r} has no sorted layout (hash and drop do)")
