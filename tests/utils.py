@@ -71,3 +71,20 @@ def qkv(B, Hq, Nq, D, *, Hk=None, Nk=None, Dv=None, dtype=torch.float32, device=
         return t.requires_grad_(requires_grad)
 
     return mk(B, Hq, Nq, D), mk(B, Hk, Nk, D), mk(B, Hk, Nk, Dv)
+
+
+def case_inputs(case: tuple, g: torch.Generator, call: int):
+    """Fresh inputs of a plan test case ``(spec kwargs, (B, Hq, Hk, Nq, Nk, D), mask kind, padding,
+    dropout)`` for its ``call``-th call: ``(spec, (q, k, v), mask, preds, dropout)``; with padding the
+    second batch row's last ``7 - call`` keys are invalid (another count per call)."""
+    from attncomp.spec import AttentionSpec, Predicates
+
+    kw, (B, Hq, Hk, Nq, Nk, D), mask_kind, padded, p = case
+    q, k, v = qkv(B, Hq, Nq, D, Hk=Hk, Nk=Nk, seed=int(torch.randint(0, 2 ** 30, (1,), generator=g)))
+    mask = draw_mask(mask_kind, g, B, Nq, Nk)
+    preds = None
+    if padded:
+        kv = torch.ones(B, Nk, dtype=torch.bool)
+        kv[1, Nk - 7 + call:] = False
+        preds = Predicates(k_valid=kv)
+    return AttentionSpec(**kw), (q, k, v), mask, preds, p

@@ -30,7 +30,7 @@ from attncomp.codegen.triton import backend as TB  # noqa: E402
 from attncomp.codegen.triton import configs, launch, template  # noqa: E402
 from attncomp.policy import DFSS  # noqa: E402
 from attncomp.spec import AttentionSpec, Predicates  # noqa: E402
-from tests.utils import assert_close, draw_mask, fresh_seed, poisoned_empty, qkv  # noqa: E402
+from tests.utils import assert_close, case_inputs, draw_mask, fresh_seed, poisoned_empty, qkv  # noqa: E402
 
 _INTERP = template._attention_kernel
 _NAMES = [p.name for p in JITFunction(_INTERP.fn).params]
@@ -130,18 +130,11 @@ CASES = {  # spec kwargs, (B, Hq, Hk, Nq, Nk, D), mask kind, padding, dropout
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_repeated_forwards_launch_the_plan(kernel, case):
-    kw, (B, Hq, Hk, Nq, Nk, D), mask_kind, padded, p = CASES[case]
-    spec = AttentionSpec(**kw)
     g = torch.Generator().manual_seed(fresh_seed())
+    spec = AttentionSpec(**CASES[case][0])  # one spec object: plans are keyed by its identity
     outs = []
     for call in range(4):
-        q, k, v = qkv(B, Hq, Nq, D, Hk=Hk, Nk=Nk, seed=int(torch.randint(0, 2 ** 30, (1,), generator=g)))
-        mask = draw_mask(mask_kind, g, B, Nq, Nk)
-        preds = None
-        if padded:
-            kv = torch.ones(B, Nk, dtype=torch.bool)
-            kv[1, Nk - 7 + call:] = False
-            preds = Predicates(k_valid=kv)
+        _, (q, k, v), mask, preds, p = case_inputs(CASES[case], g, call)
         seed = _seed_of_one_class(g)
         out, lse = TB.attention_forward(spec, q, k, v, mask, p, seed, preds=preds)
         ro, rl = _reference(spec, q, k, v, mask, preds, p, seed)

@@ -32,7 +32,7 @@ from attncomp.codegen.triton import backend as TB  # noqa: E402
 from attncomp.codegen.triton import launch, layout, record, schedule  # noqa: E402
 from attncomp.policy import Drop, Hash, _stream_seed  # noqa: E402
 from attncomp.spec import AttentionSpec, Predicates  # noqa: E402
-from tests.utils import assert_close, draw_mask, fresh_seed, qkv  # noqa: E402
+from tests.utils import assert_close, case_inputs, fresh_seed, qkv  # noqa: E402
 
 _KERNELS = [(layout, "_layout_hist", ("q_seed", "k_seed")), (layout, "_layout_scan", ()),
             (layout, "_layout_scatter", ()), (schedule, "_tile_summary", ()), (schedule, "_tile_lists", ()),
@@ -145,15 +145,7 @@ CASES = {  # spec kwargs, (B, Hq, Hk, Nq, Nk, D), mask kind, padding, dropout
 
 
 def _inputs(case, g, call):
-    kw, (B, Hq, Hk, Nq, Nk, D), mask_kind, padded, p = CASES[case]
-    q, k, v = qkv(B, Hq, Nq, D, Hk=Hk, Nk=Nk, seed=int(torch.randint(0, 2 ** 30, (1,), generator=g)))
-    mask = draw_mask(mask_kind, g, B, Nq, Nk)
-    preds = None
-    if padded:
-        kv = torch.ones(B, Nk, dtype=torch.bool)
-        kv[1, Nk - 7 + call:] = False
-        preds = Predicates(k_valid=kv)
-    return AttentionSpec(**kw), (q, k, v), mask, preds, p
+    return case_inputs(CASES[case], g, call)
 
 
 @pytest.mark.parametrize("case", list(CASES))
