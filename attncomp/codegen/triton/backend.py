@@ -412,11 +412,11 @@ def attention_forward(spec: AttentionSpec, q, k, v, attn_mask=None, dropout_p: f
     kind = _POLICIES.get(spec.policy.name)
     derived = kind == POLICY_SORTED and q_aux is None and k_aux is None
     # hash/drop given their policy tensors (drop's keep masks from draw_keep), without position vectors
-    given = (kind == POLICY_SORTED and q_aux is not None and k_aux is not None
+    with_aux = (kind == POLICY_SORTED and q_aux is not None and k_aux is not None
              and (preds is None or (preds.q_pos is None and preds.k_pos is None)))
-    aux = {"q_aux": q_aux, "k_aux": k_aux} if given else {}
+    aux = {"q_aux": q_aux, "k_aux": k_aux} if with_aux else {}
     if (config is None and block_pattern is None and layout is None
-            and (kind in (POLICY_DENSE, POLICY_DFSS) or derived or given) and _attention_kernel.short_path_open()):
+            and (kind in (POLICY_DENSE, POLICY_DFSS) or derived or with_aux) and _attention_kernel.short_path_open()):
         sw = _seed_word(seed)
         key = _plan_key(spec, q, k, v, attn_mask, preds, dropout_p, sw, q_aux, k_aux)
         plan = _PLANS.get(key)
@@ -432,9 +432,9 @@ def attention_forward(spec: AttentionSpec, q, k, v, attn_mask=None, dropout_p: f
             key = None
     if check is not None:
         check()
-    if key is not None and (derived or given) and cacheable(q.device):
-        window = spec_window(spec, q.shape[2], k.shape[2]) if given else None
-        if given:  # the layout first (the cache's, from the draw), then the launches that read it
+    if key is not None and (derived or with_aux) and cacheable(q.device):
+        window = spec_window(spec, q.shape[2], k.shape[2]) if with_aux else None
+        if with_aux:  # the layout first (the cache's, from the draw), then the launches that read it
             layout = _layout_for(spec, q_aux, k_aux, window)
         with record.record() as rec:
             out, lse, site, launched = _forward(spec, q, k, v, attn_mask, dropout_p, seed, preds, None, None,
@@ -1066,11 +1066,14 @@ def draw_keep(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, seed: Optio
     words = _seed_word(_stream_seed(s, 0)), _seed_word(_stream_seed(s, 1))
     key = None
     if _attention_kernel.short_path_open() and cacheable(q.device):
-        key = ("draw", id(spec), call_signature(q, k, k, None, None, 0.0), _state(words[0]), _state(words[1])[:2])
+        key = ("draw", id(spec), call_signature(q, k, k, None, None, 0.0), _state(words[0]), words[1] == 1,
+               words[1] & 15 == 0)
         plan = _PLANS.get(key)
-        if plan is not None and plan.replay.open():
-            return plan.run(q, k, words)
-        if key not in _SEEN:
+        if plan is not None:
+            if plan.replay.open():
+                return plan.run(q, k, words)
+            key = None  # (a launch hook is installed: no replay, and no recording either)
+        elif key not in _SEEN:
             _put(_SEEN, key, True, _MAX_PLANS)
             key = None
     if key is None:

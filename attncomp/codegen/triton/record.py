@@ -99,7 +99,8 @@ def record():
 def constant(t: torch.Tensor) -> torch.Tensor:
     """Register ``t`` as a tensor that recorded launches may read as it is (a cache's: it stays the
     same tensor with the same contents for the calls a plan serves). Returns ``t``."""
-    _CONSTANTS[id(t)] = weakref.ref(t)
+    i = id(t)
+    _CONSTANTS[i] = weakref.ref(t, lambda _: _CONSTANTS.pop(i, None))
     return t
 
 
@@ -124,8 +125,8 @@ class Replay:
     ``inputs``: name -> tensor of the call (or None), matched by address; ``outputs``: name -> tensor
     allocated during the call that each replay allocates afresh (the call's results); ``seeds``:
     ``{fast_launch: {parameter: name}}``, integer parameters replayed with the call's value of that
-    name (seed words); ``nulls``: ``{fast_launch: parameter names}`` of pointers the launches do not read (replayed as null pointers, which the launcher passes as they
-    are). Raises ``ValueError`` (with the reason) where the recording cannot be replayed. A replay
+    name (seed words); ``nulls``: ``{fast_launch: parameter names}`` of pointers the launches do not
+    read (replayed as null pointers, which the launcher passes as they are). Raises ``ValueError`` (with the reason) where the recording cannot be replayed. A replay
     launches the kept compiled kernels directly (``FastLaunch.hits`` does not count them)."""
 
     def __init__(self, rec: Recording, inputs: Dict[str, Optional[torch.Tensor]],
