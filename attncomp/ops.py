@@ -576,11 +576,11 @@ def _autograd_kernel(keyset, *args):
     return _below_autograd(keyset, args)
 
 
-def _below_autograd(keyset, args):
-    """The op below autograd. Dense CPU/CUDA tensors with nothing else to dispatch to (no mode,
-    fake or functional tensor, vmap, meta) run the implementation directly: the dispatcher's path to
-    it adds a check that outputs do not alias inputs (they never do) and costs a third of the host
-    path. Every other call redispatches."""
+def _below_autograd(keyset, args, impl=None, direct_impl=None, op=None):
+    """The op (``impl``; its overload ``op``, default the attention op's) below autograd. Dense
+    CPU/CUDA tensors with nothing else to dispatch to (no mode, fake or functional tensor, vmap, meta)
+    run the implementation directly: the dispatcher's path to it adds a check that outputs do not
+    alias inputs (they never do) and costs a third of the host path. Every other call redispatches."""
     below = keyset & _AFTER_AUTOGRAD
     raw = below.raw_repr()
     direct = _DIRECT.get(raw)
@@ -589,9 +589,11 @@ def _below_autograd(keyset, args):
     if direct:
         # outside dynamo's frame evaluation the implementation runs as is; inside it (eager code of
         # a compiled function, e.g. after a graph break) with dynamo disabled, as torch.library runs it
-        return _attention_impl(*args) if _eval_frame_callback() is None else _direct_impl(*args)
+        if _eval_frame_callback() is None:
+            return (impl or _attention_impl)(*args)
+        return (direct_impl or _direct_impl)(*args)
     with torch._C._AutoDispatchBelowAutograd():
-        return _ATTENTION.redispatch(below, *args)
+        return (op or _ATTENTION).redispatch(below, *args)
 
 
 _ATTENTION = torch.ops.attncomp.attention.default
@@ -605,7 +607,7 @@ _eval_frame_callback = torch._C._dynamo.eval_frame.get_eval_frame_callback
 _LIB = torch.library.Library("attncomp", "IMPL")  # kept: the registration lives as long as the library object
 
 
-def _override(kernel, key: str, **kw) -> bool:
+def _override(kernel, key: str, lib_op: str = "attention", **kw) -> bool:
     """Register ``kernel`` for the dispatch key ``key`` of the op, ahead of what ``torch.library``
     registered. Registered for the CPU and CUDA keys (``AutogradCPU`` rather than the ``Autograd``
     alias that ``register_autograd`` uses: a backend's own key wins over the alias, and torch 2.11
@@ -615,7 +617,7 @@ def _override(kernel, key: str, **kw) -> bool:
         with warnings.catch_warnings():
             # replacing the kernel that custom_op installed is the intent
             warnings.filterwarnings("ignore", message="(?s).*Overriding a previously registered kernel")
-            _LIB.impl("attention", kernel, key, **kw)
+            _LIB.impl(lib_op, kernel, key, **kw)
         return True
     except RuntimeError as e:
         if "already a kernel registered" not in str(e):
@@ -666,15 +668,25 @@ def policy_aux(spec_json: str, q: Tensor, k: Tensor, draw_seed: Optional[int] = 
     return torch.ops.attncomp.policy_aux(q, k, spec_json, -1 if draw_seed is None else draw_seed)
 
 
-@torch.library.custom_op("attncomp::policy_aux", mutates_args=())
-def _policy_aux_op(q: Tensor, k: Tensor, spec: str, seed: int) -> Tuple[Tensor, Tensor]:
+# what a drop site's keep draws run on, per call key (spec, selection state, q/k signature): the
+# backend's own draw (``draw_keep``) with the resolved spec, or None for torch ops
+_DRAWS: dict = {}
+
+
+def _policy_aux_impl(q: Tensor, k: Tensor, spec: str, seed: int) -> Tuple[Tensor, Tensor]:
     s = _parsed(spec)
     if isinstance(s.policy, Drop):
         # a backend that draws keep masks with its own kernels (Triton: fused with the sort, whose
         # layout the site's calls then reuse) draws them; else torch ops below
-        s = _resolved(spec, q.dtype)
-        # (k stands in for v: the choice reads v's head dim only where SDPA may run, which drop never does)
-        draw = getattr(_backend_for(s, q, k, k), "draw_keep", None)
+        key = (spec, _selection_state(), call_signature(q, k, k, None, None, 0.0))
+        hit = _DRAWS.get(key)
+        if hit is None:
+            s = _resolved(spec, q.dtype)
+            # (k stands in for v: the choice reads v's head dim only where SDPA may run, which drop never does)
+            hit = (s, getattr(_backend_for(s, q, k, k), "draw_keep", None))
+            if key[1] == _selection_state():  # (a choice that is kept, see runtime.dispatch.selection_state)
+                bounded_put(_DRAWS, key, hit, _MAX_CALLS)
+        s, draw = hit
         if draw is not None:
             with torch.no_grad():
                 a, b = draw(s, q.detach(), k.detach(), None if seed < 0 else seed)
@@ -686,6 +698,9 @@ def _policy_aux_op(q: Tensor, k: Tensor, spec: str, seed: int) -> Tuple[Tensor, 
     return a.contiguous(), b.contiguous()
 
 
+_policy_aux_op = torch.library.custom_op("attncomp::policy_aux", mutates_args=())(_policy_aux_impl)
+
+
 @_policy_aux_op.register_fake
 def _(q, k, spec, seed):
     pol = _parsed(spec).policy
@@ -693,3 +708,17 @@ def _(q, k, spec, seed):
     if not isinstance(pol, (Hash, Drop)):
         return q.new_empty((0,), dtype=torch.int32), k.new_empty((0,), dtype=torch.int32)
     return q.new_empty(q.shape[:3], dtype=dt), k.new_empty(k.shape[:3], dtype=dt)
+
+
+def _policy_aux_autograd(keyset, *args):
+    # no gradient flows through the policy tensors (int and bool): the op runs below autograd, with
+    # the attention op's short path to the implementation
+    return _below_autograd(keyset, args, _policy_aux_impl, _direct_policy_aux, _POLICY_AUX)
+
+
+_POLICY_AUX = torch.ops.attncomp.policy_aux.default
+_direct_policy_aux = torch._disable_dynamo(_policy_aux_impl)
+if FAST_HOST_PATH:
+    for _key in ("CPU", "CUDA"):
+        _override(_policy_aux_autograd, "Autograd" + _key, with_keyset=True, lib_op="policy_aux")
+        _override(_direct_policy_aux, _key, lib_op="policy_aux")

@@ -14,7 +14,7 @@ import attncomp
 from attncomp import ops
 from attncomp.codegen import reference as R
 from attncomp.functional import attention
-from attncomp.policy import SPION, get_policy
+from attncomp.policy import SPION, Drop, get_policy
 from attncomp.spec import AttentionSpec, Predicates
 from tests.sync_trap import SyncError, sync_trap
 from tests.utils import assert_close, fresh_seed
@@ -262,6 +262,37 @@ def test_op_runs_its_implementation_directly_only_on_plain_tensors(monkeypatch):
     meta = op(*(t.to("meta") for t in (q, k, v)))
     assert meta.device.type == "meta" and meta.shape == want.shape
     assert direct == ["_attention_impl", "_direct_impl"]
+
+
+def test_policy_aux_runs_its_implementation_directly_only_on_plain_tensors(monkeypatch):
+    """``attncomp::policy_aux`` (a compiled drop site's keep draws) takes the attention op's short path:
+    plain tensors, with grad or not, run the implementation directly and draw what
+    ``materialize_aux`` draws; a dispatch mode still sees the op, and meta tensors get the fake."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    if not ops.FAST_HOST_PATH:
+        pytest.skip(f"torch {torch.__version__} keeps torch.library's kernels (overriding them is refused)")
+    q, k, _, _ = _case("dense", dtype=torch.float32, grad=True, seed=fresh_seed())
+    spec = AttentionSpec(causal=True, policy=Drop(q_rate=0.5, k_rate=0.5))
+    seed = fresh_seed()
+    direct = []
+    monkeypatch.setattr(ops, "_policy_aux_impl", lambda *a, _f=ops._policy_aux_impl: direct.append(1) or _f(*a))
+    got = torch.ops.attncomp.policy_aux(q, k, spec.to_json(), seed)
+    want = ops.materialize_aux(spec, q.detach(), k.detach(), seed=seed)
+    assert direct == [1] and all(torch.equal(a, b) and not a.requires_grad for a, b in zip(got, want))
+
+    class Seen(TorchDispatchMode):
+        ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Seen():
+        again = torch.ops.attncomp.policy_aux(q, k, spec.to_json(), seed)
+    assert "attncomp.policy_aux.default" in Seen.ops and all(map(torch.equal, again, want))
+    meta = torch.ops.attncomp.policy_aux(q.to("meta"), k.to("meta"), spec.to_json(), seed)
+    assert meta[0].device.type == "meta" and meta[0].shape == want[0].shape and direct == [1]
 
 
 def _raises(match, **kw):

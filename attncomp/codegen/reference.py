@@ -58,11 +58,21 @@ def cacheable(device) -> bool:
     afresh; the caches fill on the default stream."""
     if tracing():
         return False
-    device = torch.device(device)
+    if type(device) is not torch.device:
+        device = torch.device(device)
     if device.type != "cuda":
         return True
-    return not torch.cuda.is_current_stream_capturing() and torch.cuda.current_stream(device) == \
-        torch.cuda.default_stream(device)
+    if torch._C._cuda_isCurrentStreamCapturing():
+        return False
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    # the raw handles (torch.cuda.current_stream/default_stream build Stream objects: ~8 us each)
+    default = _DEFAULT_STREAMS.get(idx)
+    if default is None:
+        default = _DEFAULT_STREAMS[idx] = torch.cuda.default_stream(idx).cuda_stream
+    return torch._C._cuda_getCurrentRawStream(idx) == default
+
+
+_DEFAULT_STREAMS: dict = {}  # device index -> raw handle of its default stream
 
 
 def default_positions(spec: AttentionSpec, nq: int, nk: int, device) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -143,11 +143,12 @@ def test_no_cache_takes_a_tensor_made_in_a_cuda_graph_pool(monkeypatch):
     from attncomp.codegen import reference as ref
     from attncomp.codegen import sdpa as sdm
 
-    main, side = object(), object()
+    main, side = 7, 9  # raw stream handles
     state = {"stream": main, "capturing": False}
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: state["capturing"])
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: state["stream"])
-    monkeypatch.setattr(torch.cuda, "default_stream", lambda device=None: main)
+    monkeypatch.setattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: state["capturing"])
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda idx: state["stream"], raising=False)
+    monkeypatch.setattr(torch.cuda, "default_stream", lambda device=None: type("S", (), {"cuda_stream": main})())
+    monkeypatch.setattr(ref, "_DEFAULT_STREAMS", {})
     assert ref.cacheable("cuda:0") and ref.cacheable("cpu")
     for st, cap in ((side, False), (main, True)):
         state.update(stream=st, capturing=cap)

@@ -148,8 +148,12 @@ class FastLaunch:
             device = self._device()
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1
-        kernel.run(grid[0], g1, g2, self._stream(device), kernel.function, kernel.packed_metadata, None,
-                   None, None, *args, *tail)
+        direct = direct_launcher(kernel)
+        if direct is None:
+            kernel.run(grid[0], g1, g2, self._stream(device), kernel.function, kernel.packed_metadata, None,
+                       None, None, *args, *tail)
+        else:
+            direct(grid[0], g1, g2, self._stream(device), (*args, *tail))
         self.hits += 1
 
     def _layout(self, types: tuple):
@@ -207,6 +211,113 @@ class FastLaunch:
         if any(k not in seen and k not in _OPTIONS for k in kwargs):
             return None
         return tuple(tail)
+
+
+# -- Triton's compiled launcher, called directly ---------------------------------------------------
+# ``CompiledKernel.run`` is Triton's ``CudaLauncher``: a Python ``__call__`` that allocates the
+# kernel's scratch buffers (none for the kernels here), then, for a kernel with host tensor
+# descriptors, a Python loop that encodes each descriptor (``make_tensordesc_arg``: the driver's
+# ``cuTensorMapEncodeTiled``) and expands the arguments, and last the compiled C ``launch``. A kept
+# launch calls that C ``launch`` itself, with the same arguments in the same order, and keeps the
+# encoded descriptors by what the encoding reads (the base address, shape, strides and padding; the
+# rest is the kernel's), so that a repeat with tensors at the same addresses (a model's steady
+# state) encodes nothing. Anything else (another driver, scratch, launcher or argument layout) takes
+# ``CompiledKernel.run`` as before.
+
+_BASE_FORMAT = "iiiKKppOOOOOO"  # the C launch's leading arguments this passes (checked against the driver's)
+_DIRECT: Dict[int, tuple] = {}  # id(compiled kernel) -> (kernel, direct launcher or None)
+_MAX_MAPS = 64  # encoded descriptors kept per descriptor argument of a kernel
+_DIRECT_ON = [True]
+
+
+def direct(on: Optional[bool] = None) -> bool:
+    """Whether kept launches call Triton's C launcher directly (benchmarks compare both; launch plans
+    made before a change keep the launcher they were made with); with ``on``, set it first."""
+    if on is not None:
+        _DIRECT_ON[0] = bool(on)
+    return _DIRECT_ON[0]
+
+
+def _nvidia_driver():
+    try:
+        from triton.backends.nvidia import driver as nv
+    except ImportError:  # pragma: no cover - no NVIDIA backend
+        return None
+    return nv
+
+
+def direct_launcher(kernel):
+    """``go(g0, g1, g2, stream, args)``: launches the compiled ``kernel`` (a Triton ``CompiledKernel``)
+    with ``args`` (every argument of its signature, constexprs included, as ``kernel.run`` takes them
+    after the hooks) through its compiled C launcher directly; None where the launcher is not one this
+    knows (the caller then calls ``kernel.run``)."""
+    if not _DIRECT_ON[0]:
+        return None
+    hit = _DIRECT.get(id(kernel))
+    if hit is not None and hit[0] is kernel:
+        return hit[1]
+    go = _make_direct(kernel)
+    _DIRECT[id(kernel)] = (kernel, go)
+    return go
+
+
+def _make_direct(kernel):
+    nv = _nvidia_driver()
+    run = kernel.run
+    if nv is None or type(run) is not getattr(nv, "CudaLauncher", None) or \
+            getattr(nv, "_BASE_ARGS_FORMAT", None) != _BASE_FORMAT:
+        return None
+    try:
+        if run.global_scratch_size or run.profile_scratch_size:
+            return None  # (scratch is allocated per launch by CudaLauncher.__call__)
+        head = (kernel.function, run.launch_cooperative_grid, run.launch_pdl, None, None, kernel.packed_metadata,
+                None, None, None)
+        c_launch = run.launch
+    except AttributeError:
+        return None
+    # wrap_handle_tensordesc's ``inner`` (a kernel with host descriptors): the C launch, the
+    # descriptors' places and metadata are its cells
+    code, cells = getattr(c_launch, "__code__", None), getattr(c_launch, "__closure__", None)
+    free = dict(zip(code.co_freevars, (c.cell_contents for c in cells))) if code is not None and cells else {}
+    if "tensordesc_indices" not in free:
+        def go(g0, g1, g2, stream, args):
+            c_launch(g0, g1, g2, stream, *head, *args)
+
+        return go
+    c_launch, places, metas = free.get("launcher"), free.get("tensordesc_indices"), free.get("tensordesc_meta")
+    if not callable(c_launch) or not places or metas is None:
+        return None
+    places = sorted(places)
+    if len(metas) != len(places):
+        return None
+    descs = tuple(zip(places, metas, [{} for _ in places]))
+
+    def go(g0, g1, g2, stream, args):
+        c_launch(g0, g1, g2, stream, *head, *_expand(args, descs, nv))
+
+    return go
+
+
+def _expand(args: tuple, descs: tuple, nv) -> list:
+    """The arguments with each host tensor descriptor replaced by what Triton's launcher passes for
+    it (``make_tensordesc_arg``), encoded once per base address, shape, strides and padding."""
+    out, last = [], 0
+    for i, meta, maps in descs:
+        out.extend(args[last:i])
+        d = args[i]
+        if meta is None:  # passed as base pointer, shapes and strides (no encoding to keep)
+            out.extend(nv.make_tensordesc_arg(d, meta))
+        else:
+            key = (d.base.data_ptr(), tuple(d.shape), tuple(d.strides), d.padding)
+            arg = maps.get(key)
+            if arg is None:
+                if len(maps) >= _MAX_MAPS:
+                    maps.clear()
+                arg = maps[key] = nv.make_tensordesc_arg(d, meta)
+            out.extend(arg)
+        last = i + 1
+    out.extend(args[last:])
+    return out
 
 
 def fast_launch(fn=None, *, volatile: Sequence[str] = ()):

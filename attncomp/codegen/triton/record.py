@@ -115,6 +115,22 @@ def _alloc(shape, stride, dtype, device) -> torch.Tensor:
     return torch.empty_strided(shape, stride, dtype=dtype, device=device)
 
 
+def _launcher(kernel):
+    """``go(g0, g1, g2, stream, args)`` launching the compiled ``kernel`` as ``FastLaunch.launch_entry``
+    does: Triton's C launcher directly where it can (:func:`.launch.direct_launcher`), else ``kernel.run``."""
+    from .launch import direct_launcher
+
+    go = direct_launcher(kernel)
+    if go is not None:
+        return go
+    run, function, meta = kernel.run, kernel.function, kernel.packed_metadata
+
+    def go(g0, g1, g2, stream, args):
+        run(g0, g1, g2, stream, function, meta, None, None, None, *args)
+
+    return go
+
+
 def _storage_base(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
@@ -181,8 +197,7 @@ class Replay:
             kernel, tail = entry
             g = tuple(grid) + (1, 1)
             # what FastLaunch.launch_entry passes, with the arguments' tail (constexprs) appended
-            self.launches.append((kernel.run, g[0], g[1], g[2], kernel.function, kernel.packed_metadata,
-                                  template + list(tail), tuple(slots)))
+            self.launches.append((_launcher(kernel), g[0], g[1], g[2], template + list(tail), tuple(slots)))
             kernels[id(fl)] = fl
         self.kernels = tuple(kernels.values())
 
@@ -218,11 +233,11 @@ class Replay:
             base[name] = t.data_ptr()
         fl = self.kernels[0]
         stream = fl._stream(fl._device() if device is None else device)
-        for run, g0, g1, g2, function, meta, template, slots in self.launches:
+        for go, g0, g1, g2, template, slots in self.launches:
             args = template.copy()
             for i, name, off in slots:
                 args[i] = base[name] + off
-            run(g0, g1, g2, stream, function, meta, None, None, None, *args)
+            go(g0, g1, g2, stream, args)
         return ws, outs
 
     def buffer(self, t: torch.Tensor) -> Optional[tuple]:
