@@ -36,7 +36,7 @@ from attncomp.spec import AttentionSpec  # noqa: E402
 
 SHAPES = {"tiny": (1, 2, 2, 16, 16), "gpt2": (4, 16, 16, 2048, 64), "llama": (2, 32, 8, 4096, 64)}
 KERNELS = [(layout, "_layout_hist"), (layout, "_layout_scan"), (layout, "_layout_scatter"),
-           (schedule, "_tile_summary"), (schedule, "_tile_lists"), (TB, "_attention_kernel")]
+           (schedule, "_tile_summaries"), (schedule, "_tile_lists"), (TB, "_attention_kernel")]
 
 
 class _NoOp:

@@ -35,7 +35,7 @@ from attncomp.spec import AttentionSpec, Predicates  # noqa: E402
 from tests.utils import assert_close, case_inputs, fresh_seed, qkv  # noqa: E402
 
 _KERNELS = [(layout, "_layout_hist", ("q_seed", "k_seed")), (layout, "_layout_scan", ()),
-            (layout, "_layout_scatter", ()), (schedule, "_tile_summary", ()), (schedule, "_tile_lists", ()),
+            (layout, "_layout_scatter", ()), (schedule, "_tile_summaries", ()), (schedule, "_tile_lists", ()),
             (TB, "_attention_kernel", ("seed",))]
 _BUFFERS: list = []  # tensors whose memory a launch may name by address
 
@@ -168,7 +168,7 @@ def test_repeated_sorted_forwards_replay_the_recording(kernels, case):
     # the first call and the second (which recorded the plan) take the full path; then two replays
     assert len(kernels) == 2 and len(TB._PLANS) == 1
     (plan,) = TB._PLANS.values()
-    assert type(plan) is TB._SortedPlan and len(plan.replay.launches) == 7
+    assert type(plan) is TB._SortedPlan and len(plan.replay.launches) == 6
     assert not torch.equal(outs[2], outs[3])
 
 
@@ -238,7 +238,7 @@ def test_given_buckets_replay_with_the_layout_of_each_call(kernels):
         assert_close(out, _reference(spec, q, k, v, None, None, 0.0, 0)[0], torch.float32, f"call {call}")
     assert len(kernels) == 2
     (plan,) = TB._PLANS.values()
-    assert plan.given and len(plan.replay.launches) == 4
+    assert plan.given and len(plan.replay.launches) == 3
 
 
 def test_a_shared_q_k_takes_the_full_path(kernels):
@@ -311,5 +311,5 @@ def test_a_compiled_drop_site_replays_its_draws_and_forwards(kernels, monkeypatc
         outs.append(out)
     assert len(draws) == 2 and len(kernels) == 2
     plans = [p for p in ops._CALLS.values() if type(p) is TB._SortedPlan]
-    assert len(plans) == 1 and plans[0].given and len(plans[0].replay.launches) == 4
+    assert len(plans) == 1 and plans[0].given and len(plans[0].replay.launches) == 3
     assert not torch.equal(outs[2], outs[3])

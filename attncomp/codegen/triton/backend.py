@@ -36,7 +36,7 @@ from .common import LOG2E, MASK_BOOL, MASK_FLOAT, MASK_NONE
 from .common import cdiv as _cdiv, next_pow2 as _next_pow2, pow2_block as _pow2, seed_word as _seed_word
 from .common import window_bound as _clamp
 from .layout import GK_IDS, Layout, counting_layout, derive_layout, layout_from_aux, window_ranges
-from .schedule import tile_lists, tile_summary
+from .schedule import tile_lists, tile_summaries
 from .template import (MODE_DKDV, MODE_DQ, MODE_FWD, POLICY_DENSE, POLICY_DFSS, POLICY_SORTED, POLICY_SPION,
                        POS_ARANGE, POS_NONE, POS_VECTOR, SCHED_LIST, SCHED_SPAN)
 from . import layout as _layout_mod, record, template
@@ -293,12 +293,10 @@ class Site:
     def _build_lists(self, block_m: int, block_n: int, outer_q: bool):
         lay = self.layout
         sorted_ = lay is not None
-        qsum = tile_summary(block_m, self.Nq, self.B if sorted_ else self.tok_b, self.Hq if sorted_ else 1,
-                            lay and lay.q_perm, self.q_pos, self.q_seg, self.q_val, lay and lay.lo, lay and lay.hi,
-                            self.pos_off, self.pos, self.device)
-        ksum = tile_summary(block_n, self.Nk, self.B if sorted_ else self.tok_b, self.Hk if sorted_ else 1,
-                            lay and lay.k_perm, self.k_pos, self.k_seg, self.k_val, None, None, 0, self.pos,
-                            self.device)
+        qsum, ksum = tile_summaries(block_m, block_n, self.Nq, self.Nk, self.B if sorted_ else self.tok_b,
+                                    self.Hq if sorted_ else 1, self.Hk if sorted_ else 1, lay and lay.q_perm,
+                                    lay and lay.k_perm, self.q_pos, self.k_pos, self.q_seg, self.k_seg, self.q_val,
+                                    self.k_val, lay and lay.lo, lay and lay.hi, self.pos_off, self.pos, self.device)
         per_head = sorted_ or (self.spion_bs and self.pattern.shape[0] > 1)
         return tile_lists(qsum, ksum, outer_q=outer_q, block_m=block_m, block_n=block_n,
                           rows_h=self.Hq if per_head else 1, groups_k=self.groups if sorted_ else 1,

@@ -3,7 +3,7 @@ tile the list of query tiles, for the dK/dV pass).
 
 Two launches, no host loop over tiles and no device-to-host read:
 
-1. :func:`_tile_summary`, once per side: for every tile of ``BLOCK`` tokens (in row order, i.e.
+1. :func:`_tile_summaries`, both sides in one launch: for every tile of ``BLOCK`` tokens (in row order, i.e.
    through the sorted layout's permutation for ``hash``/``drop``) the min/max position, min/max
    segment id, whether any token is valid, and on the query side of a sorted layout the hull
    ``[min lo, max hi)`` of the kept key ranges. O(N) reads.
@@ -34,7 +34,7 @@ from .common import cdiv
 from .launch import fast_launch
 from .template import _tok_vals
 
-__all__ = ["tile_summary", "tile_lists"]
+__all__ = ["tile_summaries", "tile_lists"]
 
 _FIELDS = 8
 
@@ -45,13 +45,11 @@ def _empty(shape, dtype, device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-@fast_launch
 @triton.jit
-def _tile_summary(Sum, Perm, Pos, Seg, Val, Lo, Hi, N, Hs, s_pos, s_seg, s_val, off,
+def _summary_side(Sum, Perm, Pos, Seg, Val, Lo, Hi, t, r, nt, N, Hs, s_pos, s_seg, s_val, off,
                   BLOCK: tl.constexpr, PERMUTED: tl.constexpr, POS: tl.constexpr, SEG: tl.constexpr,
                   VAL: tl.constexpr, RANGE: tl.constexpr):
-    t = tl.program_id(0)
-    r = tl.program_id(1)
+    """The summary of tile ``t`` (of ``nt``) of row ``r`` of one side."""
     b = r // Hs
     offs = t * BLOCK + tl.arange(0, BLOCK)
     valid = offs < N
@@ -66,7 +64,7 @@ def _tile_summary(Sum, Perm, Pos, Seg, Val, Lo, Hi, N, Hs, s_pos, s_seg, s_val, 
         hi = tl.load(Hi + r.to(tl.int64) * N + offs, mask=valid, other=0)
         ok = ok & (lo < hi)
     big = 2147483647  # int32 values (see template._tok_vals): a sentinel above all of them
-    base = Sum + (r.to(tl.int64) * tl.num_programs(0) + t) * 8
+    base = Sum + (r.to(tl.int64) * nt + t) * 8
     tl.store(base + 0, tl.min(tl.where(ok, p, big), 0))
     tl.store(base + 1, tl.max(tl.where(ok, p, -big), 0))
     tl.store(base + 2, tl.min(tl.where(ok, sg, big), 0))
@@ -76,6 +74,27 @@ def _tile_summary(Sum, Perm, Pos, Seg, Val, Lo, Hi, N, Hs, s_pos, s_seg, s_val, 
     if RANGE:
         tl.store(base + 5, tl.min(tl.where(ok, lo, big), 0))
         tl.store(base + 6, tl.max(tl.where(ok, hi, -big), 0))
+
+
+@fast_launch
+@triton.jit
+def _tile_summaries(QSum, KSum, QPerm, KPerm, QPos, KPos, QSeg, KSeg, QVal, KVal, Lo, Hi, Nq, Nk, ntq, ntk, rows_q,
+                    Hqs, Hks, sq_pos, sk_pos, sq_seg, sk_seg, sq_val, sk_val, q_off,
+                    BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, PERMUTED: tl.constexpr, POS: tl.constexpr,
+                    QSEG: tl.constexpr, KSEG: tl.constexpr, QVAL: tl.constexpr, KVAL: tl.constexpr,
+                    RANGE: tl.constexpr):
+    """Both sides in one launch: programs ``(t, r)`` with ``r < rows_q`` summarise query tiles (rows
+    of ``Hqs`` heads), the others key tiles (row ``r - rows_q``, rows of ``Hks`` heads)."""
+    t = tl.program_id(0)
+    r = tl.program_id(1)
+    if r < rows_q:
+        if t < ntq:
+            _summary_side(QSum, QPerm, QPos, QSeg, QVal, Lo, Hi, t, r, ntq, Nq, Hqs, sq_pos, sq_seg, sq_val, q_off,
+                          BLOCK_Q, PERMUTED, POS, QSEG, QVAL, RANGE)
+    else:
+        if t < ntk:
+            _summary_side(KSum, KPerm, KPos, KSeg, KVal, Lo, Hi, t, r - rows_q, ntk, Nk, Hks, sk_pos, sk_seg, sk_val,
+                          0, BLOCK_K, PERMUTED, POS, KSEG, KVAL, False)
 
 
 @triton.jit
@@ -186,25 +205,32 @@ def _bstride(t: Optional[torch.Tensor]) -> int:
     return 0 if t is None or t.shape[0] == 1 else t.stride(0)
 
 
-def tile_summary(block: int, n: int, rows_b: int, rows_h: int, perm, pos, seg, val, lo, hi, off: int,
-                 pos_kind: int, device) -> torch.Tensor:
-    """Summaries ``(rows_b, rows_h, cdiv(n, block), 8)`` of one side (see the module docstring).
+def tile_summaries(block_m: int, block_n: int, nq: int, nk: int, rows_b: int, hq: int, hk: int, q_perm, k_perm,
+                   q_pos, k_pos, q_seg, k_seg, q_val, k_val, lo, hi, q_off: int, pos_kind: int, device):
+    """``(qsum, ksum)``: the summaries ``(rows_b, hq, cdiv(nq, block_m), 8)`` of the query side and
+    ``(rows_b, hk, cdiv(nk, block_n), 8)`` of the key side (see the module docstring), one launch.
 
-    ``perm``/``lo``/``hi``: ``(rows_b, rows_h, n)`` or ``None``; ``pos``/``seg``/``val``: ``(B or 1, n)``
-    or ``None``; ``pos_kind``: 2 when ``pos`` is given, else positions are ``index + off``."""
-    nt = cdiv(n, block)
+    ``q_perm``/``lo``/``hi``: ``(rows_b, hq, nq)``, ``k_perm``: ``(rows_b, hk, nk)``, both perms or
+    neither; ``*_pos``/``*_seg``/``*_val``: ``(B or 1, n)`` or ``None``; ``pos_kind``: 2 when positions
+    are given, else positions are ``index + off`` (``q_off`` on the query side, 0 on the key side)."""
+    ntq, ntk = cdiv(nq, block_m), cdiv(nk, block_n)
     # every field the lists read is written (the range hull only with ``lo``/``hi``, the only case
-    # that reads it): no fill launch
-    out = _empty((rows_b, rows_h, nt, _FIELDS), torch.int64, device)
-    dummy = out
-    _tile_summary[(nt, rows_b * rows_h)](
-        out, dummy if perm is None else perm, dummy if pos is None else pos, dummy if seg is None else seg,
-        dummy if val is None else val, dummy if lo is None else lo, dummy if hi is None else hi,
-        n, rows_h, _bstride(pos), _bstride(seg), _bstride(val), off,
-        BLOCK=block, PERMUTED=perm is not None, POS=pos_kind, SEG=seg is not None, VAL=val is not None,
-        RANGE=lo is not None, num_warps=1 if block <= 32 else 4,
+    # that reads it): no fill launch; one buffer for both sides
+    both = _empty((rows_b * (hq * ntq + hk * ntk) * _FIELDS,), torch.int64, device)
+    qsum = both[:rows_b * hq * ntq * _FIELDS].view(rows_b, hq, ntq, _FIELDS)
+    ksum = both[rows_b * hq * ntq * _FIELDS:].view(rows_b, hk, ntk, _FIELDS)
+    d = both
+    _tile_summaries[(max(ntq, ntk), rows_b * (hq + hk))](
+        qsum, ksum, d if q_perm is None else q_perm, d if k_perm is None else k_perm, d if q_pos is None else q_pos,
+        d if k_pos is None else k_pos, d if q_seg is None else q_seg, d if k_seg is None else k_seg,
+        d if q_val is None else q_val, d if k_val is None else k_val, d if lo is None else lo, d if hi is None else hi,
+        nq, nk, ntq, ntk, rows_b * hq, hq, hk, _bstride(q_pos), _bstride(k_pos), _bstride(q_seg), _bstride(k_seg),
+        _bstride(q_val), _bstride(k_val), q_off,
+        BLOCK_Q=block_m, BLOCK_K=block_n, PERMUTED=q_perm is not None, POS=pos_kind, QSEG=q_seg is not None,
+        KSEG=k_seg is not None, QVAL=q_val is not None, KVAL=k_val is not None, RANGE=lo is not None,
+        num_warps=1 if max(block_m, block_n) <= 32 else 4,
     )
-    return out
+    return qsum, ksum
 
 
 def tile_lists(qsum: torch.Tensor, ksum: torch.Tensor, *, outer_q: bool, block_m: int, block_n: int,
