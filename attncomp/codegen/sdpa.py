@@ -192,8 +192,9 @@ class SdpaBackend:
         fixed = plan if plan[1] is None and plan[2] is None else None
         # FlashAttention's (out, lse) as the op returns them (no GQA expansion, lse as it came): its
         # repeats call the kernel alone
-        flash = (fixed is not None and q.is_cuda and lse is raw and q.shape[1] == k.shape[1]
-                 and min(q.shape[-2], k.shape[-2]) > 0 and _use_flash(q, k, None, fixed[0]))
+        flash = (fixed is not None and q.is_cuda and lse is raw and min(q.shape[-2], k.shape[-2]) > 0
+                 and _use_flash(q, k, None, fixed[0])
+                 and (q.shape[1] == k.shape[1] or _grouped_flash(q, k, None, fixed[0])))
         _TAKEN.plan = _Plan(self, spec, fixed, (fixed[0], _scale(spec, q.shape[-1])) if flash else None)
         # SDPA's kernels follow q's memory layout: heads inner for q from a model's projections, the
         # op's layout (attncomp.ops.output_like); the op copies another
@@ -207,16 +208,18 @@ class SdpaBackend:
 
     def _forward(self, spec, q, k, v, attn_mask, preds, plan=None):
         hq = q.shape[1]
-        kk, vv = _expand(k, hq), _expand(v, hq)
         is_causal, bias, row_ok = _plan(spec, q, k, attn_mask, preds) if plan is None else plan
         scale = _scale(spec, q.shape[-1])
         if q.shape[-2] == 0 or k.shape[-2] == 0:
             out = q.new_zeros(q.shape[:-1] + (v.shape[-1],))
             lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
             return out, lse, lse
-        if q.is_cuda:
-            out, lse = _cuda_forward(q, kk, vv, bias, is_causal, scale)
+        if q.is_cuda and _grouped_flash(q, k, bias, is_causal):
+            out, lse = _flash_grouped(q, k, v, is_causal, scale)
+        elif q.is_cuda:
+            out, lse = _cuda_forward(q, _expand(k, hq), _expand(v, hq), bias, is_causal, scale)
         else:
+            kk, vv = _expand(k, hq), _expand(v, hq)
             # the CPU kernel reads its inputs as if contiguous: a transposed view gives wrong results
             out, lse = _CPU_FWD(_dense(q), _dense(kk), _dense(vv), 0.0, is_causal, attn_mask=bias, scale=scale)
         raw_lse = lse
@@ -391,6 +394,32 @@ def _use_flash(q, k, bias, is_causal) -> bool:
     # FlashAttention aligns causal bottom-right when Nq != Nk: top-left causal goes to the
     # memory-efficient kernel then
     return bias is None and q.dtype in (torch.float16, torch.bfloat16) and (not is_causal or q.shape[-2] == k.shape[-2])
+
+
+# whether this torch's FlashAttention forward takes k/v with fewer heads than q (grouped-query
+# attention: its kernel reads each k/v head for its group of query heads, where other kernels need the
+# heads repeated, a copy of k and v per call); learned from the first grouped call
+_GROUPED: list = [None]
+
+
+def _grouped_flash(q, k, bias, is_causal) -> bool:
+    """Whether a CUDA forward with grouped k/v heads runs FlashAttention on them as they are."""
+    hq, hk = q.shape[1], k.shape[1]
+    return hq != hk and hq % hk == 0 and _GROUPED[0] is not False and _use_flash(q, k, bias, is_causal)
+
+
+def _flash_grouped(q, k, v, is_causal, scale) -> Tuple[Tensor, Tensor]:
+    if _GROUPED[0] is None:
+        try:
+            r = _FLASH_FWD(q, k, v, 0.0, is_causal, False, scale=scale)
+        except RuntimeError:  # (a torch whose kernel wants as many k/v heads as q heads)
+            _GROUPED[0] = False
+            hq = q.shape[1]
+            return _cuda_forward(q, _expand(k, hq), _expand(v, hq), None, is_causal, scale)
+        _GROUPED[0] = True
+        return r[0], r[1]
+    r = _FLASH_FWD(q, k, v, 0.0, is_causal, False, scale=scale)
+    return r[0], r[1]
 
 
 def _cuda_forward(q, k, v, bias, is_causal, scale) -> Tuple[Tensor, Tensor]:

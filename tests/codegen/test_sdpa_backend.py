@@ -103,3 +103,32 @@ def test_the_op_keeps_the_sdpa_plan_its_calls_take(monkeypatch, case):
     # call 1 selects and keeps the plan; calls 2-4 go through it
     assert len(n) == 1 and len(ops._CALLS) == 1
     assert type(next(iter(ops._CALLS.values()))).__name__ == "_Plan"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("hk", [1, 2, 8])
+def test_grouped_kv_heads_run_flash_as_they_are_on_cuda(monkeypatch, causal, hk):
+    """On CUDA, k/v with fewer heads than q go to FlashAttention without being repeated (no copy of k
+    and v per call), first call and kept plan alike; outputs and lse match the float32 reference with
+    the heads repeated, fresh inputs each call, N not a multiple of the kernel's block."""
+    from attncomp import ops
+    from attncomp.codegen import reference as R
+    from attncomp.codegen import sdpa
+
+    monkeypatch.setattr(ops, "_CALLS", {})
+    repeats = []
+    monkeypatch.setattr(sdpa, "_expand", lambda x, h, _f=sdpa._expand: repeats.append(x.shape[1] != h) or _f(x, h))
+    hq, n, d = 8, 203, 64
+    spec = AttentionSpec(causal=causal, gqa_groups=hq // hk, head_dim=d, dtype="bfloat16", backend="sdpa")
+    sj = spec.to_json()
+    for call in range(3):
+        q = torch.randn(2, n, hq, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+        k, v = (torch.randn(2, n, hk, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in range(2))
+        out, lse = torch.ops.attncomp.attention(q, k, v, None, None, None, None, None, None, None, None, None, None,
+                                                sj, 0.0, 0)
+        want, want_lse = R.attention(q.float(), k.float(), v.float(), spec=spec.replace(dtype="float32"))
+        torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2, msg=f"call {call}")
+        torch.testing.assert_close(lse.float(), want_lse.float(), rtol=1e-3, atol=1e-3)
+    assert sdpa._GROUPED[0] in (None, True) and (hk == hq or sdpa._GROUPED[0])
+    assert not any(repeats)
