@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import attncomp
 from attncomp import ops
@@ -222,11 +223,21 @@ def test_eager_backward_skips_the_dispatcher_traced_backward_records_the_op(monk
     assert "attncomp.attention_backward.default" in {str(n.target) for n in gm.graph.nodes}
 
 
+class _Seen(TorchDispatchMode):
+    """Names the ops that reach the dispatcher while it is active."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
 def test_op_runs_its_implementation_directly_only_on_plain_tensors(monkeypatch):
     """Plain CPU tensors run the implementation without the dispatcher's redispatch; under a dispatch
     mode and on meta tensors the op still dispatches (the mode sees the op, meta gets the fake)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     if not ops.FAST_HOST_PATH:
         pytest.skip(f"torch {torch.__version__} keeps torch.library's kernels (overriding them is refused)")
     q, k, v, _ = _case("dense", dtype=torch.float32, grad=False, seed=fresh_seed())
@@ -249,16 +260,9 @@ def test_op_runs_its_implementation_directly_only_on_plain_tensors(monkeypatch):
     assert_close(want, R.attention(q.double(), k.double(), v.double(), spec=AttentionSpec(causal=True))[0],
                  torch.float32)
 
-    class Seen(TorchDispatchMode):
-        ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(str(func))
-            return func(*args, **(kwargs or {}))
-
-    with Seen():
+    with _Seen() as seen:
         got = op(q, k, v)
-    assert "attncomp.attention.default" in Seen.ops and torch.equal(got, want)
+    assert "attncomp.attention.default" in seen.ops and torch.equal(got, want)
     meta = op(*(t.to("meta") for t in (q, k, v)))
     assert meta.device.type == "meta" and meta.shape == want.shape
     assert direct == ["_attention_impl", "_direct_impl"]
@@ -268,8 +272,6 @@ def test_policy_aux_runs_its_implementation_directly_only_on_plain_tensors(monke
     """``attncomp::policy_aux`` (a compiled drop site's keep draws) takes the attention op's short path:
     plain tensors, with grad or not, run the implementation directly and draw what
     ``materialize_aux`` draws; a dispatch mode still sees the op, and meta tensors get the fake."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     if not ops.FAST_HOST_PATH:
         pytest.skip(f"torch {torch.__version__} keeps torch.library's kernels (overriding them is refused)")
     q, k, _, _ = _case("dense", dtype=torch.float32, grad=True, seed=fresh_seed())
@@ -281,16 +283,9 @@ def test_policy_aux_runs_its_implementation_directly_only_on_plain_tensors(monke
     want = ops.materialize_aux(spec, q.detach(), k.detach(), seed=seed)
     assert direct == [1] and all(torch.equal(a, b) and not a.requires_grad for a, b in zip(got, want))
 
-    class Seen(TorchDispatchMode):
-        ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(str(func))
-            return func(*args, **(kwargs or {}))
-
-    with Seen():
+    with _Seen() as seen:
         again = torch.ops.attncomp.policy_aux(q, k, spec.to_json(), seed)
-    assert "attncomp.policy_aux.default" in Seen.ops and all(map(torch.equal, again, want))
+    assert "attncomp.policy_aux.default" in seen.ops and all(map(torch.equal, again, want))
     meta = torch.ops.attncomp.policy_aux(q.to("meta"), k.to("meta"), spec.to_json(), seed)
     assert meta[0].device.type == "meta" and meta[0].shape == want[0].shape and direct == [1]
 
