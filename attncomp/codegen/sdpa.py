@@ -193,8 +193,7 @@ class SdpaBackend:
         # FlashAttention's (out, lse) as the op returns them (no GQA expansion, lse as it came): its
         # repeats call the kernel alone
         flash = (fixed is not None and q.is_cuda and lse is raw and min(q.shape[-2], k.shape[-2]) > 0
-                 and _use_flash(q, k, None, fixed[0])
-                 and (q.shape[1] == k.shape[1] or _grouped_flash(q, k, None, fixed[0])))
+                 and _use_flash(q, k, None, fixed[0]) and (q.shape[1] == k.shape[1] or _GROUPED[0] is True))
         _TAKEN.plan = _Plan(self, spec, fixed, (fixed[0], _scale(spec, q.shape[-1])) if flash else None)
         # SDPA's kernels follow q's memory layout: heads inner for q from a model's projections, the
         # op's layout (attncomp.ops.output_like); the op copies another
@@ -409,16 +408,15 @@ def _grouped_flash(q, k, bias, is_causal) -> bool:
 
 
 def _flash_grouped(q, k, v, is_causal, scale) -> Tuple[Tensor, Tensor]:
-    if _GROUPED[0] is None:
-        try:
-            r = _FLASH_FWD(q, k, v, 0.0, is_causal, False, scale=scale)
-        except RuntimeError:  # (a torch whose kernel wants as many k/v heads as q heads)
-            _GROUPED[0] = False
-            hq = q.shape[1]
-            return _cuda_forward(q, _expand(k, hq), _expand(v, hq), None, is_causal, scale)
-        _GROUPED[0] = True
-        return r[0], r[1]
-    r = _FLASH_FWD(q, k, v, 0.0, is_causal, False, scale=scale)
+    try:
+        r = _FLASH_FWD(q, k, v, 0.0, is_causal, False, scale=scale)
+    except RuntimeError:
+        if _GROUPED[0]:
+            raise
+        _GROUPED[0] = False  # (a torch whose kernel wants as many k/v heads as q heads)
+        hq = q.shape[1]
+        return _cuda_forward(q, _expand(k, hq), _expand(v, hq), None, is_causal, scale)
+    _GROUPED[0] = True
     return r[0], r[1]
 
 

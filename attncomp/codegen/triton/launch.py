@@ -148,12 +148,7 @@ class FastLaunch:
             device = self._device()
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1
-        direct = direct_launcher(kernel)
-        if direct is None:
-            kernel.run(grid[0], g1, g2, self._stream(device), kernel.function, kernel.packed_metadata, None,
-                       None, None, *args, *tail)
-        else:
-            direct(grid[0], g1, g2, self._stream(device), (*args, *tail))
+        launcher(kernel)(grid[0], g1, g2, self._stream(device), (*args, *tail))
         self.hits += 1
 
     def _layout(self, types: tuple):
@@ -258,6 +253,20 @@ def direct_launcher(kernel):
         return hit[1]
     go = _make_direct(kernel)
     _DIRECT[id(kernel)] = (kernel, go)
+    return go
+
+
+def launcher(kernel):
+    """``go(g0, g1, g2, stream, args)`` launching the compiled ``kernel``: Triton's C launcher directly
+    where it can (:func:`direct_launcher`), else ``kernel.run`` without launch hooks."""
+    go = direct_launcher(kernel)
+    if go is not None:
+        return go
+    run, function, meta = kernel.run, kernel.function, kernel.packed_metadata
+
+    def go(g0, g1, g2, stream, args):
+        run(g0, g1, g2, stream, function, meta, None, None, None, *args)
+
     return go
 
 

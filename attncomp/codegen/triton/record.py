@@ -115,22 +115,6 @@ def _alloc(shape, stride, dtype, device) -> torch.Tensor:
     return torch.empty_strided(shape, stride, dtype=dtype, device=device)
 
 
-def _launcher(kernel):
-    """``go(g0, g1, g2, stream, args)`` launching the compiled ``kernel`` as ``FastLaunch.launch_entry``
-    does: Triton's C launcher directly where it can (:func:`.launch.direct_launcher`), else ``kernel.run``."""
-    from .launch import direct_launcher
-
-    go = direct_launcher(kernel)
-    if go is not None:
-        return go
-    run, function, meta = kernel.run, kernel.function, kernel.packed_metadata
-
-    def go(g0, g1, g2, stream, args):
-        run(g0, g1, g2, stream, function, meta, None, None, None, *args)
-
-    return go
-
-
 def _storage_base(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
@@ -148,6 +132,8 @@ class Replay:
     def __init__(self, rec: Recording, inputs: Dict[str, Optional[torch.Tensor]],
                  outputs: Dict[str, torch.Tensor], seeds: Dict[object, Dict[str, str]],
                  nulls: Optional[Dict[object, Iterable[str]]] = None):
+        from .launch import launcher  # (launch imports this module)
+
         nulls = nulls or {}
         if rec.why is not None:
             raise ValueError(rec.why)
@@ -197,7 +183,7 @@ class Replay:
             kernel, tail = entry
             g = tuple(grid) + (1, 1)
             # what FastLaunch.launch_entry passes, with the arguments' tail (constexprs) appended
-            self.launches.append((_launcher(kernel), g[0], g[1], g[2], template + list(tail), tuple(slots)))
+            self.launches.append((launcher(kernel), g[0], g[1], g[2], template + list(tail), tuple(slots)))
             kernels[id(fl)] = fl
         self.kernels = tuple(kernels.values())
 
