@@ -218,9 +218,9 @@ class SdpaBackend:
         elif q.is_cuda:
             out, lse = _cuda_forward(q, _expand(k, hq), _expand(v, hq), bias, is_causal, scale)
         else:
-            kk, vv = _expand(k, hq), _expand(v, hq)
-            # the CPU kernel reads its inputs as if contiguous: a transposed view gives wrong results
-            out, lse = _CPU_FWD(_dense(q), _dense(kk), _dense(vv), 0.0, is_causal, attn_mask=bias, scale=scale)
+            # the CPU kernel takes grouped k/v heads as they are (torch 2.11-2.13: no repeat), and reads
+            # its inputs as if the head dim were contiguous: a transposed view gives wrong results
+            out, lse = _CPU_FWD(_dense(q), _dense(k), _dense(v), 0.0, is_causal, attn_mask=bias, scale=scale)
         raw_lse = lse
         if lse.dtype != torch.float32:
             lse = lse.float()
@@ -238,11 +238,9 @@ class SdpaBackend:
                  out, lse, grad_out, need_mask_grad=False, preds=None):
         if dropout_p:
             raise RuntimeError("SDPA backend: dropout is not run here (attncomp's dropout draws differ)")
-        hq, hk = q.shape[1], k.shape[1]
         if q.is_cuda:
             dq, dk, dv = _cuda_backward(spec, q, k, v, attn_mask, preds, grad_out, out, lse)
             return dq, dk, dv, None
-        kk, vv = _expand(k, hq), _expand(v, hq)
         is_causal, bias, _ = _plan(spec, q, k, attn_mask, preds)
         if q.dtype == torch.float64:
             # attncomp's lse is float32: recompute SDPA's own for float64 accuracy
@@ -250,10 +248,11 @@ class SdpaBackend:
         else:
             # an empty row's lse is -inf; SDPA's kernel wants a finite one there (its p is 0 anyway)
             raw = torch.where(torch.isneginf(lse), _const(0.0, lse.dtype, lse.device), lse)
+        # grouped k/v heads as they are: dk and dv come with k's heads
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            _dense(grad_out.to(q.dtype)), _dense(q), _dense(kk), _dense(vv), _dense(out), raw, 0.0, is_causal,
+            _dense(grad_out.to(q.dtype)), _dense(q), _dense(k), _dense(v), _dense(out), raw, 0.0, is_causal,
             attn_mask=bias, scale=_scale(spec, q.shape[-1]))
-        return dq, _sum_groups(dk, hk), _sum_groups(dv, hk), None
+        return dq, dk, dv, None
 
 
 # the plan the latest forward of this thread ran (SdpaBackend.taken_plan)

@@ -12,6 +12,7 @@ import torch
 from attncomp.codegen import get_backend
 from attncomp.policy import Dense
 from attncomp.spec import AttentionSpec, Predicates
+from tests.utils import assert_close
 
 CASES = list(itertools.product([False, True], ["top_left", "bottom_right"], [None, 3], [False, True], [False, True],
                                [False, True], ["none", "bool", "float"]))
@@ -103,6 +104,53 @@ def test_the_op_keeps_the_sdpa_plan_its_calls_take(monkeypatch, case):
     # call 1 selects and keeps the plan; calls 2-4 go through it
     assert len(n) == 1 and len(ops._CALLS) == 1
     assert type(next(iter(ops._CALLS.values()))).__name__ == "_Plan"
+
+
+@pytest.mark.parametrize("mask", [None, "bool", "float"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("hk", [1, 2, 4])
+def test_grouped_kv_heads_go_to_the_cpu_kernel_as_they_are(monkeypatch, causal, hk, mask):
+    """On a CPU, k/v with fewer heads than q go to SDPA's CPU kernel without being repeated, forward
+    and backward (dk/dv come with k's heads); first call and kept plan alike, fresh inputs each call,
+    against the float64 reference with the heads repeated, a residual mask of each kind."""
+    from attncomp import ops
+    from attncomp.codegen import reference as R
+    from attncomp.codegen import sdpa
+    from tests.utils import fresh_generator
+
+    monkeypatch.setattr(ops, "_CALLS", {})
+    repeats = []
+    monkeypatch.setattr(sdpa, "_expand", lambda x, h, _f=sdpa._expand: repeats.append(x.shape[1] != h) or _f(x, h))
+    hq, nq, nk, d = 4, 13, 21, 32
+    g = fresh_generator()
+    spec = AttentionSpec(causal=causal, causal_align="bottom_right", gqa_groups=hq // hk, head_dim=d,
+                         mask_kind=mask or "none", backend="sdpa")
+    sj = spec.to_json()
+    for call in range(3):
+        q = torch.randn(2, nq, hq, d, generator=g).transpose(1, 2).requires_grad_()
+        k, v = (torch.randn(2, nk, hk, d, generator=g).transpose(1, 2).requires_grad_() for _ in range(2))
+        m = None
+        if mask == "bool":
+            m = torch.rand(2, 1, nq, nk, generator=g) > 0.3
+        elif mask == "float":
+            m = torch.randn(1, hq, nq, nk, generator=g)
+        out, lse = torch.ops.attncomp.attention(q, k, v, m, None, None, None, None, None, None, None, None, None,
+                                                sj, 0.0, 0)
+        go = torch.randn(out.shape, generator=g)
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), go)
+        f = torch.float64
+        qd, kd, vd = (t.detach().to(f) for t in (q, k, v))
+        md = m.to(f) if mask == "float" else m
+        want, want_lse = R.attention(qd, kd, vd, md, spec=spec)
+        wq, wk, wv = R.attention_backward(qd, kd, vd, md, go.to(f), spec=spec)[:3]
+        assert_close(out, want, torch.float32, f"call {call}")
+        fin = torch.isfinite(want_lse)
+        assert torch.equal(torch.isfinite(lse), fin)
+        torch.testing.assert_close(lse[fin].double(), want_lse[fin].double(), rtol=1e-4, atol=1e-4)
+        for a, b in ((dq, wq), (dk, wk), (dv, wv)):
+            assert a.shape == b.shape
+            assert_close(a, b, torch.float32, f"call {call}")
+    assert not any(repeats)
 
 
 @pytest.mark.gpu
