@@ -8,14 +8,13 @@ Schema::
                         str spec, float dropout_p, int seed) -> (Tensor out, Tensor lse)
 
 ``spec`` is the canonical JSON of an :class:`~attncomp.spec.AttentionSpec`. ``q_aux``/``k_aux``
-are the policy's per-token tensors (hash buckets or keep masks). Keep masks are always explicit at
-the op: the Python entry point :func:`attention` and compiled graphs (``attncomp::policy_aux``) draw
-them before calling it, so the forward and backward of one call see the same draw (a backend with
-``draw_keep``, Triton, draws a compiled site's masks with the kernels of its sort and reuses that
-sort in the site's calls). Hash buckets may
-be left out (compiled graphs do): they depend only on q, k and the policy's fixed seed, so the op
-derives them, forward and backward alike; a backend with ``derives_aux = True`` (Triton: fused with
-its sort) does it itself, for every other one the op calls :func:`materialize_aux` first. ``lse``
+are the policy's per-token tensors (hash buckets or keep masks). Both may be left out (compiled
+graphs do): the op then derives them, forward and backward alike, from what the call holds: hash
+buckets from q, k and the policy's fixed seed; drop's keep masks from the call's ``seed`` (streams
+of their own, disjoint from dropout's draws of the same seed), so one seed per call gives both
+passes the same draw. A backend with ``derives_aux = True`` (Triton: fused with its counting sort)
+does it itself; for every other one the op calls :func:`materialize_aux` first. The Python entry
+point :func:`attention` draws keep masks before the call (``draw_seed``) and passes them. ``lse``
 is the float32 log-sum-exp of the kept logits per query row (``-inf`` for a row with no kept key);
 backends use it for the backward.
 ``q_pos``..``k_valid`` are the structured-mask predicates of DESIGN.md §4.1 (see
@@ -292,10 +291,15 @@ def _parsed(spec_json: str) -> AttentionSpec:
     return AttentionSpec.from_json(spec_json)
 
 
-def _derive_buckets(s: AttentionSpec, be, q: Tensor, k: Tensor, q_aux, k_aux):
-    """The hash buckets for a backend that does not derive them itself (see the module docstring)."""
-    if (q_aux is None or k_aux is None) and isinstance(s.policy, Hash) and not getattr(be, "derives_aux", False):
-        return materialize_aux(s, q, k, q_aux, k_aux)
+def _derive_aux(s: AttentionSpec, be, q: Tensor, k: Tensor, q_aux, k_aux, seed: int):
+    """The policy tensors for a backend that does not derive them itself (see the module docstring):
+    hash buckets from q and k, drop's keep masks from the call's ``seed``."""
+    if ((q_aux is None or k_aux is None) and isinstance(s.policy, (Hash, Drop))
+            and not getattr(be, "derives_aux", False)):
+        if q_aux is not None or k_aux is not None:
+            names = "q_buckets and k_buckets" if isinstance(s.policy, Hash) else "q_keep and k_keep"
+            raise ValueError(f"policy {s.policy.name!r} needs {names} (both, or neither to derive them)")
+        return materialize_aux(s, q, k, seed=seed)
     return q_aux, k_aux
 
 
@@ -421,7 +425,7 @@ def _attention_impl(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor]
     preds = _preds(q_pos, k_pos, q_seg, k_seg, q_valid, k_valid)
     be = _backend_for(s, q, k, v, preds, dropout_p, attn_mask)
     if q_aux is None or k_aux is None:
-        q_aux, k_aux = _derive_buckets(s, be, q, k, q_aux, k_aux)
+        q_aux, k_aux = _derive_aux(s, be, q, k, q_aux, k_aux, seed)
     out, lse = be.forward(s, q, k, v, attn_mask, q_aux, k_aux, block_pattern, dropout_p, seed, **_pkw(preds))
     out = _laid_out(out)
     if state is not None:
@@ -458,14 +462,14 @@ def _attention_backward_impl(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, 
     preds = _preds(q_pos, k_pos, q_seg, k_seg, q_valid, k_valid)
     be = _backend_for(s, q, k, v, preds, dropout_p, attn_mask)
     if q_aux is None or k_aux is None:
-        q_aux, k_aux = _derive_buckets(s, be, q, k, q_aux, k_aux)
+        q_aux, k_aux = _derive_aux(s, be, q, k, q_aux, k_aux, seed)
     dq, dk, dv, dm = be.backward(s, q, k, v, attn_mask, q_aux, k_aux, block_pattern, dropout_p, seed,
                                  out, lse, grad_out, need_mask_grad=need_mask_grad, **_pkw(preds))
     if need_mask_grad and dm is None:
         from .codegen import get_backend
 
         if q_aux is None or k_aux is None:
-            q_aux, k_aux = _derive_buckets(s, None, q, k, q_aux, k_aux)
+            q_aux, k_aux = _derive_aux(s, None, q, k, q_aux, k_aux, seed)
         dm = get_backend("reference").backward(s, q, k, v, attn_mask, q_aux, k_aux, block_pattern, dropout_p,
                                                seed, out, lse, grad_out, need_mask_grad=True, preds=preds)[3]
     if dm is None:
@@ -662,9 +666,11 @@ def is_attention_node(node) -> bool:
 
 @torch.fx.wrap
 def policy_aux(spec_json: str, q: Tensor, k: Tensor, draw_seed: Optional[int] = None):
-    """The policy's per-token tensors for a compiled site (LSH buckets, or keep masks drawn from
-    ``draw_seed``), as a pair ``(q_aux, k_aux)``: one ``attncomp::policy_aux`` op, opaque to tracers
-    (Inductor runs it as it is rather than tracing the derivation's cached rotation or seeds)."""
+    """The policy's per-token tensors of a site (LSH buckets, or keep masks drawn from ``draw_seed``),
+    as a pair ``(q_aux, k_aux)``: one ``attncomp::policy_aux`` op, opaque to tracers (Inductor runs it
+    as it is rather than tracing the derivation's cached rotation or seeds). Compiled sites no longer
+    call it (the op derives both itself, see the module docstring); it serves callers who want the
+    tensors, and graphs exported before that, which still hold it."""
     return torch.ops.attncomp.policy_aux(q, k, spec_json, -1 if draw_seed is None else draw_seed)
 
 

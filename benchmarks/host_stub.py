@@ -2,15 +2,16 @@
 no-op stand-in for its compiled form, so that what is timed is the host code alone (Python, the
 launch keys and arguments, allocations), on CPU tensors.
 
-Rows per policy (``hash``, ``drop``: layouts derived on the device; ``drop-graph``: keep masks drawn
-per call with a fresh seed, then the forward given them, as a compiled graph calls a drop site;
+Rows per policy (``hash``, ``drop``: layouts derived on the device, ``drop`` from a fresh seed per
+call, as a compiled graph calls its sites; ``drop-aux``: keep masks drawn first with a fresh seed
+(``attncomp::policy_aux``'s route), then the forward given them;
 ``dense``, ``dfss``), each the microseconds per call, best of ``--rounds`` rounds of ``--iters`` calls:
 
 * ``full``: every call through the ``Site`` (plans forgotten before each call);
 * ``plan``: repeats served by the backend's launch plan (``_ForwardPlan``, or for hash/drop the
   recorded ``_SortedPlan``), and the number of launches one call makes.
 
-    python benchmarks/host_stub.py [--shape gpt2|llama|tiny] [--policies hash,drop,drop-graph,dense,dfss]
+    python benchmarks/host_stub.py [--shape gpt2|llama|tiny] [--policies hash,drop,drop-aux,dense,dfss]
                                    [--iters 2000] [--rounds 7] [--json PATH]
 
 The stand-in's launch does nothing, so a GPU host pays these figures plus its driver's launch cost
@@ -79,7 +80,7 @@ def per_call_us(fn, iters: int, rounds: int, sync=None) -> float:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="llama", choices=sorted(SHAPES))
-    ap.add_argument("--policies", default="hash,drop,drop-graph,dense,dfss")
+    ap.add_argument("--policies", default="hash,drop,drop-aux,dense,dfss")
     ap.add_argument("--iters", type=int, default=2000)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--json", default=None)
@@ -93,15 +94,15 @@ def main(argv=None):
     rows = []
     seeds = iter(range(1, 1 << 30))
     for pol in args.policies.split(","):
-        graph = pol == "drop-graph"  # as a compiled graph calls a drop site: keep draws, then the op
+        aux = pol == "drop-aux"  # keep draws, then the op given them
         spec = AttentionSpec(causal=True, policy=get_policy(pol.split("-")[0]).resolved(torch.float16))
 
         def call():
-            if graph:  # (a fresh seed per call; the layout cache then holds the draw's layout)
+            if aux:  # (a fresh seed per call; the layout cache then holds the draw's layout)
                 qk, kk = TB.draw_keep(spec, q, k, next(seeds))
                 TB.attention_forward(spec, q, k, v, q_aux=qk, k_aux=kk)
-            else:
-                TB.attention_forward(spec, q, k, v)
+            else:  # drop: a fresh seed per call, the keep draws in the forward's sort
+                TB.attention_forward(spec, q, k, v, seed=next(seeds) if spec.policy.name == "drop" else 0)
 
         def full():  # a first sighting of the key each time, and no layout remembered for these q, k
             TB._PLANS.clear()

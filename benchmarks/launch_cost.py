@@ -119,19 +119,26 @@ def main(argv=None):
                 args[ARG_INDEX[name]] = val
             op = torch.ops.attncomp.attention.default
             row = {"shape": shape, "policy": pol}
-            if pol == "drop":  # as a compiled graph calls it: keep masks drawn from a fresh seed, then the op
-                seeds = iter(range(1, 1 << 30))
-                aux_op = torch.ops.attncomp.policy_aux.default
-
-                def drop_call():
-                    args[ARG_INDEX["q_aux"]], args[ARG_INDEX["k_aux"]] = aux_op(q, k, js, next(seeds))
+            if pol == "drop":  # as a compiled graph calls it: no masks, a fresh seed; the op draws the masks
+                def call():
+                    args[ARG_INDEX["seed"]] = ops.next_seed(spec.policy.seed)
                     return op(*args)
 
-                row["policy_aux + op call"] = per_call_us(drop_call, it, rd)
-                row["policy_aux"] = per_call_us(lambda: aux_op(q, k, js, next(seeds)), it, rd)
-            row["op call"] = per_call_us(lambda: op(*args), it, rd)
+                # attncomp::policy_aux's route, for comparison: masks drawn first, then the op given them
+                seeds = iter(range(1, 1 << 30))
+                aux_op, aux_args = torch.ops.attncomp.policy_aux.default, list(args)
+
+                def aux_call():
+                    aux_args[ARG_INDEX["q_aux"]], aux_args[ARG_INDEX["k_aux"]] = aux_op(q, k, js, next(seeds))
+                    return op(*aux_args)
+
+                row["policy_aux + op call"] = per_call_us(aux_call, it, rd)
+            else:
+                def call():
+                    return op(*args)
+
+            row["op call"] = per_call_us(call, it, rd)
             if a.ab:  # direct C launches against CompiledKernel.run, rounds interleaved (plans made afresh)
-                call = drop_call if pol == "drop" else (lambda: op(*args))
                 best = {True: float("inf"), False: float("inf")}
                 for _ in range(rd):
                     for on in (False, True):
@@ -142,8 +149,7 @@ def main(argv=None):
                 _forget()
                 call()
                 call()
-                name = "policy_aux + op call" if pol == "drop" else "op call"
-                row[f"A/B: {name}, direct"], row[f"A/B: {name}, kernel.run"] = best[True], best[False]
+                row["A/B: op call, direct"], row["A/B: op call, kernel.run"] = best[True], best[False]
             row["call key"] = per_call_us(lambda: ops._call_key(js, q, k, v, None, None, None, 0.0, 0), it, rd)
             key = ops._call_key(js, q, k, v, None, None, None, 0.0, 0)
             plan = ops._CALLS.get(key)

@@ -6,8 +6,8 @@ default mode), ``attncomp_ms`` (``attncomp.compile(model, policy)``, dynamo capt
 the op), each the median of ``--iters`` timed calls after 2 warm-up calls (CPU: at least 7 calls, as
 BENCHMARKS.md asks). ``host_us`` is the host time of one op call at the site's spec on a tiny shape
 (1 x 1 x 16 x D, q, k and v laid out as a model's projections give them), called as the compiled
-graph calls it (hash: no buckets, the op derives them; drop: ``attncomp::policy_aux`` draws keep masks
-from a fresh seed, then the op; the draw counts): what the op adds per call besides its arithmetic.
+graph calls it (hash: no buckets, the op derives them; drop: no keep masks, the op draws them from a
+fresh seed per call, the draw counts): what the op adds per call besides its arithmetic.
 
 Rows: ``{"model", "device", "mode": "infer"|"train", "B", "N", "policy", "eager_ms", "compile_ms",
 "attncomp_ms", "host_us"}``; a table is printed last, JSON is written to
@@ -135,8 +135,8 @@ def host_us(fast, device, iters: int = 50) -> float:
     q = torch.randn(1, 16, spec.gqa_groups, D, device=device, dtype=dt).transpose(1, 2)
     k = torch.randn(1, 16, 1, D, device=device, dtype=dt).transpose(1, 2)
     v = torch.randn(1, 16, 1, D, device=device, dtype=dt).transpose(1, 2)
-    # as the compiled graph calls the op: hash buckets left to the op, drop's keep masks drawn per call
-    # (attncomp::policy_aux, a fresh seed each time)
+    # as the compiled graph calls the op: hash buckets and drop's keep masks left to the op, drop with a
+    # fresh seed per call (attncomp.ops.next_seed, as in a training call)
     pol = spec.policy.name
     args = [None] * len(A)
     for name, val in (("q", q), ("k", k), ("v", v), ("spec", spec.to_json()), ("dropout_p", 0.0), ("seed", 0)):
@@ -145,12 +145,9 @@ def host_us(fast, device, iters: int = 50) -> float:
         args[A["attn_mask"]] = torch.ones(1, 1, 16, 16, dtype=torch.bool, device=device) \
             if spec.mask_kind == "bool" else torch.zeros(1, 1, 16, 16, dtype=dt, device=device)
 
-    seeds = iter(range(1, 1 << 30))
-
     def call():
         if pol == "drop":
-            aux = torch.ops.attncomp.policy_aux(q, k, args[A["spec"]], next(seeds))
-            args[A["q_aux"]], args[A["k_aux"]] = aux
+            args[A["seed"]] = attncomp.ops.next_seed(spec.policy.seed)
         torch.ops.attncomp.attention(*args)
 
     return timed_ms(lambda: [call() for _ in range(iters)], 5, device) * 1e3 / iters

@@ -103,21 +103,27 @@ def test_fresh_dropout_seed_is_allowed_host_scalar():
         attention(q, k, v, policy="dense", enable_gqa=True, dropout_p=0.2)
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", POLICIES + ("hash_lsh", "drop_drawn"))
 def test_raw_op_host_path_never_syncs(policy):
-    """``torch.ops.attncomp.attention`` itself, with predicates, forward and backward."""
+    """``torch.ops.attncomp.attention`` itself, with predicates, forward and backward; policy tensors
+    given, or left to the op as compiled graphs leave them (LSH buckets, keep masks of the op's seed)."""
     seed = fresh_seed()
-    q, k, v, extra = _case(policy, seed=seed)
-    pol = get_policy(POLICY_OBJ.get(policy, policy)).resolved(F64)
+    base = policy.split("_")[0]
+    q, k, v, extra = _case(base, seed=seed)
+    pol = get_policy(POLICY_OBJ.get(base, base)).resolved(F64)
     spec = AttentionSpec(causal=True, window_left=4, causal_align="bottom_right", policy=pol).to_json()
-    qa = extra.get("q_buckets", extra.get("q_keep"))
-    ka = extra.get("k_buckets", extra.get("k_keep"))
+    qa = ka = None
+    if policy == base:
+        qa = extra.get("q_buckets", extra.get("q_keep"))
+        ka = extra.get("k_buckets", extra.get("k_keep"))
     P = _preds(2, 11, 13, seed)
     args = (q, k, v, None, qa, ka, extra.get("block_pattern"), P["q_pos"], None, P["q_seg"], P["k_seg"],
-            P["q_valid"], P["k_valid"], spec, 0.0, 0)
+            P["q_valid"], P["k_valid"], spec, 0.0, seed)
     with sync_trap():
         out, lse = torch.ops.attncomp.attention(*args)
         out.sum().backward()
+    if qa is None and base in ("hash", "drop"):
+        qa, ka = ops.materialize_aux(AttentionSpec.from_json(spec), q.detach(), k.detach(), seed=seed)
     want, wlse = R.attention(q.detach(), k.detach(), v.detach(), spec=AttentionSpec.from_json(spec), q_aux=qa,
                              k_aux=ka, block_pattern=extra.get("block_pattern"),
                              preds=Predicates(P["q_pos"], None, P["q_seg"], P["k_seg"], P["q_valid"], P["k_valid"]))
@@ -388,16 +394,19 @@ def test_gpu_host_path_never_syncs(policy):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("policy", ("dense", "dfss"))
+@pytest.mark.parametrize("policy", ("dense", "dfss", "hash", "drop"))
 def test_gpu_op_captured_in_cuda_graph(policy):
+    """The op as compiled graphs call it (hash buckets and drop's keep masks left to the op) captured
+    in a CUDA graph; a replay after q changed computes what a fresh call computes."""
     q, k, v, _ = _gpu_case(policy)
     q, k, v = (t.detach() for t in (q, k, v))
     spec = AttentionSpec(causal=True, policy=get_policy(policy).resolved(q.dtype)).to_json()
     kv = torch.rand(2, 300, device="cuda") < 0.9
+    seed = fresh_seed()
 
     def call():
         return torch.ops.attncomp.attention(q, k, v, None, None, None, None, None, None, None, None, None, kv,
-                                            spec, 0.0, 0)[0]
+                                            spec, 0.0, seed)[0]
 
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())

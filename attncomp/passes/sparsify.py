@@ -9,8 +9,9 @@ Guarantees: each site's spec carries the compile policy, resolved for the site's
 ``q_aux``/``k_aux`` empty: the buckets depend only on q, k and the policy's fixed seed, so the op
 derives them itself, forward and backward alike (fused with the sort in the Triton kernels, through
 :func:`attncomp.ops.materialize_aux` on every other backend). ``drop`` sites without caller-given
-masks get an ``attncomp::policy_aux`` node drawing the keep masks from a fresh seed per training
-call (:func:`attncomp.ops.next_seed`), so that forward and backward see the same draw. ``dense``
+masks keep them empty too and get the op's seed from :func:`attncomp.ops.next_seed` (fresh per
+training call, the policy's seed in eval mode): the op draws the masks from it, forward and backward
+alike (fused with the sort in the Triton kernels), so both see the same draw. ``dense``
 and ``et`` keep every allowed entry: those sites compute exactly what the model computed. ``spion``
 sites without a caller-given pattern get an ``attncomp::spion_pattern`` node (:mod:`attncomp.spion`)
 that feeds the op every block while the site is in its dense phase and its calibrated pattern after
@@ -59,13 +60,17 @@ def sparsify(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
             _spion_record_node(gm, n, args, args[A["block_pattern"]].args[-3])
             n_spion += 1
         derived = isinstance(pol, Hash) and n.args[A["q_aux"]] is None
-        if isinstance(pol, Drop) and n.args[A["q_aux"]] is None:
+        drawn = isinstance(pol, Drop) and n.args[A["q_aux"]] is None and n.args[A["k_aux"]] is None
+        old_seed = args[A["seed"]]
+        if drawn:
+            # the op draws the keep masks from its seed (forward and backward alike): a fresh seed per
+            # training call, the policy's in eval mode; the site's dropout, if any, draws from the same
+            # seed in streams of its own
             with gm.graph.inserting_before(n):
-                draw = gm.graph.call_function(ops.next_seed, (pol.seed,))
-                aux = gm.graph.call_function(ops.policy_aux, (args[A["spec"]], args[0], args[1], draw))
-                args[A["q_aux"]] = gm.graph.call_function(operator.getitem, (aux, 0))
-                args[A["k_aux"]] = gm.graph.call_function(operator.getitem, (aux, 1))
+                args[A["seed"]] = gm.graph.call_function(ops.next_seed, (pol.seed,))
         n.args = tuple(args)
+        if drawn and isinstance(old_seed, fx.Node) and not old_seed.users:
+            gm.graph.erase_node(old_seed)
         if rep is not None:
             rep.policy = pol.name
             rep.spec = spec.replace(policy=new_pol).describe()
@@ -75,6 +80,11 @@ def sparsify(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
                 rep.details["buckets"] = ("derived inside the op from q and k (LSH, fixed seed), forward and "
                                           "backward: fused with the sort in the Triton kernels, "
                                           "attncomp.ops.materialize_aux on other backends")
+            if drawn:
+                rep.details["keep masks"] = ("drawn inside the op from the site's seed (fresh per training call, "
+                                             f"the policy's seed {pol.seed} in eval mode), forward and backward "
+                                             "alike: fused with the sort in the Triton kernels, "
+                                             "attncomp.ops.materialize_aux on other backends")
         ctx.count("sparsify", pol.name)
         modified = True
     return PassResult(gm, modified)

@@ -101,12 +101,14 @@ def test_counting_sort_layout_equals_torch_sort(scfa):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
 
 
-@pytest.mark.parametrize("policy", ["hash", "drop"])
+@pytest.mark.parametrize("policy", ["hash", "drop", "drop-aux"])
 def test_replayed_sorted_forwards_and_their_backward(policy, monkeypatch):
-    """The op called as compiled graphs call a hash/drop site, five times with fresh inputs (drop: keep
-    masks drawn from a fresh seed each time): from the third call the draw and the forward replay
+    """The op called as compiled graphs call a hash/drop site, five times with fresh inputs (no policy
+    tensors; drop: a fresh seed each time, from which the op draws the keep masks; ``drop-aux``: masks
+    drawn first by ``attncomp::policy_aux``): from the third call the draw and the forward replay
     recorded launches (``backend._SortedPlan``/``_DrawPlan``) into poisoned workspaces; outputs and the
-    backward's gradients (which read the replayed layout) match the float32 reference."""
+    backward's gradients (which read the replayed layout) match the float32 reference. The seeds'
+    words fall in different specialisation classes (the histogram kernel takes them unspecialised)."""
     pytest.importorskip("triton")
     from attncomp import ops
     from attncomp.codegen import reference as R
@@ -128,16 +130,20 @@ def test_replayed_sorted_forwards_and_their_backward(policy, monkeypatch):
     spec = AttentionSpec(causal=True, policy=pol, backend="triton")
     js = spec.to_json()
     f = torch.float32
-    for call in range(5):
+    w = TB._seed_word
+    # the op's seed words in one class (not 1, not a multiple of 16); the draws' words in every class
+    usable = [s for s in range(1000, 5000) if w(s) & 15 and w(s) != 1]
+    seeds = usable[:4] + [next(s for s in usable if TB.draw_words(s)[0] & 15 == 0)]
+    for call, seed in enumerate(seeds):
         q, k, v = qkv(2, 8, 1000, 64, Hk=2, Nk=1000, dtype=torch.bfloat16, device="cuda", requires_grad=True)
         qa = ka = None
-        if policy == "drop":
-            qa, ka = torch.ops.attncomp.policy_aux(q, k, js, 1000 + call)
+        if policy == "drop-aux":
+            qa, ka = torch.ops.attncomp.policy_aux(q, k, js, seed)
         out = torch.ops.attncomp.attention(q, k, v, None, qa, ka, None, None, None, None, None, None, None, js,
-                                           0.0, 0)[0]
+                                           0.0, seed if policy == "drop" else 0)[0]
         go = torch.randn_like(out)
         out.backward(go)
-        aux = ops.materialize_aux(spec, q.detach(), k.detach(), seed=1000 + call if policy == "drop" else None)
+        aux = ops.materialize_aux(spec, q.detach(), k.detach(), seed=seed)
         qd, kd, vd = (t.detach().to(f) for t in (q, k, v))
         ro = R.attention(qd, kd, vd, None, spec=spec, q_aux=aux[0], k_aux=aux[1])[0]
         assert_close(out.detach(), ro, q.dtype, f"call {call}")

@@ -126,7 +126,7 @@ def kernels(monkeypatch):
 
 
 def _reference(spec, q, k, v, mask, preds, dropout_p, seed, aux=None):
-    q_aux, k_aux = ops.materialize_aux(spec, q, k) if aux is None else aux
+    q_aux, k_aux = ops.materialize_aux(spec, q, k, seed=seed) if aux is None else aux  # (drop: the call's seed)
     d = torch.float64
     return R.attention(q.to(d), k.to(d), v.to(d), mask, spec=spec, q_aux=q_aux, k_aux=k_aux, dropout_p=dropout_p,
                        seed=seed, preds=preds)
@@ -288,10 +288,37 @@ def test_repeated_keep_draws_replay_the_recording(kernels, monkeypatch):
     assert len(runs) == 2 and not sorted_  # the site's calls sorted nothing: the draws' layouts served them
 
 
-def test_a_compiled_drop_site_replays_its_draws_and_forwards(kernels, monkeypatch):
-    """As compiled graphs call a ``drop`` site: ``attncomp::policy_aux`` draws keep masks from a fresh
-    seed, then the op gets them. Repeats replay both: the draw's counting sort, and the forward that
-    reads the draw's layout; results match the reference for every call's masks."""
+def test_a_compiled_drop_site_draws_in_the_op_and_replays(kernels):
+    """As compiled graphs call a ``drop`` site: no keep masks, a fresh seed per call; the op draws the
+    masks from it in the counting sort. Repeats replay the six launches with the call's seed words in
+    the histogram launch (whatever their specialisation class: the kernel takes them unspecialised);
+    every call matches the reference with the masks ``materialize_aux`` draws from its seed."""
+    spec = AttentionSpec(policy=Drop(q_rate=0.5, k_rate=0.5), causal=True, backend="triton")
+    js = spec.to_json()
+    w = TB._seed_word
+    start = fresh_seed() % 100000
+    # the op's seed word in one class (not 1, not a multiple of 16), the draws' words in every class
+    usable = [s for s in range(start, start + 4000) if w(s) & 15 and w(s) != 1]
+    seeds = usable[:3] + [next(s for s in usable if w(_stream_seed(s, 0)) & 15 == 0)]
+    outs = []
+    for call, seed in enumerate(seeds):
+        q, k, v = qkv(2, 4, 37, 16, Hk=2, Nk=37)
+        out = torch.ops.attncomp.attention(q, k, v, None, None, None, None, None, None, None, None, None, None,
+                                           js, 0.0, seed)[0]
+        aux = ops.materialize_aux(spec, q, k, seed=seed)
+        assert_close(out, _reference(spec, q, k, v, None, None, 0.0, seed, aux)[0], torch.float32, f"call {call}")
+        outs.append(out)
+    assert len(kernels) == 2  # the third and fourth calls: replays
+    plans = [p for p in ops._CALLS.values() if type(p) is TB._SortedPlan]
+    assert len(plans) == 1 and plans[0].draws and len(plans[0].replay.launches) == 6
+    assert not torch.equal(outs[2], outs[3])
+
+
+def test_policy_aux_draws_replay_and_feed_the_forward(kernels, monkeypatch):
+    """``attncomp::policy_aux`` (keep masks for a caller, and graphs compiled before drop sites drew in
+    the op) draws keep masks from a seed, then the op gets them. Repeats replay both: the draw's
+    counting sort, and the forward that reads the draw's layout; results match the reference for
+    every call's masks."""
     draws = []
     real = TB._DrawPlan.run
     monkeypatch.setattr(TB._DrawPlan, "run", lambda self, *a: draws.append(1) or real(self, *a))

@@ -242,25 +242,74 @@ def test_missing_policy_tensors_are_named():
 @pytest.mark.parametrize("policy", [Hash(n_buckets=4, seed=3), Drop(q_rate=0.3, k_rate=0.4, seed=5)],
                          ids=["hash", "drop"])
 def test_policy_tensors_derived_on_the_device(policy):
-    """Without bucket/keep tensors the backend derives them in the layout kernels: LSH buckets and
-    keep draws equal to ``attncomp.policy``'s (so the result is the reference's with those tensors)."""
+    """Without bucket/keep tensors the backend derives them in the layout kernels: LSH buckets (of the
+    policy's fixed seed) and keep draws of the call's seed, equal to ``attncomp.policy``'s (so the
+    result is the reference's with those tensors)."""
     from attncomp.ops import materialize_aux
+    from tests.utils import fresh_seed
 
     q, k, v = qkv(1, 4, 37, 32, Hk=2)
     spec = AttentionSpec(causal=True, policy=policy)
-    out, lse = TB.attention_forward(spec, q, k, v)
-    qa, ka = materialize_aux(spec, q, k)
+    seed = fresh_seed()
+    out, lse = TB.attention_forward(spec, q, k, v, seed=seed)
+    qa, ka = materialize_aux(spec, q, k, seed=seed)
     ro, _ = R.attention(q.double(), k.double(), v.double(), spec=spec, q_aux=qa, k_aux=ka)
     assert_close(out, ro, torch.float32)
+    other = TB.attention_forward(spec, q, k, v, seed=seed + 1)[0]
+    # hash buckets do not depend on the call's seed; keep draws do
+    assert torch.equal(other, out) == (policy.name == "hash")
 
 
 @pytest.mark.parametrize("shape", [(2, 4, 2, 37, 37), (1, 4, 4, 5, 29)], ids=["gqa", "decode"])
-def test_compiled_drop_site_draws_with_the_sort(shape, monkeypatch):
-    """A compiled ``drop`` site gets its keep masks from ``attncomp::policy_aux``: on the Triton
-    backend they are drawn by the counting sort's kernels, bit for bit the torch draws, and the
-    site's forward and backward reuse that sort (window cut in the scatter) instead of sorting the
-    masks again; a site with position tensors (whole groups, no window) and a cleared cache still
-    compute the reference's result."""
+def test_drop_site_without_masks_draws_from_the_op_seed(shape, monkeypatch):
+    """As compiled graphs call a ``drop`` site: no keep masks, the op's seed. The Triton backend draws
+    them in the counting sort once (the backward finds that sort), the reference backend through
+    ``materialize_aux``: both from the op's seed, so both give the float64 reference's output and
+    gradients with the masks of that seed; another seed draws other masks."""
+    from attncomp import ops
+    from tests.utils import fresh_seed
+
+    B, Hq, Hk, Nq, Nk = shape
+    seed = fresh_seed()
+    q, k, v = qkv(B, Hq, Nq, 32, Hk=Hk, Nk=Nk, requires_grad=True)
+    pol = Drop(q_rate=0.3, k_rate=0.4, seed=2)
+    sorts = []
+    real = TB.derive_layout, TB.layout_from_aux
+    monkeypatch.setattr(TB, "derive_layout", lambda *a, **kw: sorts.append("derive") or real[0](*a, **kw))
+    monkeypatch.setattr(TB, "layout_from_aux", lambda *a, **kw: sorts.append("sort") or real[1](*a, **kw))
+    go = torch.randn(B, Hq, Nq, 32, generator=torch.Generator().manual_seed(seed))
+
+    def run(backend, s):
+        spec = AttentionSpec(causal=True, causal_align="bottom_right", policy=pol, backend=backend)
+        for t in (q, k, v):
+            t.grad = None
+        out, _ = torch.ops.attncomp.attention(q, k, v, None, None, None, None, None, None, None, None, None, None,
+                                              spec.to_json(), 0.0, s)
+        out.backward(go)
+        return out.detach(), q.grad, k.grad, v.grad
+
+    got = run("triton", seed)
+    assert sorts == ["derive"]  # the backward found the forward's sort
+    spec_r = AttentionSpec(causal=True, causal_align="bottom_right", policy=pol)
+    tq, tk = ops.materialize_aux(spec_r, q, k, seed=seed)
+    d = torch.float64
+    qd, kd, vd = (t.detach().to(d) for t in (q, k, v))
+    ro, _ = R.attention(qd, kd, vd, spec=spec_r, q_aux=tq, k_aux=tk)
+    rg = R.attention_backward(qd, kd, vd, None, go.to(d), spec=spec_r, q_aux=tq, k_aux=tk)[:3]
+    for a, b in zip(got, (ro,) + rg):
+        assert_close(a, b, torch.float32)
+    for a, b in zip(run("reference", seed), (ro,) + rg):
+        assert_close(a, b, torch.float32)
+    assert not torch.equal(run("triton", seed + 1)[0], got[0])
+
+
+@pytest.mark.parametrize("shape", [(2, 4, 2, 37, 37), (1, 4, 4, 5, 29)], ids=["gqa", "decode"])
+def test_policy_aux_draws_with_the_sort(shape, monkeypatch):
+    """``attncomp::policy_aux`` (keep masks for a caller, and for graphs compiled before drop sites drew
+    in the op): on the Triton backend they are drawn by the counting sort's kernels, bit for bit the
+    torch draws, and the site's forward and backward reuse that sort (window cut in the scatter)
+    instead of sorting the masks again; a site with position tensors (whole groups, no window) and a
+    cleared cache still compute the reference's result."""
     from attncomp import ops
     from tests.utils import fresh_seed
 

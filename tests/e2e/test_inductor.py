@@ -192,6 +192,54 @@ def test_hash_buckets_derived_inside_the_op(inductor):
     assert "attncomp.attention.default" in targets and not [t for t in targets if "policy_aux" in t], targets
 
 
+@pytest.mark.parametrize("inductor", [False, True], ids=["fx", "inductor"])
+def test_drop_masks_drawn_inside_the_op_from_its_seed(inductor, monkeypatch):
+    """Compiled drop sites hand the op no keep masks, only a seed: fresh per training call (forward
+    and backward of one call draw from the same one), the policy's in eval mode. Forward and backward
+    equal the functional API given the masks of that seed (GQA, more keys than queries)."""
+    from attncomp import ops
+    from attncomp.functional import attention
+    from attncomp.policy import Drop
+
+    seed = fresh_seed()
+    torch.manual_seed(seed)
+    model = GQAAttn().train()
+    pol = Drop(q_rate=0.3, k_rate=0.4, seed=seed % 997)
+    x, mem = torch.randn(2, 6, 32, requires_grad=True), torch.randn(2, 5, 32)
+    fast = attncomp.compile(model, policy=pol, inductor=inductor, example_inputs=(x, mem))
+    drawn = []
+    real = ops.materialize_aux
+    monkeypatch.setattr(ops, "materialize_aux", lambda *a, **kw: drawn.append(kw.get("seed")) or real(*a, **kw))
+
+    def step():
+        drawn.clear()
+        out = fast(x, mem)
+        gx, = torch.autograd.grad((out * out).sum(), x)
+        return out, gx, list(drawn)
+
+    out, gx, seeds = step()
+    assert len(seeds) == 2 and seeds[0] == seeds[1], seeds  # forward and backward: one draw
+    q, k, v = model.qkv(x, mem)
+    qk, kk = real(attncomp.AttentionSpec(policy=pol), q.detach(), k.detach(), seed=seeds[0])
+    want = attention(q, k, v, policy=pol, q_keep=qk, k_keep=kk, enable_gqa=True, scale=1.0)
+    wx, = torch.autograd.grad((want * want).sum(), x)
+    if inductor:  # Inductor compiles the projections around the op: rounding may differ
+        assert rel_err(out, want) < 1e-5 and rel_err(gx, wx) < 1e-4
+    else:
+        assert torch.equal(out, want) and torch.equal(gx, wx)
+    assert step()[2][0] != seeds[0]  # the next training call draws afresh
+    fast.eval()
+    with torch.no_grad():
+        drawn.clear()
+        fast(x, mem)
+        assert drawn == [pol.seed]
+    rep = attncomp.report(fast)
+    assert rep.rewritten == 1 and rep.sites[0].policy == "drop", str(rep)
+    assert "drawn inside the op" in rep.sites[0].details.get("keep masks", ""), str(rep)
+    targets = {str(n.target) for gm in fast.graphs for n in gm.graph.nodes}
+    assert "attncomp.attention.default" in targets and not [t for t in targets if "policy_aux" in t], targets
+
+
 def test_inductor_failure_falls_back_to_the_rewritten_graph(monkeypatch):
     """A graph Inductor cannot compile (torch 2.11's CPU C++ codegen fails on some index checks) runs
     as attncomp rewrote it, with the failure in the report, instead of failing the user's model."""

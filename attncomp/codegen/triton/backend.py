@@ -28,14 +28,14 @@ from triton.runtime.errors import OutOfResources
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ...ops import _tensor_sig, bounded_put as _put, bucket_range, call_signature, output_strides
-from ...policy import DFSS, SPION, Hash, _stream_seed
+from ...policy import DFSS, SPION, Drop, Hash
 from ...spec import AttentionSpec
 from ..reference import cacheable
 from . import configs
 from .common import LOG2E, MASK_BOOL, MASK_FLOAT, MASK_NONE
 from .common import cdiv as _cdiv, next_pow2 as _next_pow2, pow2_block as _pow2, seed_word as _seed_word
 from .common import window_bound as _clamp
-from .layout import GK_IDS, Layout, counting_layout, derive_layout, layout_from_aux, window_ranges
+from .layout import GK_IDS, Layout, counting_layout, derive_layout, draw_words, layout_from_aux, window_ranges
 from .schedule import tile_lists, tile_summaries
 from .template import (MODE_DKDV, MODE_DQ, MODE_FWD, POLICY_DENSE, POLICY_DFSS, POLICY_SORTED, POLICY_SPION,
                        POS_ARANGE, POS_NONE, POS_VECTOR, SCHED_LIST, SCHED_SPAN)
@@ -172,8 +172,8 @@ class Site:
             window = (self.pos_off, left, right) if self.pos == POS_ARANGE else None
             if layout is None:
                 if q_aux is None and k_aux is None:
-                    # derived on the device, fused with the sort: LSH buckets, or keep draws of the policy's seed
-                    layout = _derived_for(spec, q, k, window)
+                    # derived on the device, fused with the sort: LSH buckets, or keep draws of the call's seed
+                    layout = _derived_for(spec, q, k, window, seed)
                 elif q_aux is None or k_aux is None:
                     names = "q_buckets and k_buckets" if pol.name == "hash" else "q_keep and k_keep"
                     raise ValueError(f"policy {pol.name!r} needs {names} (both, or neither to derive them)")
@@ -413,6 +413,8 @@ def attention_forward(spec: AttentionSpec, q, k, v, attn_mask=None, dropout_p: f
     with_aux = (kind == POLICY_SORTED and q_aux is not None and k_aux is not None
              and (preds is None or (preds.q_pos is None and preds.k_pos is None)))
     aux = {"q_aux": q_aux, "k_aux": k_aux} if with_aux else {}
+    if derived and isinstance(spec.policy, Drop):
+        aux["seed"] = seed  # (the keep draws' seed words: the call's)
     if (config is None and block_pattern is None and layout is None
             and (kind in (POLICY_DENSE, POLICY_DFSS) or derived or with_aux) and _attention_kernel.short_path_open()):
         sw = _seed_word(seed)
@@ -751,10 +753,10 @@ class _SortedPlan:
     """A ``hash``/``drop`` forward kept as the recorded launches of one call (:class:`.record.Replay`)
     and replayed for the calls of the same key:
 
-    * a layout derived on the device (no policy tensors given): the counting sort (three launches),
-      the tile summaries and lists, the forward; one workspace allocation for the layout and lists.
-      The layout stays in the workspace; the backward of the call finds it in the layout cache as
-      views made on demand (:class:`_LazyLayout`);
+    * a layout derived on the device (no policy tensors given): the counting sort (three launches;
+      ``drop``'s keep draws with the call's seed words), the tile summaries and lists, the forward;
+      one workspace allocation for the layout and lists. The layout stays in the workspace; the
+      backward of the call finds it in the layout cache as views made on demand (:class:`_LazyLayout`);
     * policy tensors given (``drop``'s keep masks from :func:`draw_keep`): the layout comes from the
       cache (the draw's) for each call, and the summaries, lists and forward read it."""
 
@@ -764,6 +766,7 @@ class _SortedPlan:
     def __init__(self, spec, replay: "record.Replay", fields, window, config: dict, state: tuple, given: bool):
         self.replay, self.fields, self.window, self.config, self.state = replay, fields, window, config, state
         self.spec, self.policy, self.given = spec, spec.policy, given
+        self.draws = isinstance(spec.policy, Drop) and not given  # keep draws of each call's seed
 
     @classmethod
     def make(cls, spec, rec, site, q, k, v, attn_mask, preds, out, lse, launched, state, window=None,
@@ -784,9 +787,11 @@ class _SortedPlan:
                                                           ("Pat", not site.spion_bs), ("Desc0", not launched[-1][2]),
                                                           ("Desc1", not launched[-1][2])) if t}
         unread |= {nm for nm, attr in _PRED_PARAMS if getattr(site, attr) is None}
+        seeds = {_attention_kernel: {"seed": "seed"}}
+        if isinstance(spec.policy, Drop) and layout is None:  # the draw's seed words: the call's
+            seeds[_layout_mod._layout_hist] = {"q_seed": "q_seed", "k_seed": "k_seed"}
         try:
-            replay = record.Replay(rec, inputs, {"out": out, "lse": lse}, {_attention_kernel: {"seed": "seed"}},
-                                   {_attention_kernel: unread})
+            replay = record.Replay(rec, inputs, {"out": out, "lse": lse}, seeds, {_attention_kernel: unread})
         except ValueError:
             return None
         fields = None
@@ -802,10 +807,14 @@ class _SortedPlan:
         state = _state(sw)
         if state != self.state or not self.replay.open():
             return None
-        return self.run(q, k, v, attn_mask, q_valid, k_valid, sw, state[2], q_aux=q_aux, k_aux=k_aux)
+        return self.run(q, k, v, attn_mask, q_valid, k_valid, sw, state[2], q_aux=q_aux, k_aux=k_aux, seed=seed)
 
-    def run(self, q, k, v, attn_mask, q_valid, k_valid, sw: int, device=None, q_aux=None, k_aux=None):
+    def run(self, q, k, v, attn_mask, q_valid, k_valid, sw: int, device=None, q_aux=None, k_aux=None, seed=None):
         addresses = {"q": _ptr(q), "k": _ptr(k), "v": _ptr(v), "seed": sw}
+        if self.draws:
+            if seed is None:
+                return None
+            addresses["q_seed"], addresses["k_seed"] = draw_words(seed)
         if self.given:
             if q_aux is None or k_aux is None:
                 return None
@@ -825,7 +834,7 @@ class _SortedPlan:
         ws, outs = self.replay.run(addresses, device)
         if not self.given:
             try:  # the layout, for the backward of this call
-                key = _derived_key(self.policy, q, k)
+                key = _derived_key(self.policy, q, k, seed)
             except RuntimeError:  # inference tensors: the backward derives it again
                 key = None
             if key is not None:
@@ -1007,10 +1016,12 @@ def _remember(key, entry, device=None) -> None:
         _put(_LAYOUT_CACHE, key, entry, _LAYOUT_CACHE_SIZE)
 
 
-def _derived_key(policy, q: torch.Tensor, k: torch.Tensor) -> tuple:
-    """The cache key of the layout derived from q and k: the tensors' identity, version and view
-    (the entry's weak references confirm the identity; raises RuntimeError for inference tensors)."""
-    return ("derived", policy, id(q), q._version, q.shape, q.stride(), id(k), k._version, k.shape, k.stride())
+def _derived_key(policy, q: torch.Tensor, k: torch.Tensor, seed: Optional[int] = None) -> tuple:
+    """The cache key of the layout derived from q and k (and for ``drop`` the call's ``seed``): the
+    tensors' identity, version and view (the entry's weak references confirm the identity; raises
+    RuntimeError for inference tensors)."""
+    return ("derived", policy, id(q), q._version, q.shape, q.stride(), id(k), k._version, k.shape, k.stride(),
+            seed if isinstance(policy, Drop) else None)
 
 
 class _LazyLayout:
@@ -1033,20 +1044,22 @@ class _LazyLayout:
         return tuple(base + f[0] for f in self.fields[:4])
 
 
-def _derived_for(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, window=None) -> Layout:
-    """:func:`.layout.derive_layout` of q and k, remembered for the backward of the same call (which
-    gets the same q and k): keyed by the tensors' identity and version, held by weak reference (the
-    cache keeps no q or k alive). A remembered layout of another window is cut by the caller. A call
-    being recorded (:mod:`.record`) derives it: its plan must hold the launches."""
+def _derived_for(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, window=None,
+                 seed: Optional[int] = None) -> Layout:
+    """:func:`.layout.derive_layout` of q and k (``drop``: keep draws of the call's ``seed``),
+    remembered for the backward of the same call (which gets the same q, k and seed): keyed by the
+    tensors' identity and version and the seed, held by weak reference (the cache keeps no q or k
+    alive). A remembered layout of another window is cut by the caller. A call being recorded
+    (:mod:`.record`) derives it: its plan must hold the launches."""
     try:
-        key = _derived_key(spec.policy, q, k)
+        key = _derived_key(spec.policy, q, k, seed)
     except RuntimeError:  # inference tensors: no cache
-        return derive_layout(spec, q, k, window=window)
+        return derive_layout(spec, q, k, seed=seed, window=window)
     hit = _LAYOUT_CACHE.get(key)
     if hit is not None and hit[0]() is q and hit[1]() is k and record.active() is None:
         lay = hit[2]
         return lay.get() if type(lay) is _LazyLayout else lay
-    lay = derive_layout(spec, q, k, window=window)
+    lay = derive_layout(spec, q, k, seed=seed, window=window)
     _remember(key, (weakref.ref(q), weakref.ref(k), lay))
     return lay
 
@@ -1061,7 +1074,7 @@ def draw_keep(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, seed: Optio
     Repeats of a draw (same spec object, signature of q and k, classes of the two seed words) replay
     the recorded launches of one (:class:`_DrawPlan`), as :class:`_SortedPlan` does for a forward."""
     s = spec.policy.seed if seed is None else seed
-    words = _seed_word(_stream_seed(s, 0)), _seed_word(_stream_seed(s, 1))
+    words = draw_words(s)
     key = None
     if _attention_kernel.short_path_open() and cacheable(q.device):
         key = ("draw", id(spec), call_signature(q, k, k, None, None, 0.0), _state(words[0]), words[1] == 1,

@@ -116,7 +116,7 @@ def _hist_side(Src, Rot, Grp, Hist, Keep, c, row, N, n_chunks, H, G_ROT, sb, sh,
 
 
 @fast_launch(volatile=("q_seed", "k_seed"))
-@triton.jit
+@triton.jit(do_not_specialize=["q_seed", "k_seed"])  # one kernel for every draw: replays swap the seed words
 def _layout_hist(QSrc, KSrc, Rot, QGrp, KGrp, QHist, KHist, QKeep, KKeep, Nq, Nk, q_nch, k_nch, Hq, Hk, G_ROT,
                  sqb, sqh, sqn, skb, skh, skn, g_off, q_rate, k_rate, q_seed, k_seed, q_pos_off, k_rows,
                  GK: tl.constexpr, KEEP: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -360,6 +360,12 @@ def _rotation_on(D: int, n_buckets: int, Hk: int, seed: int, device) -> torch.Te
     return r
 
 
+def draw_words(seed: int) -> Tuple[int, int]:
+    """The seed words of ``drop``'s query and key draws of ``seed`` (streams 0 and 1), as the
+    histogram kernel takes them."""
+    return seed_word(_stream_seed(seed, 0)), seed_word(_stream_seed(seed, 1))
+
+
 def derive_layout(spec, q: torch.Tensor, k: torch.Tensor, seed: Optional[int] = None, window=None,
                   keep: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> Layout:
     """The policy's per-token tensors derived on the device and sorted in the same kernels:
@@ -376,8 +382,7 @@ def derive_layout(spec, q: torch.Tensor, k: torch.Tensor, seed: Optional[int] = 
         rot = _rotation_on(D, pol.n_buckets, Hk, pol.seed, q.device)
         return counting_layout(q, k, pol.n_buckets, kind=GK_LSH, rot=rot, **shapes)
     if isinstance(pol, Drop):
-        s = pol.seed if seed is None else seed
-        return counting_layout(q, k, 3, kind=GK_DRAW, q_rate=pol.q_rate, k_rate=pol.k_rate,
-                               q_seed_word=seed_word(_stream_seed(s, 0)), k_seed_word=seed_word(_stream_seed(s, 1)),
-                               keep=keep, **shapes)
+        qw, kw = draw_words(pol.seed if seed is None else seed)
+        return counting_layout(q, k, 3, kind=GK_DRAW, q_rate=pol.q_rate, k_rate=pol.k_rate, q_seed_word=qw,
+                               k_seed_word=kw, keep=keep, **shapes)
     raise ValueError(f"policy {pol.name!r} has no sorted layout (hash and drop do)")
