@@ -16,7 +16,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from attncomp.policy import Hash, lsh_buckets  # noqa: E402
+from attncomp.policy import Drop, Hash, lsh_buckets  # noqa: E402
 from attncomp.spec import AttentionSpec  # noqa: E402
 from tests.utils import fresh_seed  # noqa: E402
 
@@ -137,9 +137,12 @@ def test_triton_counting_sort_only_for_buckets_attncomp_derived(monkeypatch):
     assert p == ["sorted_layout"]
 
 
-def test_exported_hash_model_derives_buckets_after_load(tmp_path):
-    """``attncomp.export`` + ``attncomp.load`` of a compiled hash model: the package's graph holds no
-    bucket derivation, and the loaded module computes what the compiled one does (GQA, causal)."""
+@pytest.mark.parametrize("policy", [Hash(n_buckets=4, seed=3), Drop(q_rate=0.3, k_rate=0.3, seed=5)],
+                         ids=["hash", "drop"])
+def test_exported_model_derives_policy_tensors_after_load(tmp_path, policy):
+    """``attncomp.export`` + ``attncomp.load`` of a compiled hash or drop model (eval mode): the
+    package's graph holds no bucket derivation or keep draw (the op derives them), and the loaded
+    module computes what the compiled one does (GQA, causal, other batch and length)."""
     import attncomp
     import torch.nn as nn
 
@@ -157,7 +160,7 @@ def test_exported_hash_model_derives_buckets_after_load(tmp_path):
     torch.manual_seed(fresh_seed())
     model = M().eval()
     x = torch.randn(2, 10, 16)
-    fast = attncomp.compile(model, policy=Hash(n_buckets=4, seed=3), example_inputs=(x,))
+    fast = attncomp.compile(model, policy=policy, example_inputs=(x,))
     path = attncomp.export(fast, str(tmp_path / "m.acpkg"))
     loaded = attncomp.load(path)
     x2 = torch.randn(3, 13, 16)                               # other batch and length: dynamic dims
