@@ -4,7 +4,8 @@ pieces can be set against the whole call.
 
 Pieces, per (shape, policy): the whole op call as a compiled graph makes it (and, in the same run,
 with launches through Triton's ``CompiledKernel.run`` rather than its C launcher directly, see
-``launch.direct``); the op's call key; the kept plan's ``call``; for the plan's last launch
+``launch.direct``; for a Gluon plan also with its launch arguments built per call rather than kept
+per address set, rounds interleaved); the op's call key; the kept plan's ``call``; for the plan's last launch
 (recorded as it happens) ``FastLaunch.launch_entry``, the direct launch, ``CompiledKernel.run``,
 and the TMA encode of the host descriptor arguments; then shape-free pieces: ``torch.empty`` of the output, the current stream, a
 one-argument Triton kernel through its launcher (the driver's floor per launch), and SDPA itself.
@@ -156,6 +157,14 @@ def main(argv=None):
             row["plan"] = type(plan).__name__ if plan is not None else None
             if plan is not None:
                 row["plan.call"] = per_call_us(lambda: plan.call(q, k, v, None, None, None, 0), it, rd)
+            if getattr(plan, "kept", None) is not None:  # a Gluon plan: launch arguments kept, or built per call
+                kept, best = plan.kept, {True: float("inf"), False: float("inf")}
+                for _ in range(rd):
+                    for on in (True, False):
+                        plan.kept = kept if on else None
+                        best[on] = min(best[on], per_call_us(call, it, 1))
+                plan.kept = kept
+                row["A/B: op call, launch args kept"], row["A/B: op call, built per call"] = best[True], best[False]
                 _LAST.clear()
                 _SPYING.append(True)
                 plan.call(q, k, v, None, None, None, 0)

@@ -111,6 +111,38 @@ def test_an_encoding_is_reused_only_for_what_it_encodes(encodes):
         assert len(encodes) == n + 2 and m != first  # encoded afresh
 
 
+def test_kept_arguments_launch_what_triton_would_pass(encodes):
+    """``launch.kept_launcher``: arguments expanded once (descriptors encoded, tensors as addresses)
+    and launched again later give the C launcher what ``CudaLauncher.__call__`` gives it for the
+    original arguments, every time, for plain and descriptor kernels; the caller's tensors are not
+    held by what it keeps."""
+    import weakref
+
+    k = _Kernel(_SIG_DESC, _META)
+    x = torch.randn(96, 32, dtype=torch.float16)
+    y = torch.randn(128, 32, dtype=torch.float16)
+    z = torch.randn(16, dtype=torch.float32)
+    da = TensorDescriptor(x, list(x.shape), list(x.stride()), [64, 32])
+    db = TensorDescriptor(y, list(y.shape), list(y.stride()), [64, 32])
+    expand, go = launch.kept_launcher(k)
+    kept = expand((da, z, db, 9, 32))
+    assert not any(isinstance(a, torch.Tensor) for a in kept)
+    # (the launcher takes a pointer argument as a tensor or as its address alike)
+    want = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in _oracle(k, (2, 3, 1), (da, z, db, 9, 32)))
+    for _ in range(2):
+        go(2, 3, 1, 0x5, kept)
+        assert k.calls.pop() == want
+    plain = _Kernel(_SIG_PLAIN, None)
+    expand, go = launch.kept_launcher(plain)
+    t = torch.randn(8, dtype=torch.float16)
+    ref = weakref.ref(t)
+    kept = expand((t, 7, 0.5, 16))
+    go(1, 1, 1, 0x5, kept)
+    assert plain.calls.pop() == _oracle(plain, (1, 1, 1), (t.data_ptr(), 7, 0.5, 16))
+    del t
+    assert ref() is None  # only its address was kept
+
+
 def test_unknown_launchers_take_kernel_run():
     class Plain:  # not Triton's CudaLauncher (another driver, an older Triton, a test stand-in)
         function, packed_metadata = 1, ()

@@ -197,7 +197,9 @@ def test_dense_calls_that_take_it(TB, monkeypatch):
 def test_the_op_keeps_the_gluon_plan(TB, monkeypatch, policy):
     """Repeated op calls that run the Gluon kernel go from the op to its kept plan (no backend selection,
     the short launch path), each with fresh inputs laid out as a model's projections give them, NaN-poisoned
-    outputs and the float64 reference; ``ATTNCOMP_GLUON=0`` then sends the next call to the template."""
+    outputs and the float64 reference (outputs held or freed, so that address sets differ and repeat: the
+    plan keeps its launch arguments per address set); ``ATTNCOMP_GLUON=0`` then sends the next call to
+    the template."""
     from attncomp import ops
     from attncomp.codegen.triton import configs, hopper
     from attncomp.policy import get_policy
@@ -226,11 +228,16 @@ def test_the_op_keeps_the_gluon_plan(TB, monkeypatch, policy):
     assert TB.last_configs["fwd"].get("KERNEL") == "gluon"
     kernel = hopper.kernel_for(TB.last_configs["fwd"])  # (DFSS at D=128: the warp-specialised kernel)
     hits = kernel.hits
-    for _ in range(3):
-        call()
+    outs = [call() for _ in range(3)]  # (held: each call's output at its own address)
+    outs += [call() for _ in range(2)]
+    del outs
+    call()  # (addresses of an earlier call again, likely: its kept launch arguments)
     assert len(n) == 1, "a repeat selected a backend: the op did not keep the plan"
-    assert type(next(iter(ops._CALLS.values()))).__name__ == "_GluonPlan"
-    assert kernel.hits == hits + 3 and TB.last_configs["fwd"].get("KERNEL") == "gluon"
+    plan = next(iter(ops._CALLS.values()))
+    assert type(plan).__name__ == "_GluonPlan"
+    assert kernel.hits == hits + 6 and TB.last_configs["fwd"].get("KERNEL") == "gluon"
+    # the plan kept launch arguments per address set of q, k, v, out and lse
+    assert plan.kept is None or len(plan.launches) >= 5
     monkeypatch.setenv("ATTNCOMP_GLUON", "0")
     call()
     assert len(n) == 2 and "KERNEL" not in TB.last_configs["fwd"]

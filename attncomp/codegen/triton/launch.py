@@ -25,7 +25,7 @@ import torch
 
 from .record import _TLS as _RECORDING
 
-__all__ = ["FastLaunch", "fast_launch", "enabled"]
+__all__ = ["FastLaunch", "fast_launch", "enabled", "direct_launcher", "kept_launcher", "launcher"]
 
 _OPTIONS = frozenset(("num_warps", "num_stages", "num_ctas", "maxnreg", "num_buffers_warp_spec",
                       "num_consumer_groups", "reg_dec_producer", "reg_inc_consumer", "launch_cooperative_grid",
@@ -292,6 +292,7 @@ def _make_direct(kernel):
         def go(g0, g1, g2, stream, args):
             c_launch(g0, g1, g2, stream, *head, *args)
 
+        go.expand, go.expanded = tuple, go
         return go
     c_launch, places, metas = free.get("launcher"), free.get("tensordesc_indices"), free.get("tensordesc_meta")
     if not callable(c_launch) or not places or metas is None:
@@ -304,7 +305,28 @@ def _make_direct(kernel):
     def go(g0, g1, g2, stream, args):
         c_launch(g0, g1, g2, stream, *head, *_expand(args, descs, nv))
 
+    def expanded(g0, g1, g2, stream, args):
+        c_launch(g0, g1, g2, stream, *head, *args)
+
+    go.expand, go.expanded = (lambda args: tuple(_expand(args, descs, nv))), expanded
     return go
+
+
+def kept_launcher(kernel):
+    """``(expand, go)`` for a caller that launches the compiled ``kernel`` again and again with the
+    same arguments: ``expand(args)`` gives what Triton's C launcher gets for ``args`` (every argument
+    of the signature, as :func:`direct_launcher`'s ``go`` takes them; host descriptors encoded,
+    tensors as their addresses), for the caller to keep; ``go(g0, g1, g2, stream, expanded)``
+    launches it. None where the direct launch is not open (:func:`direct_launcher`)."""
+    go = direct_launcher(kernel)
+    if go is None:
+        return None
+    expand = go.expand
+
+    def addresses(args):
+        return tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in expand(args))
+
+    return addresses, go.expanded
 
 
 def _expand(args: tuple, descs: tuple, nv) -> list:
