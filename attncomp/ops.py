@@ -291,14 +291,19 @@ def _parsed(spec_json: str) -> AttentionSpec:
     return AttentionSpec.from_json(spec_json)
 
 
+def half_given_aux(policy) -> ValueError:
+    """The error for a call that gives one of a hash/drop site's two policy tensors but not the other."""
+    names = "q_buckets and k_buckets" if isinstance(policy, Hash) else "q_keep and k_keep"
+    return ValueError(f"policy {policy.name!r} needs {names} (both, or neither to derive them)")
+
+
 def _derive_aux(s: AttentionSpec, be, q: Tensor, k: Tensor, q_aux, k_aux, seed: int):
     """The policy tensors for a backend that does not derive them itself (see the module docstring):
     hash buckets from q and k, drop's keep masks from the call's ``seed``."""
     if ((q_aux is None or k_aux is None) and isinstance(s.policy, (Hash, Drop))
             and not getattr(be, "derives_aux", False)):
         if q_aux is not None or k_aux is not None:
-            names = "q_buckets and k_buckets" if isinstance(s.policy, Hash) else "q_keep and k_keep"
-            raise ValueError(f"policy {s.policy.name!r} needs {names} (both, or neither to derive them)")
+            raise half_given_aux(s.policy)
         return materialize_aux(s, q, k, seed=seed)
     return q_aux, k_aux
 

@@ -218,8 +218,9 @@ class SdpaBackend:
         elif q.is_cuda:
             out, lse = _cuda_forward(q, _expand(k, hq), _expand(v, hq), bias, is_causal, scale)
         else:
-            # the CPU kernel takes grouped k/v heads as they are (torch 2.11-2.13: no repeat), and reads
-            # its inputs as if the head dim were contiguous: a transposed view gives wrong results
+            # the CPU kernel takes grouped k/v heads as they are (no repeat; checked on torch 2.11 and
+            # 2.13, the admitted range's ends, forward and backward), and reads its inputs as if the head
+            # dim were contiguous: a transposed view gives wrong results
             out, lse = _CPU_FWD(_dense(q), _dense(k), _dense(v), 0.0, is_causal, attn_mask=bias, scale=scale)
         raw_lse = lse
         if lse.dtype != torch.float32:

@@ -27,7 +27,7 @@ import torch
 from triton.runtime.errors import OutOfResources
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ...ops import _tensor_sig, bounded_put as _put, bucket_range, call_signature, output_strides
+from ...ops import _tensor_sig, bounded_put as _put, bucket_range, call_signature, half_given_aux, output_strides
 from ...policy import DFSS, SPION, Drop, Hash
 from ...spec import AttentionSpec
 from ..reference import cacheable
@@ -175,8 +175,7 @@ class Site:
                     # derived on the device, fused with the sort: LSH buckets, or keep draws of the call's seed
                     layout = _derived_for(spec, q, k, window, seed)
                 elif q_aux is None or k_aux is None:
-                    names = "q_buckets and k_buckets" if pol.name == "hash" else "q_keep and k_keep"
-                    raise ValueError(f"policy {pol.name!r} needs {names} (both, or neither to derive them)")
+                    raise half_given_aux(pol)
                 else:
                     layout = _layout_for(spec, q_aux, k_aux, window)
             if layout.window != window:
@@ -412,16 +411,18 @@ def attention_forward(spec: AttentionSpec, q, k, v, attn_mask=None, dropout_p: f
     # hash/drop given their policy tensors (drop's keep masks from draw_keep), without position vectors
     with_aux = (kind == POLICY_SORTED and q_aux is not None and k_aux is not None
              and (preds is None or (preds.q_pos is None and preds.k_pos is None)))
-    aux = {"q_aux": q_aux, "k_aux": k_aux} if with_aux else {}
+    # what a sorted plan's run takes besides the tensors: the policy tensors given, or the seed of
+    # drop's keep draws
+    sorted_kw = {"q_aux": q_aux, "k_aux": k_aux} if with_aux else {}
     if derived and isinstance(spec.policy, Drop):
-        aux["seed"] = seed  # (the keep draws' seed words: the call's)
+        sorted_kw["seed"] = seed
     if (config is None and block_pattern is None and layout is None
             and (kind in (POLICY_DENSE, POLICY_DFSS) or derived or with_aux) and _attention_kernel.short_path_open()):
         sw = _seed_word(seed)
         key = _plan_key(spec, q, k, v, attn_mask, preds, dropout_p, sw, q_aux, k_aux)
         plan = _PLANS.get(key)
         if plan is not None:
-            res = plan.run(q, k, v, attn_mask, preds and preds.q_valid, preds and preds.k_valid, sw, **aux)
+            res = plan.run(q, k, v, attn_mask, preds and preds.q_valid, preds and preds.k_valid, sw, **sorted_kw)
             if res is not None:
                 if as_given:  # a plan the op may keep serves the call's tensors as they come
                     _TAKEN.plan = plan
