@@ -126,8 +126,9 @@ class Replay:
     allocated during the call that each replay allocates afresh (the call's results); ``seeds``:
     ``{fast_launch: {parameter: name}}``, integer parameters replayed with the call's value of that
     name (seed words); ``nulls``: ``{fast_launch: parameter names}`` of pointers the launches do not
-    read (replayed as null pointers, which the launcher passes as they are). Raises ``ValueError`` (with the reason) where the recording cannot be replayed. A replay
-    launches the kept compiled kernels directly (``FastLaunch.hits`` does not count them)."""
+    read (replayed as null pointers, which the launcher passes as they are). Raises ``ValueError``
+    (with the reason) where the recording cannot be replayed. A replay launches the kept compiled
+    kernels directly (``FastLaunch.hits`` does not count them)."""
 
     def __init__(self, rec: Recording, inputs: Dict[str, Optional[torch.Tensor]],
                  outputs: Dict[str, torch.Tensor], seeds: Dict[object, Dict[str, str]],
