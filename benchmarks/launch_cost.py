@@ -5,7 +5,8 @@ pieces can be set against the whole call.
 Pieces, per (shape, policy): the whole op call as a compiled graph makes it (and, in the same run,
 with launches through Triton's ``CompiledKernel.run`` rather than its C launcher directly, see
 ``launch.direct``; for a Gluon plan also with its launch arguments built per call rather than kept
-per address set, rounds interleaved); the op's call key; the kept plan's ``call``; for the plan's last launch
+per address set, and for a recorded hash/drop plan with its runs of launches as CUDA graphs or launched one by
+one, rounds interleaved); the op's call key; the kept plan's ``call``; for the plan's last launch
 (recorded as it happens) ``FastLaunch.launch_entry``, the direct launch, ``CompiledKernel.run``,
 and the TMA encode of the host descriptor arguments; then shape-free pieces: ``torch.empty`` of the output, the current stream, a
 one-argument Triton kernel through its launcher (the driver's floor per launch), and SDPA itself.
@@ -32,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import attncomp  # noqa: E402,F401  (registers the op)
 import host_stub  # noqa: E402  (its timing loop; nothing is stubbed unless its main runs)
 from attncomp import ops  # noqa: E402
-from attncomp.codegen.triton import launch as L  # noqa: E402
+from attncomp.codegen.triton import cugraph, launch as L  # noqa: E402
 from attncomp.ops import ARG_INDEX  # noqa: E402
 from attncomp.policy import get_policy  # noqa: E402
 from attncomp.spec import AttentionSpec  # noqa: E402
@@ -157,6 +158,18 @@ def main(argv=None):
             row["plan"] = type(plan).__name__ if plan is not None else None
             if plan is not None:
                 row["plan.call"] = per_call_us(lambda: plan.call(q, k, v, None, None, None, 0), it, rd)
+            if getattr(plan, "replay", None) is not None:  # a recorded plan: its runs as CUDA graphs, or not
+                best = {True: float("inf"), False: float("inf")}
+                for _ in range(rd):
+                    for on in (True, False):
+                        cugraph.enabled(on)
+                        best[on] = min(best[on], per_call_us(call, it, 1))
+                cugraph.enabled(True)
+                row["A/B: op call, CUDA graphs"], row["A/B: op call, launch by launch"] = best[True], best[False]
+                runs = [st for st in plan.replay.steps if type(st).__name__ == "_Run"]
+                row["launches"] = len(plan.replay.launches)
+                row["graph runs"] = [dict(launches=len(r.launches), graphs=len(r.graphs), captures=r.captures,
+                                          why=r.why) for r in runs]
             if getattr(plan, "kept", None) is not None:  # a Gluon plan: launch arguments kept, or built per call
                 kept, best = plan.kept, {True: float("inf"), False: float("inf")}
                 for _ in range(rd):
@@ -210,6 +223,8 @@ def main(argv=None):
         for name, val in r.items():
             if isinstance(val, float):
                 print(f"  {name:34} {val:7.1f} us")
+        if r.get("graph runs"):
+            print(f"  graph runs: {r['graph runs']}")
     for r in rows:
         if "profile" in r:
             print(f"--- {r['shape']} {r['policy']}\n{r['profile'][-1800:]}")

@@ -150,3 +150,89 @@ def test_replayed_sorted_forwards_and_their_backward(policy, monkeypatch):
         ref = R.attention_backward(qd, kd, vd, None, go.to(f), spec=spec, q_aux=aux[0], k_aux=aux[1])[:3]
         _grads_close((q.grad, k.grad, v.grad), ref, q.dtype)
     assert len(replays) == 3
+
+
+@pytest.mark.parametrize("policy,p", [("hash", 0.0), ("drop", 0.0), ("drop", 0.2)])
+def test_replays_launch_as_cuda_graphs(policy, p, monkeypatch):
+    """On the default stream a replay launches its runs of launches without seed words as CUDA graphs
+    once their addresses come back (``record._Run``, ``cugraph``): twelve op calls over two input sets
+    refilled with fresh values (drop: a fresh seed each call), the replays' workspaces and outputs
+    from two poisoned buffers in turn (as the caching allocator hands freed blocks back). Every call
+    and its backward (which reads the layout a graph wrote) match the float32 reference; graphs were
+    captured and launched, and back-to-back calls launch them; the last call equals, bit for bit, the same call with graphs off; and a capture of the op by
+    the caller (``torch.cuda.graph``) takes the launches as they are."""
+    pytest.importorskip("triton")
+    from attncomp import ops
+    from attncomp.codegen import reference as R
+    from attncomp.codegen.triton import backend as TB
+    from attncomp.codegen.triton import cugraph, record
+    from attncomp.policy import Drop, Hash
+    from attncomp.spec import AttentionSpec
+    from tests.utils import poison
+
+    monkeypatch.setattr(ops, "_CALLS", {})
+    pool: dict = {}
+
+    def two_in_turn(shape, stride, dtype, device):  # the replays' workspaces and outputs: poisoned, in turn
+        bufs = pool.setdefault((shape, stride, dtype), [torch.empty_strided(shape, stride, dtype=dtype, device=device)
+                                                        for _ in range(2)])
+        t = bufs.pop(0)
+        bufs.append(t)
+        return t.fill_(0xA5) if dtype == torch.uint8 else poison(t)
+
+    monkeypatch.setattr(record, "_alloc", two_in_turn)
+    launched = []
+    real = cugraph.Graph.launch
+    monkeypatch.setattr(cugraph.Graph, "launch", lambda self, s: launched.append(self.size) or real(self, s))
+    pol = Hash(n_buckets=16) if policy == "hash" else Drop(q_rate=0.5, k_rate=0.5)
+    spec = AttentionSpec(causal=True, policy=pol, backend="triton")
+    js = spec.to_json()
+    w = TB._seed_word
+    seeds = [s for s in range(2000, 9000) if w(s) & 15 and w(s) != 1]
+    sets = [qkv(2, 8, 700, 64, Hk=2, Nk=700, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+            for _ in range(2)]
+    g = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 2 ** 30, (1,))))
+
+    def call(q, k, v, seed):
+        return torch.ops.attncomp.attention(q, k, v, None, None, None, None, None, None, None, None, None, None, js,
+                                            p, seed)[0]
+
+    f = torch.float32
+    for i in range(12):
+        q, k, v = sets[(i // 2) % 2]
+        with torch.no_grad():
+            for t in (q, k, v):
+                t.copy_(torch.randn(t.shape, generator=g, device="cuda"))
+                t.grad = None
+        seed = 0 if policy == "hash" else seeds[i]
+        out = call(q, k, v, seed)
+        go = torch.randn(out.shape, generator=g, device="cuda", dtype=out.dtype)
+        out.backward(go)  # (reads the layout the replay wrote into its workspace)
+        qd, kd, vd = (t.detach().to(f) for t in (q, k, v))
+        aux = ops.materialize_aux(spec, q.detach(), k.detach(), seed=seed)
+        kw = dict(spec=spec, q_aux=aux[0], k_aux=aux[1], dropout_p=p, seed=seed)
+        assert_close(out.detach().float(), R.attention(qd, kd, vd, None, **kw)[0], q.dtype, f"call {i}")
+        _grads_close((q.grad, k.grad, v.grad), R.attention_backward(qd, kd, vd, None, go.to(f), **kw)[:3], q.dtype)
+    (plan,) = [x for x in ops._CALLS.values() if type(x) is TB._SortedPlan]
+    runs = [s for s in plan.replay.steps if type(s) is record._Run]
+    assert len(runs) == 1 and runs[0].why is None and runs[0].captures >= 2 and len(launched) >= 4
+    with torch.no_grad():  # (the same tensors: the op keeps one plan)
+        n = len(launched)
+        for _ in range(4):  # back to back, as a model's steady state
+            got = call(q, k, v, seed)
+        assert len(launched) == n + 4
+        cugraph.enabled(False)
+        try:
+            direct = call(q, k, v, seed)
+        finally:
+            cugraph.enabled(True)
+        assert torch.equal(got, direct)
+        n = len(launched)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = call(q, k, v, seed)
+        q.copy_(torch.randn(q.shape, generator=g, device="cuda"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert len(launched) == n  # (under the caller's capture: no graph of the plan's own)
+        assert torch.equal(out, call(q, k, v, seed))

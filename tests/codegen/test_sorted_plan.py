@@ -340,3 +340,144 @@ def test_policy_aux_draws_replay_and_feed_the_forward(kernels, monkeypatch):
     plans = [p for p in ops._CALLS.values() if type(p) is TB._SortedPlan]
     assert len(plans) == 1 and plans[0].given and len(plans[0].replay.launches) == 3
     assert not torch.equal(outs[2], outs[3])
+
+
+class _FakeGraph:
+    """Stands in for a captured CUDA graph: the launches as captured (their arguments fixed), each
+    replayed by a launch of the graph."""
+
+    def __init__(self, calls):
+        self.calls = [(go, g0, g1, g2, list(args)) for go, g0, g1, g2, args in calls]
+        self.size, self.launches = len(calls), 0
+
+    def launch(self, stream):
+        self.launches += 1
+        for go, g0, g1, g2, args in self.calls:
+            go(g0, g1, g2, stream, list(args))
+
+
+def _two_buffers_in_turn(monkeypatch, n=2):
+    """Replays' workspaces and outputs from ``n`` poisoned buffers per shape, handed out in turn (as a
+    caching allocator hands freed blocks back)."""
+    pool: dict = {}
+
+    def alloc(shape, stride, dtype, device):
+        bufs = pool.setdefault((shape, stride, dtype), [_poisoned(shape, stride, dtype, device) for _ in range(n)])
+        t = bufs.pop(0)
+        bufs.append(t)
+        with _disable_current_modes():
+            t.fill_(float("nan")) if dtype.is_floating_point else t.view(torch.uint8).fill_(0xA5)
+        return t
+
+    monkeypatch.setattr(record, "_alloc", alloc)
+
+
+@pytest.mark.parametrize("case,seeded,run_len", [("hash", (), 6), ("drop", (0,), 5), ("drop-dropout", (0, 5), 4)])
+def test_runs_of_a_replay_launch_as_graphs_of_their_addresses(kernels, monkeypatch, case, seeded, run_len):
+    """On a GPU a replay launches its launches with no seed word as one CUDA graph per set of addresses
+    (the call's tensors, workspace and outputs) once that set comes back. Here the graph is a stand-in
+    that replays the launches as captured, and the allocator hands out two poisoned buffers in turn:
+    inputs and outputs come back at addresses seen before in every combination, with fresh values
+    and fresh seeds, and every call must match the reference (a graph of other addresses, or with a
+    seed word fixed in it, would not)."""
+    from attncomp.codegen.triton import cugraph
+
+    graphs = []
+    monkeypatch.setattr(record, "_capturable", lambda go: True)
+    monkeypatch.setattr(cugraph, "usable", lambda device: True)
+    monkeypatch.setattr(cugraph, "capture", lambda calls, device: (graphs.append(_FakeGraph(calls)) or graphs[-1], ""))
+    _two_buffers_in_turn(monkeypatch)
+    policy = Hash(n_buckets=4) if case == "hash" else Drop(q_rate=0.5, k_rate=0.5)
+    spec = AttentionSpec(policy=policy, causal=True, backend="triton")
+    p = 0.3 if case == "drop-dropout" else 0.0
+    js = spec.to_json()
+    g = torch.Generator().manual_seed(fresh_seed())
+    triples = [qkv(1, 4, 29, 16, Hk=2, Nk=29) for _ in range(2)]
+    w = TB._seed_word
+    start = fresh_seed() % 100000
+    seeds = [s for s in range(start, start + 4000) if w(s) & 15 and w(s) != 1]
+    for call in range(12):
+        q, k, v = triples[(call // 2) % 2]  # with the allocator's turns: every pairing, each seen again
+        for t in (q, k, v):
+            t.copy_(torch.randn(t.shape, generator=g))
+        seed = seeds[call] if case != "hash" else 0
+        out = torch.ops.attncomp.attention(q, k, v, None, None, None, None, None, None, None, None, None, None,
+                                           js, p, seed)[0]
+        aux = ops.materialize_aux(spec, q, k, seed=seed)
+        assert_close(out, _reference(spec, q, k, v, None, None, p, seed, aux)[0], torch.float32, f"call {call}")
+    (plan,) = [p for p in ops._CALLS.values() if type(p) is TB._SortedPlan]
+    steps = plan.replay.steps
+    runs = [s for s in steps if type(s) is record._Run]
+    assert len(runs) == 1 and len(runs[0].launches) == run_len and len(steps) == 6 - run_len + 1
+    assert [i for i, s in enumerate(steps) if s is not runs[0]] == [i if i == 0 else i - run_len + 1 for i in seeded]
+    # the run's key: every address its launches read (with dropout the forward is not in it: the layout's
+    # launches read only the workspace)
+    assert set(runs[0].names) == ({"ws"} if p else {"q", "k", "v", "ws", "out", "lse"})
+    # ten replays over four address sets (two where only the workspace counts): each captured at its
+    # second sighting and launched then, and again at each later one
+    n_sets = 2 if p else 4
+    assert runs[0].captures == n_sets and len(graphs) == n_sets
+    assert all(gr.size == run_len for gr in graphs) and sum(gr.launches for gr in graphs) == 10 - n_sets
+
+
+def test_a_refused_capture_leaves_the_run_launching_kernel_by_kernel(kernels, monkeypatch):
+    from attncomp.codegen.triton import cugraph
+
+    monkeypatch.setattr(record, "_capturable", lambda go: True)
+    monkeypatch.setattr(cugraph, "usable", lambda device: True)
+    tried = []
+    monkeypatch.setattr(cugraph, "capture", lambda calls, device: (tried.append(1), (None, "refused here"))[1])
+    _two_buffers_in_turn(monkeypatch)
+    spec = AttentionSpec(policy=Hash(n_buckets=4), causal=True, backend="triton")
+    js = spec.to_json()
+    q, k, v = qkv(1, 2, 21, 16)
+    for call in range(6):
+        for t in (q, k, v):
+            t.normal_()
+        out = torch.ops.attncomp.attention(q, k, v, None, None, None, None, None, None, None, None, None, None,
+                                           js, 0.0, 0)[0]
+        assert_close(out, _reference(spec, q, k, v, None, None, 0.0, 0)[0], torch.float32, f"call {call}")
+    (plan,) = ops._CALLS.values()
+    (run,) = plan.replay.steps
+    assert tried == [1] and run.why == "refused here" and not run.graphs
+
+
+def test_a_run_whose_addresses_come_back_too_rarely_stops_capturing(kernels, monkeypatch):
+    """More sets of addresses in turn than graphs kept: each capture would be dropped before its set
+    came back, so after that many captures with no launch served the run stops capturing."""
+    from attncomp.codegen.triton import cugraph
+
+    monkeypatch.setattr(record, "_capturable", lambda go: True)
+    monkeypatch.setattr(record, "_MAX_GRAPHS", 2)
+    monkeypatch.setattr(cugraph, "usable", lambda device: True)
+    graphs = []
+    monkeypatch.setattr(cugraph, "capture", lambda calls, device: (graphs.append(_FakeGraph(calls)) or graphs[-1], ""))
+    _two_buffers_in_turn(monkeypatch, n=3)
+    spec = AttentionSpec(policy=Hash(n_buckets=4), causal=True, backend="triton")
+    js = spec.to_json()
+    q, k, v = qkv(1, 2, 21, 16)
+    for call in range(10):
+        for t in (q, k, v):
+            t.normal_()
+        out = torch.ops.attncomp.attention(q, k, v, None, None, None, None, None, None, None, None, None, None,
+                                           js, 0.0, 0)[0]
+        assert_close(out, _reference(spec, q, k, v, None, None, 0.0, 0)[0], torch.float32, f"call {call}")
+    (plan,) = ops._CALLS.values()
+    (run,) = plan.replay.steps
+    # replays A B C A B C A B: A and B captured at their second sighting; at C's, two captures have
+    # served no launch but their own: no more captures (C launches kernel by kernel), A and B's kept
+    assert run.captures == 2 and run.why == "more than 2 sets of addresses in turn"
+    assert [gr.launches for gr in graphs] == [2, 2]
+
+
+def test_graphs_are_off_where_no_driver_or_the_switch_says_so(monkeypatch):
+    from attncomp.codegen.triton import cugraph
+
+    assert not cugraph.usable(torch.device("cpu"))
+    monkeypatch.setenv("ATTNCOMP_CUDA_GRAPHS", "0")
+    assert not cugraph.enabled()
+    monkeypatch.setenv("ATTNCOMP_CUDA_GRAPHS", "1")
+    assert cugraph.enabled() and not cugraph.enabled(False) and not cugraph.enabled()
+    cugraph.enabled(True)
+    if cugraph._driver() is None:  # this machine: the capture says why it made nothing
+        assert cugraph.capture([], 0) == (None, "no CUDA driver")

@@ -39,7 +39,7 @@ from .layout import GK_IDS, Layout, counting_layout, derive_layout, draw_words, 
 from .schedule import tile_lists, tile_summaries
 from .template import (MODE_DKDV, MODE_DQ, MODE_FWD, POLICY_DENSE, POLICY_DFSS, POLICY_SORTED, POLICY_SPION,
                        POS_ARANGE, POS_NONE, POS_VECTOR, SCHED_LIST, SCHED_SPAN)
-from . import launch as launch_mod, layout as _layout_mod, record, template
+from . import cugraph, launch as launch_mod, layout as _layout_mod, record, template
 from .launch import FastLaunch
 
 __all__ = ["TritonBackend", "attention_forward", "attention_backward", "Site", "draw_keep", "spec_window"]
@@ -806,7 +806,9 @@ class _SortedPlan:
                                                           ("Pat", not site.spion_bs), ("Desc0", not launched[-1][2]),
                                                           ("Desc1", not launched[-1][2])) if t}
         unread |= {nm for nm, attr in _PRED_PARAMS if getattr(site, attr) is None}
-        seeds = {_attention_kernel: {"seed": "seed"}}
+        # the forward's seed word is the dropout's: replayed as recorded where it reads none (so that
+        # the launch may join a CUDA graph with the layout's)
+        seeds = {_attention_kernel: {"seed": "seed"}} if site.dropout else {}
         if isinstance(spec.policy, Drop) and layout is None:  # the draw's seed words: the call's
             seeds[_layout_mod._layout_hist] = {"q_seed": "q_seed", "k_seed": "k_seed"}
         try:
@@ -850,15 +852,16 @@ class _SortedPlan:
             addresses["q_val"] = _ptr(q_valid)
         if k_valid is not None:
             addresses["k_val"] = _ptr(k_valid)
-        ws, outs = self.replay.run(addresses, device)
-        if not self.given:
+        keep = cacheable(q.device)
+        ws, outs = self.replay.run(addresses, device, graphs=keep and cugraph.usable(q.device))
+        if not self.given and keep:
             try:  # the layout, for the backward of this call
                 key = _derived_key(self.policy, q, k, seed)
             except RuntimeError:  # inference tensors: the backward derives it again
                 key = None
             if key is not None:
-                _remember(key, (weakref.ref(q), weakref.ref(k), _LazyLayout(ws, self.fields, self.window)),
-                          ws.device)
+                _put(_LAYOUT_CACHE, key, (weakref.ref(q), weakref.ref(k), _LazyLayout(ws, self.fields, self.window)),
+                     _LAYOUT_CACHE_SIZE)
         last_configs["fwd"] = self.config
         return outs["out"], outs["lse"]
 

@@ -19,6 +19,9 @@ Each argument of a recorded launch is replayed, by what it was:
 * a scalar -> the same value; the seed parameters named by the caller -> the call's seed word;
 * anything else (a tensor that existed before the call, a TMA descriptor) -> no plan.
 
+On a GPU, consecutive launches with no seed word among their arguments form a run that is launched
+as one CUDA graph per set of addresses once that set comes back (:class:`_Run`, :mod:`.cugraph`).
+
 Scalars are replayed as recorded, so a plan's key must hold everything the recorded call's scalars
 depend on (the backend keys plans by spec, tensor signature and state, as its other plans).
 """
@@ -28,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
+from collections import OrderedDict
 from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
@@ -162,6 +166,7 @@ class Replay:
         self.device = rec.allocations[0].device if rec.allocations else None
         self.kept: list = []  # constant tensors the launches read
         self.launches = []
+        seeded = []
         kernels = {}
         for fl, entry, grid, args in rec.launches:
             if entry is None:
@@ -185,8 +190,10 @@ class Replay:
             g = tuple(grid) + (1, 1)
             # what FastLaunch.launch_entry passes, with the arguments' tail (constexprs) appended
             self.launches.append((launcher(kernel), g[0], g[1], g[2], template + list(tail), tuple(slots)))
+            seeded.append(bool(seed_at))
             kernels[id(fl)] = fl
         self.kernels = tuple(kernels.values())
+        self.steps = _steps(self.launches, seeded)
 
     def _slot(self, i: int, a: torch.Tensor, addresses: dict, place: dict) -> tuple:
         p = a.data_ptr()
@@ -209,9 +216,11 @@ class Replay:
                 return False
         return True
 
-    def run(self, values: Dict[str, int], device=None) -> Tuple[Optional[torch.Tensor], dict]:
+    def run(self, values: Dict[str, int], device=None, graphs: bool = False) -> Tuple[Optional[torch.Tensor], dict]:
         """Replay for the call's tensors and seeds (``values``: name -> address or seed word) on the
-        current stream of ``device`` (default: the current device): ``(workspace, outputs)``."""
+        current stream of ``device`` (default: the current device): ``(workspace, outputs)``. With
+        ``graphs`` (the caller checked :func:`.cugraph.usable` and that the call may be kept) the runs of :attr:`steps` launch as
+        CUDA graphs where their addresses were seen before (:class:`_Run`)."""
         ws = _alloc((self.ws_bytes,), (1,), torch.uint8, self.device) if self.ws_bytes else None
         outs = {}
         base = dict(values, const=0, ws=0 if ws is None else ws.data_ptr())
@@ -219,12 +228,18 @@ class Replay:
             t = outs[name] = _alloc(shape, stride, dtype, self.device)
             base[name] = t.data_ptr()
         fl = self.kernels[0]
-        stream = fl._stream(fl._device() if device is None else device)
-        for go, g0, g1, g2, template, slots in self.launches:
-            args = template.copy()
-            for i, name, off in slots:
-                args[i] = base[name] + off
-            go(g0, g1, g2, stream, args)
+        dev = fl._device() if device is None else device
+        stream = fl._stream(dev)
+        if not graphs:
+            for go, g0, g1, g2, args in _calls(self.launches, base):
+                go(g0, g1, g2, stream, args)
+            return ws, outs
+        for step in self.steps:
+            if type(step) is _Run:
+                step.launch(base, stream, dev)
+            else:
+                go, g0, g1, g2, args = _calls((step,), base)[0]
+                go(g0, g1, g2, stream, args)
         return ws, outs
 
     def buffer(self, t: torch.Tensor) -> Optional[tuple]:
@@ -234,6 +249,93 @@ class Replay:
         if kind != "ws":
             return None
         return t.data_ptr() - base, tuple(t.shape), tuple(t.stride()), t.dtype
+
+
+def _calls(launches, base: Dict[str, int]) -> List[tuple]:
+    """``(go, g0, g1, g2, args)`` of each recorded launch, its slots filled from ``base``."""
+    calls = []
+    for go, g0, g1, g2, template, slots in launches:
+        args = template.copy()
+        for i, name, off in slots:
+            args[i] = base[name] + off
+        calls.append((go, g0, g1, g2, args))
+    return calls
+
+
+def _capturable(go) -> bool:
+    """Whether a CUDA graph may capture the launches of ``go``: Triton's C launcher called directly
+    (:func:`.launch.direct_launcher`), which allocates nothing per launch (``CompiledKernel.run``
+    may allocate scratch memory, which a graph would keep the address of after it is freed)."""
+    return getattr(go, "expand", None) is not None
+
+
+def _steps(launches: list, seeded: List[bool]) -> list:
+    """The launches in order, each run of two or more that a graph may capture (no seed word among
+    their arguments, each one :func:`_capturable`) gathered into a :class:`_Run`."""
+    steps, run = [], []
+    for ln, sd in zip(launches, seeded):
+        if not sd and _capturable(ln[0]):
+            run.append(ln)
+            continue
+        steps.extend([_Run(run)] if len(run) > 1 else run)
+        run = []
+        steps.append(ln)
+    steps.extend([_Run(run)] if len(run) > 1 else run)
+    return steps
+
+
+class _Run:
+    """Consecutive launches of a replay whose arguments are fixed by the addresses they name (the
+    call's tensors, the workspace, the outputs): launched as one CUDA graph per set of addresses.
+    A set is captured the second time it is seen (a call whose addresses never come back pays no
+    capture); at most ``_MAX_GRAPHS`` graphs are kept, the least recently used one is dropped. The
+    run launches kernel by kernel from then on (``why`` says why) if the driver refuses a capture,
+    or if ``_MAX_GRAPHS`` captures have served fewer launches than that (more address sets in turn
+    than graphs kept: each capture would be dropped before its set came back)."""
+
+    __slots__ = ("launches", "names", "graphs", "seen", "why", "captures", "hits")
+
+    def __init__(self, launches: list):
+        self.launches = launches
+        self.names = tuple(sorted({name for ln in launches for _, name, _ in ln[5]} - {"const"}))
+        self.graphs: "OrderedDict[tuple, object]" = OrderedDict()
+        self.seen: Dict[tuple, bool] = {}
+        self.why: Optional[str] = None
+        self.captures = self.hits = 0
+
+    def launch(self, base: Dict[str, int], stream: int, device: int) -> None:
+        key = tuple([base[n] for n in self.names])
+        g = self.graphs.get(key)
+        if g is not None:
+            self.graphs.move_to_end(key)
+            self.hits += 1
+            g.launch(stream)
+            return
+        calls = _calls(self.launches, base)
+        if self.why is None and key in self.seen and self.captures >= _MAX_GRAPHS and self.hits < self.captures:
+            self.why = f"more than {_MAX_GRAPHS} sets of addresses in turn"
+        if self.why is None and key in self.seen:
+            from . import cugraph
+
+            g, why = cugraph.capture(calls, device)
+            if g is None:
+                self.why = why
+            else:
+                self.captures += 1
+                self.graphs[key] = g
+                if len(self.graphs) > _MAX_GRAPHS:
+                    self.graphs.popitem(last=False)
+                g.launch(stream)
+                return
+        elif len(self.seen) >= _MAX_SEEN:
+            self.seen.clear()
+        self.seen[key] = True
+        for go, g0, g1, g2, args in calls:
+            go(g0, g1, g2, stream, args)
+
+
+_MAX_GRAPHS = 64  # graphs (address sets) kept per run
+_MAX_SEEN = 256  # address sets remembered per run until a second sighting
 
 
 def workspace_view(ws: torch.Tensor, offset: int, shape: Iterable[int], stride: Iterable[int],
