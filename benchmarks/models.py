@@ -187,9 +187,31 @@ def model_and_step(c, device, dtype):
     return model, step
 
 
-def run_config(c, policies, device, dtype, iters, imode=None):
+def graphs_ab(fast, step, device, iters: int, rounds: int = 5) -> Dict[str, Any]:
+    """``attncomp_ms`` with the recorded hash/drop plans' runs launched as CUDA graphs and launched
+    kernel by kernel (``attncomp.codegen.triton.cugraph``), rounds interleaved in this process (medians),
+    and what the plans' runs hold then (graphs kept, captures, launches served)."""
+    from attncomp.codegen.triton import cugraph, record
+
+    times = {True: [], False: []}
+    try:
+        for _ in range(rounds):
+            for on in (True, False):
+                cugraph.enabled(on)
+                times[on].append(timed_ms(lambda: step(fast), iters, device))
+    finally:
+        cugraph.enabled(True)
+    runs = [st for p in attncomp.ops._CALLS.values() for st in getattr(getattr(p, "replay", None), "steps", ())
+            if type(st) is record._Run]
+    return {"attncomp_ms graphs": statistics.median(times[True]),
+            "attncomp_ms launch by launch": statistics.median(times[False]),
+            "graph runs": [dict(graphs=len(r.graphs), captures=r.captures, hits=r.hits, why=r.why) for r in runs]}
+
+
+def run_config(c, policies, device, dtype, iters, imode=None, ab=False):
     """Rows of one model configuration: eager and ``torch.compile`` timed once, then ``attncomp.compile``
-    per policy (a policy that fails records its error and the others go on)."""
+    per policy (a policy that fails records its error and the others go on); with ``ab`` also
+    :func:`graphs_ab` for hash and drop on a GPU."""
     model, step = model_and_step(c, device, dtype)
 
     base = dict(model=c["model"], device=device_name(), mode=c["mode"], B=c["B"], N=c["N"])
@@ -207,6 +229,10 @@ def run_config(c, policies, device, dtype, iters, imode=None):
             rep = attncomp.report(fast)
             row["sites"], row["rewritten"] = len(rep.sites), rep.rewritten
             row["host_us"] = host_us(fast, device)
+            if ab and device.type == "cuda" and policy in ("hash", "drop"):
+                row.update(graphs_ab(fast, step, device, iters))
+                print(f"  {policy}: CUDA graphs {row['attncomp_ms graphs']:.2f} ms, launch by launch "
+                      f"{row['attncomp_ms launch by launch']:.2f} ms; runs {row['graph runs']}", flush=True)
         except Exception as e:  # recorded in the row; the table shows it as failed
             row.update(attncomp_ms=float("nan"), host_us=float("nan"), error=f"{type(e).__name__}: {e}"[:500])
         torch._dynamo.reset()
@@ -267,6 +293,8 @@ def main(argv=None) -> int:
                                                          "timed in turn that many times (medians)")
     ap.add_argument("--inductor-mode", default=None,
                     help="Inductor's mode for torch.compile and attncomp alike (e.g. reduce-overhead: CUDA graphs)")
+    ap.add_argument("--graphs-ab", action="store_true", help="hash/drop on a GPU: also timed with the plans' "
+                                                              "CUDA graphs off, rounds interleaved")
     ap.add_argument("--json", default=None, help="output path (default benchmarks/results/models_<device>.json; "
                                                   "--smoke writes nothing unless given)")
     args = ap.parse_args(argv)
@@ -296,8 +324,10 @@ def main(argv=None) -> int:
             continue
         pols = args.policies.split(",") if args.policies else (
             ["dense"] if device.type == "cpu" else ["dense", "dfss"] + (["hash", "drop"] if c["N"] >= 4096 else []))
-        rows_of = run_config(c, pols, device, dtype, iters, args.inductor_mode) if args.rounds <= 1 else \
-            run_interleaved(c, pols, device, dtype, iters, args.rounds, args.inductor_mode)
+        if args.rounds <= 1:
+            rows_of = run_config(c, pols, device, dtype, iters, args.inductor_mode, args.graphs_ab)
+        else:
+            rows_of = run_interleaved(c, pols, device, dtype, iters, args.rounds, args.inductor_mode)
         for row in rows_of:
             if args.inductor_mode:
                 row["inductor_mode"] = args.inductor_mode

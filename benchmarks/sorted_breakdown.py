@@ -1,0 +1,107 @@
+"""Where a ``hash``/``drop`` forward's device time goes on a GPU: each kernel of the call (the counting
+sort's three launches, the tile summaries and lists, the forward) from ``torch.profiler``, next to the
+whole call (``triton.testing.do_bench``) and SDPA's causal forward in the same run, and the bytes the
+histogram launch must read (q and k once) as a bandwidth.
+
+    python benchmarks/sorted_breakdown.py [--policies hash,drop] [--dims 64,128] [--ns 16384]
+                                          [--causal 1] [--config BMxBNwWsS] [--json PATH]
+
+Shapes as ``attention.py``'s: B=4, H=16, bf16; hash with 16 buckets, drop with rates 0.5/0.5.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections import defaultdict
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from attention import bench_ms, make_inputs, make_spec  # noqa: E402
+
+KERNELS = ("_layout_hist", "_layout_scan", "_layout_scatter", "_tile_summaries", "_tile_lists", "_attention_kernel")
+
+
+def _config(text: str):
+    if not text:
+        return None
+    bm, rest = text.split("x")
+    bn, rest = rest.split("w")
+    w, s = rest.split("s")
+    return dict(BLOCK_M=int(bm), BLOCK_N=int(bn), num_warps=int(w), num_stages=int(s))
+
+
+def kernel_us(fn, calls: int = 10) -> dict:
+    """Device microseconds per call of each kernel ``fn`` launches (profiled over ``calls`` calls)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    out = defaultdict(float)
+    for ev in prof.key_averages():
+        name = next((k for k in KERNELS if k in ev.key), None)
+        dev = getattr(ev, "device_time_total", None)
+        if dev is None:
+            dev = getattr(ev, "cuda_time_total", 0.0)
+        if name is not None and dev:
+            out[name] += dev / calls
+    return dict(out)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--policies", default="hash,drop")
+    ap.add_argument("--dims", default="64,128")
+    ap.add_argument("--ns", default="16384")
+    ap.add_argument("--causal", default="1")
+    ap.add_argument("--config", default="", help="forward tiles, e.g. 128x64w4s3 (default: the backend's)")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    from attncomp.codegen.triton import backend as TB
+
+    B, H, dt = 4, 16, torch.bfloat16
+    cfg = _config(a.config)
+    rows = []
+    for n in map(int, a.ns.split(",")):
+        for d in map(int, a.dims.split(",")):
+            q, k, v, _ = make_inputs(B, H, n, d, dt, "cuda")
+            for causal in (c == "1" for c in a.causal.split(",")):
+                sdpa = bench_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal),
+                                False)
+                for pol in a.policies.split(","):
+                    spec = make_spec(pol, causal, dt)
+
+                    def call():
+                        return TB.attention_forward(spec, q, k, v, config=cfg)
+
+                    whole = bench_ms(call, False)
+                    parts = kernel_us(call)
+                    hist_gb = 2 * q.numel() * q.element_size() / 1e9 if pol == "hash" else 0.0
+                    row = dict(policy=pol, N=n, D=d, causal=causal, whole_ms=whole, sdpa_ms=sdpa,
+                               x_sdpa=sdpa / whole, kernels_us=parts, config=TB.last_configs.get("fwd"),
+                               hist_tb_s=hist_gb / (parts.get("_layout_hist", 0) * 1e-6) / 1e3 if hist_gb else None)
+                    rows.append(row)
+                    print(f"{pol} N={n} D={d} causal={causal}: {whole:.3f} ms ({row['x_sdpa']:.2f}x SDPA "
+                          f"{sdpa:.3f} ms); config {row['config']}", flush=True)
+    print("\npolicy     N    D  causal  whole ms  x SDPA  " + "  ".join(f"{k[1:]:>15}" for k in KERNELS))
+    for r in rows:
+        ku = r["kernels_us"]
+        print(f"{r['policy']:6} {r['N']:5} {r['D']:4}  {str(r['causal']):6} {r['whole_ms']:8.3f}  {r['x_sdpa']:6.2f}  "
+              + "  ".join(f"{ku.get(k, 0.0):13.1f}us" for k in KERNELS)
+              + (f"  hist {r['hist_tb_s']:.2f} TB/s" if r["hist_tb_s"] else ""))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f,
+                      indent=1)
+
+
+if __name__ == "__main__":
+    main()
