@@ -5,11 +5,12 @@ pieces can be set against the whole call.
 Pieces, per (shape, policy): the whole op call as a compiled graph makes it (and, in the same run,
 with launches through Triton's ``CompiledKernel.run`` rather than its C launcher directly, see
 ``launch.direct``; for a Gluon plan also with its launch arguments built per call rather than kept
-per address set, and for a recorded hash/drop plan with its runs of launches as CUDA graphs or launched one by
-one, rounds interleaved); the op's call key; the kept plan's ``call``; for the plan's last launch
+per address set, and for a recorded hash/drop plan with its runs of launches as CUDA graphs or launched
+one by one, rounds interleaved); the op's call key; the kept plan's ``call``; for the plan's last launch
 (recorded as it happens) ``FastLaunch.launch_entry``, the direct launch, ``CompiledKernel.run``,
-and the TMA encode of the host descriptor arguments; then shape-free pieces: ``torch.empty`` of the output, the current stream, a
-one-argument Triton kernel through its launcher (the driver's floor per launch), and SDPA itself.
+and the TMA encode of the host descriptor arguments; then shape-free pieces: ``torch.empty`` of the
+output, the current stream, a one-argument Triton kernel through its launcher (the driver's floor per
+launch), and SDPA itself.
 A ``cProfile`` of the plan's calls (top entries by own time) goes to the JSON.
 
     python benchmarks/launch_cost.py [--shapes tiny,llama] [--policies dense,dfss,hash,drop] [--json PATH]

@@ -159,8 +159,9 @@ def test_replays_launch_as_cuda_graphs(policy, p, monkeypatch):
     refilled with fresh values (drop: a fresh seed each call), the replays' workspaces and outputs
     from two poisoned buffers in turn (as the caching allocator hands freed blocks back). Every call
     and its backward (which reads the layout a graph wrote) match the float32 reference; graphs were
-    captured and launched, and back-to-back calls launch them; the last call equals, bit for bit, the same call with graphs off; and a capture of the op by
-    the caller (``torch.cuda.graph``) takes the launches as they are."""
+    captured and launched, and back-to-back calls launch them; the last call equals, bit for bit, the
+    same call with graphs off; and a capture of the op by the caller (``torch.cuda.graph``) takes the
+    launches as they are."""
     pytest.importorskip("triton")
     from attncomp import ops
     from attncomp.codegen import reference as R

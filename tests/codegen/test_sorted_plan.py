@@ -420,18 +420,19 @@ def test_runs_of_a_replay_launch_as_graphs_of_their_addresses(kernels, monkeypat
     assert all(gr.size == run_len for gr in graphs) and sum(gr.launches for gr in graphs) == 10 - n_sets
 
 
-def test_a_refused_capture_leaves_the_run_launching_kernel_by_kernel(kernels, monkeypatch):
+def _hash_calls_in_place(monkeypatch, capture, calls: int, buffers: int):
+    """``calls`` op calls of a hash site on one q, k, v refilled each call, graphs captured by ``capture``
+    and the replays' buffers from ``buffers`` in turn, each call against the reference; the plan's run."""
     from attncomp.codegen.triton import cugraph
 
     monkeypatch.setattr(record, "_capturable", lambda go: True)
     monkeypatch.setattr(cugraph, "usable", lambda device: True)
-    tried = []
-    monkeypatch.setattr(cugraph, "capture", lambda calls, device: (tried.append(1), (None, "refused here"))[1])
-    _two_buffers_in_turn(monkeypatch)
+    monkeypatch.setattr(cugraph, "capture", capture)
+    _two_buffers_in_turn(monkeypatch, n=buffers)
     spec = AttentionSpec(policy=Hash(n_buckets=4), causal=True, backend="triton")
     js = spec.to_json()
     q, k, v = qkv(1, 2, 21, 16)
-    for call in range(6):
+    for call in range(calls):
         for t in (q, k, v):
             t.normal_()
         out = torch.ops.attncomp.attention(q, k, v, None, None, None, None, None, None, None, None, None, None,
@@ -439,31 +440,23 @@ def test_a_refused_capture_leaves_the_run_launching_kernel_by_kernel(kernels, mo
         assert_close(out, _reference(spec, q, k, v, None, None, 0.0, 0)[0], torch.float32, f"call {call}")
     (plan,) = ops._CALLS.values()
     (run,) = plan.replay.steps
+    return run
+
+
+def test_a_refused_capture_leaves_the_run_launching_kernel_by_kernel(kernels, monkeypatch):
+    tried = []
+    run = _hash_calls_in_place(monkeypatch, lambda calls, device: (tried.append(1), (None, "refused here"))[1],
+                               calls=6, buffers=2)
     assert tried == [1] and run.why == "refused here" and not run.graphs
 
 
 def test_a_run_whose_addresses_come_back_too_rarely_stops_capturing(kernels, monkeypatch):
     """More sets of addresses in turn than graphs kept: each capture would be dropped before its set
     came back, so after that many captures with no launch served the run stops capturing."""
-    from attncomp.codegen.triton import cugraph
-
-    monkeypatch.setattr(record, "_capturable", lambda go: True)
     monkeypatch.setattr(record, "_MAX_GRAPHS", 2)
-    monkeypatch.setattr(cugraph, "usable", lambda device: True)
     graphs = []
-    monkeypatch.setattr(cugraph, "capture", lambda calls, device: (graphs.append(_FakeGraph(calls)) or graphs[-1], ""))
-    _two_buffers_in_turn(monkeypatch, n=3)
-    spec = AttentionSpec(policy=Hash(n_buckets=4), causal=True, backend="triton")
-    js = spec.to_json()
-    q, k, v = qkv(1, 2, 21, 16)
-    for call in range(10):
-        for t in (q, k, v):
-            t.normal_()
-        out = torch.ops.attncomp.attention(q, k, v, None, None, None, None, None, None, None, None, None, None,
-                                           js, 0.0, 0)[0]
-        assert_close(out, _reference(spec, q, k, v, None, None, 0.0, 0)[0], torch.float32, f"call {call}")
-    (plan,) = ops._CALLS.values()
-    (run,) = plan.replay.steps
+    run = _hash_calls_in_place(monkeypatch, lambda calls, device: (graphs.append(_FakeGraph(calls)) or graphs[-1], ""),
+                               calls=10, buffers=3)
     # replays A B C A B C A B: A and B captured at their second sighting; at C's, two captures have
     # served no launch but their own: no more captures (C launches kernel by kernel), A and B's kept
     assert run.captures == 2 and run.why == "more than 2 sets of addresses in turn"

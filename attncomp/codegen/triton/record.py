@@ -219,8 +219,8 @@ class Replay:
     def run(self, values: Dict[str, int], device=None, graphs: bool = False) -> Tuple[Optional[torch.Tensor], dict]:
         """Replay for the call's tensors and seeds (``values``: name -> address or seed word) on the
         current stream of ``device`` (default: the current device): ``(workspace, outputs)``. With
-        ``graphs`` (the caller checked :func:`.cugraph.usable` and that the call may be kept) the runs of :attr:`steps` launch as
-        CUDA graphs where their addresses were seen before (:class:`_Run`)."""
+        ``graphs`` (the caller checked :func:`.cugraph.usable` and that the call may be kept) the runs
+        of :attr:`steps` launch as CUDA graphs where their addresses were seen before (:class:`_Run`)."""
         ws = _alloc((self.ws_bytes,), (1,), torch.uint8, self.device) if self.ws_bytes else None
         outs = {}
         base = dict(values, const=0, ws=0 if ws is None else ws.data_ptr())
