@@ -237,3 +237,40 @@ def test_replays_launch_as_cuda_graphs(policy, p, monkeypatch):
         torch.cuda.synchronize()
         assert len(launched) == n  # (under the caller's capture: no graph of the plan's own)
         assert torch.equal(out, call(q, k, v, seed))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("d", [64, 128, 80])
+def test_lsh_buckets_on_the_tensor_cores_match_the_reference(dtype, d):
+    """The counting sort's LSH buckets (``layout._lsh_hist_side``: ``xR`` on the tensor cores from
+    bfloat16 parts with exact products) against ``attncomp.policy.lsh_buckets`` (normalised vectors,
+    float32): equal but where the two best projections of a token are within rounding of each other;
+    GQA, a length that is not a multiple of the block, head dims that are not powers of two."""
+    pytest.importorskip("triton")
+    from attncomp.codegen.triton import layout as L
+    from attncomp.policy import Hash, lsh_buckets
+    from attncomp.spec import AttentionSpec
+
+    g = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 2 ** 30, (1,))))
+    q = torch.randn(2, 8, 3001, d, generator=g, device="cuda").to(dtype)
+    k = torch.randn(2, 2, 3001, d, generator=g, device="cuda").to(dtype)
+    pol = Hash(n_buckets=16, seed=int(torch.randint(0, 1000, (1,))))
+    lay = L.derive_layout(AttentionSpec(policy=pol), q, k)
+    qb, kb = lsh_buckets(q, k, 16, pol.seed)
+    for name, got, want, x, hk in (("q", lay.q_groups, qb, q, 8), ("k", lay.k_groups, kb, k, 2)):
+        bad = got != want
+        if bad.any():  # only near ties: the reference's two best projections within float32 rounding
+            R = L._rotation_on(d, 16, 2, pol.seed, q.device).float().sum(0).repeat_interleave(hk // 2, dim=0)
+            xr = torch.einsum("bhnd,hdc->bhnc", torch.nn.functional.normalize(x.float(), dim=-1), R)
+            both = torch.cat([xr, -xr], dim=-1)[bad]
+            top = both.topk(2, dim=-1).values
+            assert ((top[:, 0] - top[:, 1]) <= 1e-5 * top[:, 0].abs().clamp_min(1)).all(), name
+        assert bad.float().mean() < 1e-3, name
+        counts = torch.bincount(got.flatten(), minlength=16)
+        assert counts.sum() == got.numel() and got.min() >= 0 and got.max() < 16
+    # the sorted order is the buckets' stable order
+    for perm, grp in ((lay.q_perm, lay.q_groups), (lay.k_perm, lay.k_groups)):
+        sg = torch.gather(grp, 2, perm.long())
+        assert (sg[..., 1:] >= sg[..., :-1]).all()
+        same = sg[..., 1:] == sg[..., :-1]
+        assert (perm[..., 1:][same] > perm[..., :-1][same]).all()

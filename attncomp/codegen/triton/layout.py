@@ -17,7 +17,7 @@ Two ways to build it, both without a device-to-host read:
   (:func:`_group_ids`): read as given, drawn (the ``drop`` keep draw,
   :func:`attncomp.policy.keep_mask` bit for bit, through the same counter-based hash), or hashed
   (angular LSH, :func:`attncomp.policy.lsh_buckets`: one random rotation per KV head, shared by its
-  queries and keys, on L2-normalised vectors);
+  queries and keys, on L2-normalised vectors; :func:`_lsh_hist_side` on the tensor cores);
 * ``torch.sort(stable=True)`` and ``searchsorted`` for caller-given bucket ids of any range.
 """
 
@@ -31,6 +31,7 @@ import triton.language as tl
 
 from ...policy import Drop, Hash, _rotation, _stream_seed
 from .common import _uniform_hash, cdiv, next_pow2, seed_word, window_bound
+from .configs import interpret_mode
 from .launch import fast_launch
 from .record import constant
 
@@ -61,30 +62,81 @@ class Layout(NamedTuple):
 
 
 @triton.jit
-def _group_ids(Src, Rot, row, h_rot, offs, valid, N, sb, sh, sn, H, g_off, rate, seed_word, pos_off, drop_id,
-               GK: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, NB2: tl.constexpr,
-               NB2P: tl.constexpr):
-    """Group ids (int32, from 0) of tokens ``offs`` of row ``row = b * H + h`` of one side."""
+def _group_ids(Src, row, offs, valid, N, g_off, rate, seed_word, pos_off, drop_id, GK: tl.constexpr):
+    """Group ids (int32, from 0) of tokens ``offs`` of row ``row = b * H + h`` of one side: given ids,
+    given keep masks or drawn keep masks (LSH buckets: :func:`_lsh_hist_side`)."""
     if GK == 0:
         g = (tl.load(Src + row * N + offs, mask=valid, other=0).to(tl.int64) - g_off).to(tl.int32)
     elif GK == 1:
         keep = tl.load(Src + row * N + offs, mask=valid, other=0) != 0
         g = tl.where(keep, 0, drop_id)
-    elif GK == 2:
+    else:
         u = _uniform_hash(seed_word, (row.to(tl.int64) * 65537 + offs + pos_off).to(tl.uint32))
         g = tl.where(u >= rate, 0, drop_id)
-    else:
+    return tl.where(valid, g, 0)
+
+
+@triton.jit
+def _hist_side(Src, Grp, Hist, Keep, c, row, N, n_chunks, g_off, rate, seed_word, pos_off, drop_id,
+               GK: tl.constexpr, KEEP: tl.constexpr, CHUNK: tl.constexpr, R_P2: tl.constexpr):
+    """Group ids of chunk ``c`` of CHUNK tokens of one side's row (written to ``Grp``; with ``KEEP``
+    also whether each token is kept, group 0, as bytes to ``Keep``) and their histogram."""
+    if c < n_chunks:
+        offs = c * CHUNK + tl.arange(0, CHUNK)
+        valid = offs < N
+        g = _group_ids(Src, row, offs, valid, N, g_off, rate, seed_word, pos_off, drop_id, GK)
+        tl.store(Grp + row * N + offs, g, mask=valid)
+        if KEEP:
+            tl.store(Keep + row * N + offs, (g == 0).to(tl.int8), mask=valid)
+        hist = tl.histogram(g, R_P2, mask=valid)
+        tl.store(Hist + (row * n_chunks + c) * R_P2 + tl.arange(0, R_P2), hist)
+
+
+@triton.jit
+def _lsh_hist_side(Src, Rot, Grp, Hist, p, row, N, n_chunks, H, G_ROT, Hk, sb, sh, sn, HEAD_D: tl.constexpr,
+                   BLOCK_D: tl.constexpr, NB2: tl.constexpr, NB2P: tl.constexpr, XS: tl.constexpr,
+                   CHUNK: tl.constexpr, CPP: tl.constexpr, R_P2: tl.constexpr):
+    """LSH buckets of the ``CPP`` chunks from ``p * CPP`` of one side's row, in one block of tokens,
+    and each chunk's histogram. ``argmax([xR, -xR])`` does not change when ``x`` is scaled, so the
+    vectors are not normalised; ``xR`` runs on the tensor cores with float32 accuracy: ``R`` comes in
+    three bfloat16 parts (``Rot``: ``(3, Hk, HEAD_D, NB2)``, summing to the float32 rotation) and ``x``
+    in ``XS`` (1 for bfloat16 inputs, 2 for float16, 3 for float32), so that every product is exact
+    and only the float32 sums round. ``XS == 0`` (Triton's interpreter, which has no bfloat16 dot):
+    one float32 product with the parts' sum, the float32 rotation itself."""
+    T: tl.constexpr = CHUNK * CPP
+    if p * CPP < n_chunks:
+        offs = p * T + tl.arange(0, T)
+        valid = offs < N
         b = row // H
         h = row % H
         offs_d = tl.arange(0, BLOCK_D)
+        dval = offs_d < HEAD_D
         x = tl.load(Src + b * sb + h * sh + offs[:, None].to(tl.int64) * sn + offs_d[None, :],
-                    mask=valid[:, None] & (offs_d[None, :] < HEAD_D), other=0.0).to(tl.float32)
-        nrm = tl.sqrt(tl.sum(x * x, 1))
-        x = x / tl.maximum(nrm, 1e-12)[:, None]
+                    mask=valid[:, None] & dval[None, :], other=0.0)
         offs_c = tl.arange(0, NB2P)
-        rot = tl.load(Rot + h_rot * (HEAD_D * NB2) + offs_d[:, None] * NB2 + offs_c[None, :],
-                      mask=(offs_d[:, None] < HEAD_D) & (offs_c[None, :] < NB2), other=0.0)
-        xr = tl.dot(x, rot, input_precision="ieee")
+        rmask = dval[:, None] & (offs_c[None, :] < NB2)
+        rot = Rot + (h // G_ROT) * (HEAD_D * NB2) + offs_d[:, None] * NB2 + offs_c[None, :]
+        part = Hk * HEAD_D * NB2
+        r1 = tl.load(rot, mask=rmask, other=0.0)
+        r2 = tl.load(rot + part, mask=rmask, other=0.0)
+        r3 = tl.load(rot + 2 * part, mask=rmask, other=0.0)
+        xr = tl.zeros([T, NB2P], tl.float32)
+        if XS == 0:  # (Triton's interpreter computes no bfloat16 dot: the float32 rotation, exactly the parts' sum)
+            rf = r1.to(tl.float32) + r2.to(tl.float32) + r3.to(tl.float32)
+            xr = tl.dot(x.to(tl.float32), rf, xr, input_precision="ieee")
+        elif XS == 1:
+            x1 = x.to(tl.bfloat16)
+        elif XS > 1:
+            xf = x.to(tl.float32)
+            x1 = xf.to(tl.bfloat16)
+            rest = xf - x1.to(tl.float32)
+            x2 = rest.to(tl.bfloat16)
+            if XS == 3:
+                x3 = (rest - x2.to(tl.float32)).to(tl.bfloat16)
+                xr = tl.dot(x3, r3, tl.dot(x3, r2, tl.dot(x3, r1, xr)))
+            xr = tl.dot(x2, r3, tl.dot(x2, r2, tl.dot(x2, r1, xr)))
+        if XS > 0:
+            xr = tl.dot(x1, r3, tl.dot(x1, r2, tl.dot(x1, r1, xr)))
         cval = offs_c[None, :] < NB2
         pos = tl.where(cval, xr, float("-inf"))
         neg = tl.where(cval, -xr, float("-inf"))
@@ -93,26 +145,13 @@ def _group_ids(Src, Rot, row, h_rot, offs, valid, N, sb, sh, sn, H, g_off, rate,
         nmax = tl.max(neg, 1)
         ip = tl.min(tl.where(pos == pmax[:, None], offs_c[None, :], NB2P), 1)
         ineg = tl.min(tl.where(neg == nmax[:, None], offs_c[None, :], NB2P), 1)
-        g = tl.where(pmax >= nmax, ip, NB2 + ineg).to(tl.int32)
-    return tl.where(valid, g, 0)
-
-
-@triton.jit
-def _hist_side(Src, Rot, Grp, Hist, Keep, c, row, N, n_chunks, H, G_ROT, sb, sh, sn, g_off, rate, seed_word, pos_off,
-               drop_id, GK: tl.constexpr, KEEP: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
-               NB2: tl.constexpr, NB2P: tl.constexpr, CHUNK: tl.constexpr, R_P2: tl.constexpr):
-    """Group ids of chunk ``c`` of CHUNK tokens of one side's row (written to ``Grp``; with ``KEEP``
-    also whether each token is kept, group 0, as bytes to ``Keep``) and their histogram."""
-    if c < n_chunks:
-        offs = c * CHUNK + tl.arange(0, CHUNK)
-        valid = offs < N
-        g = _group_ids(Src, Rot, row, (row % H) // G_ROT, offs, valid, N, sb, sh, sn, H, g_off, rate, seed_word,
-                       pos_off, drop_id, GK, HEAD_D, BLOCK_D, NB2, NB2P)
+        g = tl.where(valid, tl.where(pmax >= nmax, ip, NB2 + ineg), 0).to(tl.int32)
         tl.store(Grp + row * N + offs, g, mask=valid)
-        if KEEP:
-            tl.store(Keep + row * N + offs, (g == 0).to(tl.int8), mask=valid)
-        hist = tl.histogram(g, R_P2, mask=valid)
-        tl.store(Hist + (row * n_chunks + c) * R_P2 + tl.arange(0, R_P2), hist)
+        cid = p * CPP + tl.arange(0, CPP)
+        r = tl.arange(0, R_P2)
+        one = (tl.reshape(g, (CPP, CHUNK))[:, :, None] == r[None, None, :]) & tl.reshape(valid, (CPP, CHUNK))[:, :, None]
+        tl.store(Hist + (row * n_chunks + cid[:, None]) * R_P2 + r[None, :], tl.sum(one.to(tl.int32), 1),
+                 mask=(cid < n_chunks)[:, None])
 
 
 @fast_launch(volatile=("q_seed", "k_seed"))
@@ -120,18 +159,26 @@ def _hist_side(Src, Rot, Grp, Hist, Keep, c, row, N, n_chunks, H, G_ROT, sb, sh,
 def _layout_hist(QSrc, KSrc, Rot, QGrp, KGrp, QHist, KHist, QKeep, KKeep, Nq, Nk, q_nch, k_nch, Hq, Hk, G_ROT,
                  sqb, sqh, sqn, skb, skh, skn, g_off, q_rate, k_rate, q_seed, k_seed, q_pos_off, k_rows,
                  GK: tl.constexpr, KEEP: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
-                 NB2: tl.constexpr, NB2P: tl.constexpr, CHUNK: tl.constexpr, R_P2: tl.constexpr):
+                 NB2: tl.constexpr, NB2P: tl.constexpr, CHUNK: tl.constexpr, R_P2: tl.constexpr,
+                 XS: tl.constexpr = 1, CPP: tl.constexpr = 1):
     """:func:`_hist_side` of both sides in one launch: programs ``(chunk, row)``, the key rows first
-    (dropped keys are group 2), then the query rows (dropped queries: group 1; one rotation per KV
-    head, shared by its ``G_ROT`` query heads)."""
+    (dropped keys are group 2), then the query rows (dropped queries: group 1). LSH buckets: programs
+    ``(CPP chunks, row)`` (:func:`_lsh_hist_side`; one rotation per KV head, shared by its ``G_ROT``
+    query heads)."""
     c = tl.program_id(0)
     r = tl.program_id(1).to(tl.int64)
-    if r < k_rows:
-        _hist_side(KSrc, Rot, KGrp, KHist, KKeep, c, r, Nk, k_nch, Hk, 1, skb, skh, skn, g_off, k_rate, k_seed, 0, 2,
-                   GK, KEEP, HEAD_D, BLOCK_D, NB2, NB2P, CHUNK, R_P2)
+    if GK == 3:
+        if r < k_rows:
+            _lsh_hist_side(KSrc, Rot, KGrp, KHist, c, r, Nk, k_nch, Hk, 1, Hk, skb, skh, skn, HEAD_D, BLOCK_D, NB2,
+                           NB2P, XS, CHUNK, CPP, R_P2)
+        else:
+            _lsh_hist_side(QSrc, Rot, QGrp, QHist, c, r - k_rows, Nq, q_nch, Hq, G_ROT, Hk, sqb, sqh, sqn, HEAD_D,
+                           BLOCK_D, NB2, NB2P, XS, CHUNK, CPP, R_P2)
+    elif r < k_rows:
+        _hist_side(KSrc, KGrp, KHist, KKeep, c, r, Nk, k_nch, g_off, k_rate, k_seed, 0, 2, GK, KEEP, CHUNK, R_P2)
     else:
-        _hist_side(QSrc, Rot, QGrp, QHist, QKeep, c, r - k_rows, Nq, q_nch, Hq, G_ROT, sqb, sqh, sqn, g_off, q_rate,
-                   q_seed, q_pos_off, 1, GK, KEEP, HEAD_D, BLOCK_D, NB2, NB2P, CHUNK, R_P2)
+        _hist_side(QSrc, QGrp, QHist, QKeep, c, r - k_rows, Nq, q_nch, g_off, q_rate, q_seed, q_pos_off, 1, GK, KEEP,
+                   CHUNK, R_P2)
 
 
 @triton.jit
@@ -272,11 +319,15 @@ def counting_layout(q_src: torch.Tensor, k_src: torch.Tensor, n_groups: int, *, 
     q_hist = torch.empty((q_rows, q_nch, R_P2), dtype=i32, device=dev)
     k_hist = torch.empty((k_rows, k_nch, R_P2), dtype=i32, device=dev)
     q_keep, k_keep = (qg, kg) if keep is None else (t.view(torch.uint8) for t in keep)
-    _layout_hist[(max(q_nch, k_nch), k_rows + q_rows)](
+    cpp = 1
+    if kind == GK_LSH:  # blocks of up to 128 tokens; x in as many bfloat16 parts as its dtype needs
+        cpp = max(1, min(4, 8192 // (_CHUNK * lsh["BLOCK_D"])))
+        lsh["XS"] = 0 if interpret_mode() else {torch.bfloat16: 1, torch.float16: 2}.get(qx.dtype, 3)
+    _layout_hist[(cdiv(max(q_nch, k_nch), cpp), k_rows + q_rows)](
         qx, kx, qx if rot is None else rot, qg, kg, q_hist, k_hist, q_keep, k_keep, Nq, Nk, q_nch, k_nch, Hq, Hk,
         Hq // Hk, sqb, sqh, sqn, skb, skh, skn, g_off, float(q_rate), float(k_rate), q_seed_word, k_seed_word,
         # queries shorter than keys are the last Nq positions (as attncomp.ops.materialize_aux draws them)
-        Nk - Nq if Nq < Nk else 0, k_rows, GK=kind, KEEP=keep is not None, CHUNK=_CHUNK, R_P2=R_P2,
+        Nk - Nq if Nq < Nk else 0, k_rows, GK=kind, KEEP=keep is not None, CHUNK=_CHUNK, R_P2=R_P2, CPP=cpp,
         num_warps=1 if kind != GK_LSH else 4, **lsh)
     q_sp, k_sp = torch.empty_like(q_hist), torch.empty_like(k_hist)
     q_st = torch.empty((q_rows, R_P2), dtype=i32, device=dev)
@@ -356,7 +407,12 @@ def _rotation_on(D: int, n_buckets: int, Hk: int, seed: int, device) -> torch.Te
     r = _ROT_CACHE.get(key)
     if r is None:
         # (a constant that recorded plans read as it is: .record)
-        r = _ROT_CACHE[key] = constant(_rotation(D, n_buckets, Hk, seed, device, torch.float32).contiguous())
+        # three bfloat16 parts that sum to the float32 rotation (_lsh_hist_side's exact products)
+        r32 = _rotation(D, n_buckets, Hk, seed, device, torch.float32)
+        r1 = r32.to(torch.bfloat16)
+        r2 = (r32 - r1.float()).to(torch.bfloat16)
+        r3 = (r32 - r1.float() - r2.float()).to(torch.bfloat16)
+        r = _ROT_CACHE[key] = constant(torch.stack([r1, r2, r3]).contiguous())
     return r
 
 
