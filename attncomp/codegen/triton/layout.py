@@ -121,7 +121,7 @@ def _lsh_hist_side(Src, Rot, Grp, Hist, p, row, N, n_chunks, H, G_ROT, Hk, sb, s
         r2 = tl.load(rot + part, mask=rmask, other=0.0)
         r3 = tl.load(rot + 2 * part, mask=rmask, other=0.0)
         xr = tl.zeros([T, NB2P], tl.float32)
-        if XS == 0:  # (Triton's interpreter computes no bfloat16 dot: the float32 rotation, exactly the parts' sum)
+        if XS == 0:  # (the interpreter: the float32 rotation, exactly the parts' sum)
             rf = r1.to(tl.float32) + r2.to(tl.float32) + r3.to(tl.float32)
             xr = tl.dot(x.to(tl.float32), rf, xr, input_precision="ieee")
         elif XS == 1:
@@ -149,7 +149,8 @@ def _lsh_hist_side(Src, Rot, Grp, Hist, p, row, N, n_chunks, H, G_ROT, Hk, sb, s
         tl.store(Grp + row * N + offs, g, mask=valid)
         cid = p * CPP + tl.arange(0, CPP)
         r = tl.arange(0, R_P2)
-        one = (tl.reshape(g, (CPP, CHUNK))[:, :, None] == r[None, None, :]) & tl.reshape(valid, (CPP, CHUNK))[:, :, None]
+        one = ((tl.reshape(g, (CPP, CHUNK))[:, :, None] == r[None, None, :])
+               & tl.reshape(valid, (CPP, CHUNK))[:, :, None])
         tl.store(Hist + (row * n_chunks + cid[:, None]) * R_P2 + r[None, :], tl.sum(one.to(tl.int32), 1),
                  mask=(cid < n_chunks)[:, None])
 
