@@ -187,10 +187,11 @@ def model_and_step(c, device, dtype):
     return model, step
 
 
-def graphs_ab(fast, step, device, iters: int, rounds: int = 5) -> Dict[str, Any]:
+def graphs_ab(fast, step, device, iters: int, before: set, rounds: int = 5) -> Dict[str, Any]:
     """``attncomp_ms`` with the recorded hash/drop plans' runs launched as CUDA graphs and launched
     kernel by kernel (``attncomp.codegen.triton.cugraph``), rounds interleaved in this process (medians),
-    and what the plans' runs hold then (graphs kept, captures, launches served)."""
+    and what the runs of the plans made since ``before`` (ids of the op's plans then) hold (graphs
+    kept, captures, launches served)."""
     from attncomp.codegen.triton import cugraph, record
 
     times = {True: [], False: []}
@@ -201,8 +202,8 @@ def graphs_ab(fast, step, device, iters: int, rounds: int = 5) -> Dict[str, Any]
                 times[on].append(timed_ms(lambda: step(fast), iters, device))
     finally:
         cugraph.enabled(True)
-    runs = [st for p in attncomp.ops._CALLS.values() for st in getattr(getattr(p, "replay", None), "steps", ())
-            if type(st) is record._Run]
+    runs = [st for p in attncomp.ops._CALLS.values() if id(p) not in before
+            for st in getattr(getattr(p, "replay", None), "steps", ()) if type(st) is record._Run]
     return {"attncomp_ms graphs": statistics.median(times[True]),
             "attncomp_ms launch by launch": statistics.median(times[False]),
             "graph runs": [dict(graphs=len(r.graphs), captures=r.captures, hits=r.hits, why=r.why) for r in runs]}
@@ -224,13 +225,14 @@ def run_config(c, policies, device, dtype, iters, imode=None, ab=False):
     for policy in policies:
         row = dict(base, policy=policy)
         try:
+            before = set(map(id, attncomp.ops._CALLS.values()))  # (plans of earlier models and policies)
             fast = attncomp.compile(model, policy=policy, inductor=True, mode=imode)
             row["attncomp_ms"] = timed_ms(lambda: step(fast), iters, device)
             rep = attncomp.report(fast)
             row["sites"], row["rewritten"] = len(rep.sites), rep.rewritten
             row["host_us"] = host_us(fast, device)
             if ab and device.type == "cuda" and policy in ("hash", "drop"):
-                row.update(graphs_ab(fast, step, device, iters))
+                row.update(graphs_ab(fast, step, device, iters, before))
                 print(f"  {policy}: CUDA graphs {row['attncomp_ms graphs']:.2f} ms, launch by launch "
                       f"{row['attncomp_ms launch by launch']:.2f} ms; runs {row['graph runs']}", flush=True)
         except Exception as e:  # recorded in the row; the table shows it as failed
