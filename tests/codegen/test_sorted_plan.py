@@ -1,7 +1,7 @@
 """Recorded plans of ``hash``/``drop`` forwards that derive their layout on the device
 (``attncomp.codegen.triton.backend._SortedPlan``, ``attncomp.codegen.triton.record``): a repeated call
-replays the launches of a recorded one (the counting sort, the tile summaries and lists, the forward)
-into one workspace, with the call's tensors and seed put in their places.
+replays the launches of a recorded one (the counting sort, the tile summaries and lists where the site
+has padding, the forward) into one workspace, with the call's tensors and seed put in their places.
 
 On the CPU every kernel involved is a ``FastLaunch`` over a stand-in whose "compiled" kernel runs the
 real kernel under Triton's interpreter with exactly the arguments a launch passes; an address (what
@@ -168,7 +168,9 @@ def test_repeated_sorted_forwards_replay_the_recording(kernels, case):
     # the first call and the second (which recorded the plan) take the full path; then two replays
     assert len(kernels) == 2 and len(TB._PLANS) == 1
     (plan,) = TB._PLANS.values()
-    assert type(plan) is TB._SortedPlan and len(plan.replay.launches) == 6
+    # the sort's three launches, the lists' two where padding takes them (else the forward's query tiles
+    # span their ranges), the forward
+    assert type(plan) is TB._SortedPlan and len(plan.replay.launches) == (6 if CASES[case][3] else 4)
     assert not torch.equal(outs[2], outs[3])
 
 
@@ -238,7 +240,7 @@ def test_given_buckets_replay_with_the_layout_of_each_call(kernels):
         assert_close(out, _reference(spec, q, k, v, None, None, 0.0, 0)[0], torch.float32, f"call {call}")
     assert len(kernels) == 2
     (plan,) = TB._PLANS.values()
-    assert plan.given and len(plan.replay.launches) == 3
+    assert plan.given and len(plan.replay.launches) == 1  # the forward, reading the call's layout
 
 
 def test_a_shared_q_k_takes_the_full_path(kernels):
@@ -290,7 +292,7 @@ def test_repeated_keep_draws_replay_the_recording(kernels, monkeypatch):
 
 def test_a_compiled_drop_site_draws_in_the_op_and_replays(kernels):
     """As compiled graphs call a ``drop`` site: no keep masks, a fresh seed per call; the op draws the
-    masks from it in the counting sort. Repeats replay the six launches with the call's seed words in
+    masks from it in the counting sort. Repeats replay the four launches with the call's seed words in
     the histogram launch (whatever their specialisation class: the kernel takes them unspecialised);
     every call matches the reference with the masks ``materialize_aux`` draws from its seed."""
     spec = AttentionSpec(policy=Drop(q_rate=0.5, k_rate=0.5), causal=True, backend="triton")
@@ -310,7 +312,7 @@ def test_a_compiled_drop_site_draws_in_the_op_and_replays(kernels):
         outs.append(out)
     assert len(kernels) == 2  # the third and fourth calls: replays
     plans = [p for p in ops._CALLS.values() if type(p) is TB._SortedPlan]
-    assert len(plans) == 1 and plans[0].draws and len(plans[0].replay.launches) == 6
+    assert len(plans) == 1 and plans[0].draws and len(plans[0].replay.launches) == 4
     assert not torch.equal(outs[2], outs[3])
 
 
@@ -338,7 +340,7 @@ def test_policy_aux_draws_replay_and_feed_the_forward(kernels, monkeypatch):
         outs.append(out)
     assert len(draws) == 2 and len(kernels) == 2
     plans = [p for p in ops._CALLS.values() if type(p) is TB._SortedPlan]
-    assert len(plans) == 1 and plans[0].given and len(plans[0].replay.launches) == 3
+    assert len(plans) == 1 and plans[0].given and len(plans[0].replay.launches) == 1
     assert not torch.equal(outs[2], outs[3])
 
 
@@ -372,7 +374,7 @@ def _two_buffers_in_turn(monkeypatch, n=2):
     monkeypatch.setattr(record, "_alloc", alloc)
 
 
-@pytest.mark.parametrize("case,seeded,run_len", [("hash", (), 6), ("drop", (0,), 5), ("drop-dropout", (0, 5), 4)])
+@pytest.mark.parametrize("case,seeded,run_len", [("hash", (), 4), ("drop", (0,), 3), ("drop-dropout", (0, 3), 2)])
 def test_runs_of_a_replay_launch_as_graphs_of_their_addresses(kernels, monkeypatch, case, seeded, run_len):
     """On a GPU a replay launches its launches with no seed word as one CUDA graph per set of addresses
     (the call's tensors, workspace and outputs) once that set comes back. Here the graph is a stand-in
@@ -408,7 +410,7 @@ def test_runs_of_a_replay_launch_as_graphs_of_their_addresses(kernels, monkeypat
     (plan,) = [p for p in ops._CALLS.values() if type(p) is TB._SortedPlan]
     steps = plan.replay.steps
     runs = [s for s in steps if type(s) is record._Run]
-    assert len(runs) == 1 and len(runs[0].launches) == run_len and len(steps) == 6 - run_len + 1
+    assert len(runs) == 1 and len(runs[0].launches) == run_len and len(steps) == 4 - run_len + 1
     assert [i for i, s in enumerate(steps) if s is not runs[0]] == [i if i == 0 else i - run_len + 1 for i in seeded]
     # the run's key: every address its launches read (with dropout the forward is not in it: the layout's
     # launches read only the workspace)

@@ -21,7 +21,7 @@ from attncomp.codegen import reference as R  # noqa: E402
 from attncomp.codegen.triton import backend as TB  # noqa: E402
 from attncomp.codegen.triton import schedule as S  # noqa: E402
 from attncomp.policy import Drop, Hash  # noqa: E402
-from attncomp.spec import AttentionSpec  # noqa: E402
+from attncomp.spec import AttentionSpec, Predicates  # noqa: E402
 from tests.utils import TOL, assert_close, poisoned_empty, qkv  # noqa: E402
 
 
@@ -44,11 +44,11 @@ def _buckets(g, shape, nb, kind="uniform"):
     raise AssertionError(kind)
 
 
-def _check(spec, q, k, v, q_aux, k_aux, *, attn_mask=None, dropout_p=0.0, seed=0, grad=True):
-    out, lse = TB.TritonBackend().forward(spec, q, k, v, attn_mask, q_aux, k_aux, None, dropout_p, seed)
+def _check(spec, q, k, v, q_aux, k_aux, *, attn_mask=None, dropout_p=0.0, seed=0, grad=True, preds=None):
+    out, lse = TB.TritonBackend().forward(spec, q, k, v, attn_mask, q_aux, k_aux, None, dropout_p, seed, preds=preds)
     d = torch.float64
     ref_out, ref_lse = R.attention(q.to(d), k.to(d), v.to(d), attn_mask, spec=spec, q_aux=q_aux, k_aux=k_aux,
-                                   dropout_p=dropout_p, seed=seed)
+                                   dropout_p=dropout_p, seed=seed, preds=preds)
     assert_close(out, ref_out, q.dtype, "out")
     assert not torch.isnan(lse).any()
     assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)), "rows without kept keys differ"
@@ -58,10 +58,10 @@ def _check(spec, q, k, v, q_aux, k_aux, *, attn_mask=None, dropout_p=0.0, seed=0
         return out, lse
     go = torch.randn(out.shape, dtype=torch.float32).to(q.dtype)
     dq, dk, dv, dm = TB.TritonBackend().backward(spec, q, k, v, attn_mask, q_aux, k_aux, None, dropout_p, seed,
-                                                 out, lse, go)
+                                                 out, lse, go, preds=preds)
     assert dm is None
     rq, rk, rv, _ = R.attention_backward(q.to(d), k.to(d), v.to(d), attn_mask, go.to(d), spec=spec, q_aux=q_aux,
-                                         k_aux=k_aux, dropout_p=dropout_p, seed=seed)
+                                         k_aux=k_aux, dropout_p=dropout_p, seed=seed, preds=preds)
     # gradients sum many rounded products: compare relative to their own scale
     for name, a, b in (("dq", dq, rq), ("dk", dk, rk), ("dv", dv, rv)):
         atol, rtol = TOL[q.dtype]
@@ -193,6 +193,61 @@ def test_drop_gqa_cross_attention_dropout_fp16():
     k_keep = torch.rand(1, 2, 51, generator=g) >= 0.4
     spec = AttentionSpec(causal=True, dropout_p=0.25, policy=Drop(q_rate=0.4, k_rate=0.4))
     _check(spec, q, k, v, q_keep, k_keep, dropout_p=0.25, seed=2 ** 31 + 17)
+
+
+def _core_tiles(lo, hi, bm, bn):
+    """Per query tile of ``bm`` sorted rows, the key tiles of ``bn`` that lie inside every row's range."""
+    out = []
+    for r0 in range(0, lo.shape[-1], bm):
+        c_lo, c_hi = int(lo[..., r0:r0 + bm].max()), int(hi[..., r0:r0 + bm].min())
+        out.append([j for j in range(0, c_hi, bn) if j >= c_lo and j + bn <= c_hi])
+    return out
+
+
+@pytest.mark.parametrize("causal,padded", [(False, False), (True, False), (False, True), (True, True)])
+def test_tiles_inside_every_rows_range_skip_the_range_test(causal, padded):
+    """Key tiles inside every row's kept range (the ranges' core) skip the per-logit range test: in the
+    span that query tiles compute from their ranges (the forward and dQ of a site with no other
+    predicate) and in the tile lists (with padding, and in every dK/dV pass). Few drops make long
+    ranges, so most visited tiles are such tiles; tiles at the ranges' ends, rows of dropped queries
+    and padding still take the tests."""
+    g = torch.Generator().manual_seed(31 + 2 * causal + padded)
+    N, bm = 90, 16  # (the interpreter's tiles)
+    q, k, v = qkv(2, 2, N, 32)
+    q_keep = torch.rand(2, 2, N, generator=g) >= 0.15
+    k_keep = torch.rand(2, 2, N, generator=g) >= 0.15
+    preds = None
+    if padded:
+        valid = torch.ones(2, N, dtype=torch.bool)
+        valid[1, N - 11:] = False
+        preds = Predicates(q_valid=valid, k_valid=valid)
+    spec = AttentionSpec(causal=causal, policy=Drop(q_rate=0.15, k_rate=0.15))
+    site = TB.Site(spec, q, k, v, None, 0.0, 0, preds, q_keep, k_keep)
+    assert site.sched_q == (TB.SCHED_LIST if padded else TB.SCHED_RANGE) and site.sched == TB.SCHED_LIST
+    lay = site.layout
+    core = [_core_tiles(lay.lo[b, h], lay.hi[b, h], bm, bm) for b in range(2) for h in range(2)]
+    assert sum(len(c) for row in core for c in row) >= 8  # the case has such tiles
+    # the lists flag exactly those (query-outer, and key-outer for the dK/dV pass), padded tiles aside
+    for outer_q in (True, False):
+        lst, cnt = site.lists(bm, bm, outer_q) if padded or not outer_q else (None, None)
+        if lst is None:
+            continue
+        full = set()
+        for b in range(2):
+            for h in range(2):
+                for o in range(lst.shape[2]):
+                    for e in lst[b, h, o, :cnt[b, h, o]].tolist():
+                        if e & 1:
+                            full.add((b, h, o, e >> 1) if outer_q else (b, h, e >> 1, o))
+        want = {(b, h, t, j // bm) for b in range(2) for h in range(2) for t, js in enumerate(core[2 * b + h])
+                for j in js}
+        if padded:  # tiles holding padding (in sorted order: through the permutations) are never full
+            qv = [valid[b_][lay.q_perm[b_, h_].long()] for b_ in range(2) for h_ in range(2)]
+            kv = [valid[b_][lay.k_perm[b_, h_].long()] for b_ in range(2) for h_ in range(2)]
+            want = {w for w in want if bool(qv[2 * w[0] + w[1]][w[2] * bm:(w[2] + 1) * bm].all()
+                                           and kv[2 * w[0] + w[1]][w[3] * bm:(w[3] + 1) * bm].all())}
+        assert full == want
+    _check(spec, q, k, v, q_keep, k_keep, preds=preds)
 
 
 def test_drop_bool_mask_bf16():

@@ -38,7 +38,7 @@ from .common import window_bound as _clamp
 from .layout import GK_IDS, Layout, counting_layout, derive_layout, draw_words, layout_from_aux, window_ranges
 from .schedule import tile_lists, tile_summaries
 from .template import (MODE_DKDV, MODE_DQ, MODE_FWD, POLICY_DENSE, POLICY_DFSS, POLICY_SORTED, POLICY_SPION,
-                       POS_ARANGE, POS_NONE, POS_VECTOR, SCHED_LIST, SCHED_SPAN)
+                       POS_ARANGE, POS_NONE, POS_VECTOR, SCHED_LIST, SCHED_RANGE, SCHED_SPAN)
 from . import cugraph, launch as launch_mod, layout as _layout_mod, record, template
 from .launch import FastLaunch
 
@@ -165,7 +165,7 @@ class Site:
             p = block_pattern.view(torch.uint8) if block_pattern.dtype == torch.bool else block_pattern
             self.pattern, self.spion_bs = p, int(pol.block_size)
             self.pat_strides = (0 if p.shape[0] == 1 else p.stride(0), p.stride(1), p.stride(2))
-        self.layout = None
+        self.layout, self.sorted_key = None, ()
         if self.policy == POLICY_SORTED:
             # the window around default positions becomes part of each query's key range (computed
             # by the counting sort's scatter, or by window_ranges for other layouts)
@@ -183,11 +183,18 @@ class Site:
             if window is not None:
                 self.pos, self.win_left, self.win_right = POS_NONE, None, None
             self.layout = layout
+            # the policy and whether the ranges are cut to a window: hash's buckets and drop's kept prefix
+            # make different tiles fastest (configs.GPU_DEFAULTS_SORTED), so both key the choice
+            self.sorted_key = (pol.name, window is not None)
         # padding alone: tile lists (which skip padded tiles) only where the kernel is long enough to
         # hide the three launches that build them; below that the span tests validity per logit
         padding_lists = (self.q_val is not None or self.k_val is not None) and self.Nq * self.Nk >= PAD_LIST_MIN
         self.sched = SCHED_LIST if (self.pos == POS_VECTOR or self.seg or padding_lists
                                     or self.policy in (POLICY_SORTED, POLICY_SPION)) else SCHED_SPAN
+        # query tiles of a sorted layout with its ranges as the only predicate (a window around default
+        # positions is cut into them) visit the span of their ranges, computed in the kernel: no lists
+        self.sched_q = SCHED_RANGE if (self.policy == POLICY_SORTED and self.pos == POS_NONE and not self.seg
+                                       and self.q_val is None and self.k_val is None) else self.sched
         self._dummy = dummy
         self._kv = (k, v)
         # a 2:4 selection can be fused with the forward's exponentials (config key NM_EXP)
@@ -228,7 +235,9 @@ class Site:
             return dq32, 1
         return _descriptor(dq32, block_m, self.block_d), 2
 
-    def meta(self, block_m: int, block_n: int) -> dict:
+    def meta(self, block_m: int, block_n: int, outer_q: bool = True) -> dict:
+        """The launch's meta-parameters; ``outer_q``: a pass over query tiles (forward, dQ), else the
+        dK/dV pass over key tiles."""
         return dict(
             GROUPS=self.groups, HEAD_D=self.D, HEAD_DV=self.Dv, BLOCK_D=self.block_d, BLOCK_DV=self.block_dv,
             MASK_KIND=self.mask_kind, CHECK_Q=self.Nq % block_m != 0, CHECK_K=self.Nk % block_n != 0,
@@ -236,7 +245,7 @@ class Site:
             DROPOUT=self.dropout, PRESCALE=self.mask_kind == MASK_FLOAT or not self.scale > 0.0,
             POS=self.pos, HAS_LEFT=self.win_left is not None, HAS_RIGHT=self.win_right is not None,
             SEG=self.seg, QVAL=self.q_val is not None, KVAL=self.k_val is not None,
-            SPION_BS=self.spion_bs, SCHED=self.sched,
+            SPION_BS=self.spion_bs, SCHED=self.sched_q if outer_q else self.sched,
         )
 
     def pred_args(self, lst, cnt) -> tuple:
@@ -260,7 +269,7 @@ class Site:
     def lists(self, block_m: int, block_n: int, outer_q: bool):
         """The tile lists for query tiles of ``block_m`` and key tiles of ``block_n`` (``None`` for a
         span schedule): per query tile when ``outer_q``, else per key tile."""
-        if self.sched != SCHED_LIST:
+        if (self.sched_q if outer_q else self.sched) != SCHED_LIST:
             return None, None
         key = self._pattern_key(block_m, block_n, outer_q)
         if key is not None:
@@ -310,7 +319,7 @@ class Site:
         meta-parameters in :meth:`meta`'s fixed order, no sorting or device string per call)."""
         m = self.meta(16, 16)
         del m["CHECK_Q"], m["CHECK_K"]
-        return (self.dtype, _next_pow2(self.Nq), _next_pow2(self.Nk), self.device, *m.values())
+        return (self.dtype, _next_pow2(self.Nq), _next_pow2(self.Nk), self.device, *m.values(), *self.sorted_key)
 
     def tune_key(self) -> dict:
         arch = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None
@@ -318,7 +327,10 @@ class Site:
         m.pop("CHECK_Q")
         m.pop("CHECK_K")
         # sequence lengths by power of two: one tuning per size class
-        return {**m, "dtype": str(self.dtype), "nq": _next_pow2(self.Nq), "nk": _next_pow2(self.Nk), "arch": arch}
+        key = {**m, "dtype": str(self.dtype), "nq": _next_pow2(self.Nq), "nk": _next_pow2(self.Nk), "arch": arch}
+        if self.sorted_key:
+            key["layout"] = list(self.sorted_key)
+        return key
 
 
 def _strides(*tensors) -> tuple:
@@ -773,11 +785,12 @@ class _SortedPlan:
     and replayed for the calls of the same key:
 
     * a layout derived on the device (no policy tensors given): the counting sort (three launches;
-      ``drop``'s keep draws with the call's seed words), the tile summaries and lists, the forward;
-      one workspace allocation for the layout and lists. The layout stays in the workspace; the
+      ``drop``'s keep draws with the call's seed words), the tile summaries and lists where the site
+      has padding (else the forward's query tiles span their ranges), the forward; one workspace
+      allocation for the layout and lists. The layout stays in the workspace; the
       backward of the call finds it in the layout cache as views made on demand (:class:`_LazyLayout`);
     * policy tensors given (``drop``'s keep masks from :func:`draw_keep`): the layout comes from the
-      cache (the draw's) for each call, and the summaries, lists and forward read it."""
+      cache (the draw's) for each call, and the forward (and any summaries and lists) read it."""
 
     #: the op may hand it calls with policy tensors (``ops._attention_impl``)
     takes_aux = True
@@ -915,14 +928,14 @@ def attention_backward(spec: AttentionSpec, q, k, v, attn_mask, out, lse, grad_o
                 *tensors[:7], dq_arg, dk, dv, qd, dod, *_strides(q, k, v, None, grad_out, dq32, dk, dv),
                 *site.pred_args(lst, cnt), *scalars,
                 BLOCK_M=bm, BLOCK_N=bn, MODE=MODE_DKDV, NATURAL=natural, num_warps=w, num_stages=st, DQ_ATOMIC=mode,
-                TMA=tma, **site.meta(bm, bn),
+                TMA=tma, **site.meta(bm, bn, False),
             )
             dq.copy_(dq32)
             return
         _attention_kernel[(_cdiv(Nk, bn), B * Hk)](
             *tensors, qd, dod, *strides, *site.pred_args(lst, cnt), *scalars,
             BLOCK_M=bm, BLOCK_N=bn, MODE=MODE_DKDV, NATURAL=natural, num_warps=w, num_stages=st, TMA=tma,
-            **site.meta(bm, bn),
+            **site.meta(bm, bn, False),
         )
         # dQ: its own tiles when the config names them ("DQ": [queries, keys, warps, stages]),
         # else the dK/dV shape transposed (large query tile, small key tile)
@@ -952,7 +965,7 @@ def _run_tuned(kind: str, site: Site, launch, candidates_fn, config: Optional[di
             if rec is not None:  # a choice measured now launches candidates a replay must not repeat
                 rec.spoil("the launch configuration was chosen during the call")
             cands = candidates_fn(site.D, site.Dv, site.dtype, site.nm_m, site.spion_bs, configs.gpu_tag(site.device),
-                                  site.win_right is not None)
+                                  site.win_right is not None, site.sorted_key[0] if site.sorted_key else "")
             config = configs.choose(f"triton_attention_{kind}", site.tune_key(), cands,
                                     _bencher(launch) if site.device.type == "cuda" else None)
             # last resort: the smallest tiles that hold whole N:M groups, one pipeline stage

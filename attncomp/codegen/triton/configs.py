@@ -137,6 +137,18 @@ GPU_DEFAULTS_NM: Dict[str, Dict[tuple, Config]] = {
              ("fwd", 128, True): _cfg(128, 128, 8, 3), ("fwd", 128, False): _cfg(128, 128, 8, 3),
              ("bwd", 128, False): dict(_cfg(128, 64, 8, 2), DQ=(128, 64, 8, 2), TMA=1, TMA_Q=1)},
 }
+# Per-GPU defaults of the forward of a sorted layout (``hash``/``drop``: key/value rows gathered through the
+# permutation, so address loads only), per (kind, tier, policy). H100, ``attention.py --sweep --policies
+# drop,hash --dims 64,128 --ns 16384 --causal 1 --passes fwd`` (bf16, B=4, H=16, range spans): hash 64x64w4s3
+# 0.665 / 1.218 ms (D=64 / 128) against 1.212 / 1.375 for the dense defaults; drop 64x64w4s3 1.762 ms at
+# D=64 (dense default 2.838), 128x128w8s3 2.955 ms at D=128 (64x64w4s3 3.353). hash at D=128 (the kernel alone,
+# ``sorted_kv.py --configs``, a later run): 64x32w4s3 1.125 ms against 64x64w4s3 1.230, a candidate of sorted
+# layouts only (FWD_CONFIGS_SORTED).
+FWD_CONFIGS_SORTED: Dict[int, List[Config]] = {128: [_cfg(64, 32, 4, 3)]}
+GPU_DEFAULTS_SORTED: Dict[str, Dict[tuple, Config]] = {
+    "h100": {("fwd", 64, "hash"): _cfg(64, 64, 4, 3), ("fwd", 128, "hash"): _cfg(64, 32, 4, 3),
+             ("fwd", 64, "drop"): _cfg(64, 64, 4, 3), ("fwd", 128, "drop"): _cfg(128, 128, 8, 3)},
+}
 # The Gluon Hopper forward (:mod:`.hopper`) of dense sites on sm_90 GPUs, per (head dim, causal):
 # query tile, key tile, warps, key-ring and value-ring depth, and ``WS`` for the warp-specialised
 # kernel (two consumer warp groups of ``BLOCK_M / 2`` queries and a producer warp; ``PINGPONG``: the
@@ -211,8 +223,11 @@ def gpu_tag(device: torch.device) -> str:
     return tag
 
 
-def _gpu_first(cands: List[Config], kind: str, tier: int, nm_m: int, gpu: str, bounded: bool) -> List[Config]:
-    if nm_m <= 1:
+def _gpu_first(cands: List[Config], kind: str, tier: int, nm_m: int, gpu: str, bounded: bool,
+               layout: str = "") -> List[Config]:
+    if layout and (kind, tier, layout) in GPU_DEFAULTS_SORTED.get(gpu, {}):
+        first = GPU_DEFAULTS_SORTED[gpu][(kind, tier, layout)]
+    elif nm_m <= 1:
         first = GPU_DEFAULTS.get(gpu, {}).get((kind, tier))
     else:
         first = GPU_DEFAULTS_NM.get(gpu, {}).get((kind, tier, bool(bounded)))
@@ -257,24 +272,27 @@ def _block_first(cands: List[Config], block: int) -> List[Config]:
 
 
 def fwd_candidates(d: int, dv: int, dtype: torch.dtype, nm_m: int, block: int = 0, gpu: str = "",
-                   bounded: bool = False) -> List[Config]:
+                   bounded: bool = False, layout: str = "") -> List[Config]:
     """Forward configurations for head dims ``d``/``dv``, N:M group size ``nm_m`` (1: none), SPION
-    block size ``block`` (0: none), GPU (:func:`gpu_tag`) and whether the keys have a right bound
-    (``bounded``: causal or a window), the default first."""
+    block size ``block`` (0: none), GPU (:func:`gpu_tag`), whether the keys have a right bound
+    (``bounded``: causal or a window) and the policy of a sorted layout (``layout``: ``"hash"`` or
+    ``"drop"``, else ``""``), the default first."""
     if interpret_mode():
         return [interpret_config(nm_m)]
     pool = (FWD_CONFIGS_NM if nm_m > 1 else FWD_CONFIGS)[_tier(d, dv)]
+    if layout:
+        pool = pool + FWD_CONFIGS_SORTED.get(_tier(d, dv), [])
     item = torch.tensor([], dtype=dtype).element_size()
     out = [c for c in pool if _keys_ok(c["BLOCK_N"], nm_m) and _smem_ok(c, d, dv, item)]
     if not out:  # large groups (M = 16) need 64-key tiles even at large head dims
         out = [_cfg(64, max(64, 4 * nm_m), 4, 1)]
     if dtype == torch.float32:  # 4-byte tiles: halve the key tile
         out = [c for c in out if c["BLOCK_N"] <= 64 and c["BLOCK_M"] <= 128] or out
-    return _block_first(_gpu_first(out, "fwd", _tier(d, dv), nm_m, gpu, bounded), block)
+    return _block_first(_gpu_first(out, "fwd", _tier(d, dv), nm_m, gpu, bounded, layout), block)
 
 
 def bwd_candidates(d: int, dv: int, dtype: torch.dtype, nm_m: int, block: int = 0, gpu: str = "",
-                   bounded: bool = False) -> List[Config]:
+                   bounded: bool = False, layout: str = "") -> List[Config]:
     """Backward configurations, as :func:`fwd_candidates`; while PyTorch's deterministic algorithms are
     enabled, without the ``DQ_ATOMIC`` ones (float32 atomics add dQ in a varying order)."""
     if interpret_mode():
@@ -288,7 +306,7 @@ def bwd_candidates(d: int, dv: int, dtype: torch.dtype, nm_m: int, block: int = 
         out = [_cfg(max(64, 4 * nm_m), max(64, 4 * nm_m), 4, 1)]
     if dtype == torch.float32:
         out = [c for c in out if c["BLOCK_N"] <= 64] or out
-    return _block_first(_gpu_first(out, "bwd", _tier(d, dv), nm_m, gpu, bounded), block)
+    return _block_first(_gpu_first(out, "bwd", _tier(d, dv), nm_m, gpu, bounded, layout), block)
 
 
 # choices made in this process: a call after the first costs one dict lookup, not a store lookup

@@ -5,7 +5,7 @@ each call, but for the addresses of the call's tensors, its workspace and its ou
 steady state those addresses repeat (the caching allocator hands the freed blocks back), so a run of
 launches whose arguments are all fixed by them can be captured once into a CUDA graph and launched
 afterwards with one ``cuGraphLaunch`` instead of one launch per kernel (on an H100 host a hash call's
-six launches took its op call from 67-126 us to 34-72 us: ``benchmarks/README.md``).
+then six launches took its op call from 67-126 us to 34-72 us: ``benchmarks/README.md``).
 
 :func:`capture` records the launches on a stream of its own (in the driver's relaxed capture mode,
 which leaves other threads' calls alone); nothing runs while it records, so the caller launches the

@@ -44,6 +44,11 @@ GK_DRAW = 2  # keep mask drawn here (counter-based hash of the flat token index)
 GK_LSH = 3   # angular LSH buckets of the token vectors
 
 _CHUNK = 32
+#: LSH histogram programs: about ``LSH_ELEMS`` elements of x each (a power of two of whole chunks, at most
+#: ``LSH_MAX_CHUNKS``), on ``LSH_WARPS`` warps. H100 (``sorted_breakdown.py --lsh``, B=4, H=16, N=16384, bf16):
+#: two warps 105 / 231 us at D=64 / 128 against 127 / 255 us on four, 177 / 430 us on eight; 4096 or 16384
+#: elements no faster
+LSH_ELEMS, LSH_MAX_CHUNKS, LSH_WARPS = 8192, 4, 2
 
 
 class Layout(NamedTuple):
@@ -321,15 +326,15 @@ def counting_layout(q_src: torch.Tensor, k_src: torch.Tensor, n_groups: int, *, 
     k_hist = torch.empty((k_rows, k_nch, R_P2), dtype=i32, device=dev)
     q_keep, k_keep = (qg, kg) if keep is None else (t.view(torch.uint8) for t in keep)
     cpp = 1
-    if kind == GK_LSH:  # blocks of up to 128 tokens; x in as many bfloat16 parts as its dtype needs
-        cpp = max(1, min(4, 8192 // (_CHUNK * lsh["BLOCK_D"])))
+    if kind == GK_LSH:  # blocks of a power of two of whole chunks; x in as many bfloat16 parts as its dtype needs
+        cpp = 1 << (max(1, min(LSH_MAX_CHUNKS, LSH_ELEMS // (_CHUNK * lsh["BLOCK_D"]))).bit_length() - 1)
         lsh["XS"] = 0 if interpret_mode() else {torch.bfloat16: 1, torch.float16: 2}.get(qx.dtype, 3)
     _layout_hist[(cdiv(max(q_nch, k_nch), cpp), k_rows + q_rows)](
         qx, kx, qx if rot is None else rot, qg, kg, q_hist, k_hist, q_keep, k_keep, Nq, Nk, q_nch, k_nch, Hq, Hk,
         Hq // Hk, sqb, sqh, sqn, skb, skh, skn, g_off, float(q_rate), float(k_rate), q_seed_word, k_seed_word,
         # queries shorter than keys are the last Nq positions (as attncomp.ops.materialize_aux draws them)
         Nk - Nq if Nq < Nk else 0, k_rows, GK=kind, KEEP=keep is not None, CHUNK=_CHUNK, R_P2=R_P2, CPP=cpp,
-        num_warps=1 if kind != GK_LSH else 4, **lsh)
+        num_warps=1 if kind != GK_LSH else LSH_WARPS, **lsh)
     q_sp, k_sp = torch.empty_like(q_hist), torch.empty_like(k_hist)
     q_st = torch.empty((q_rows, R_P2), dtype=i32, device=dev)
     k_st = torch.empty((k_rows, R_P2), dtype=i32, device=dev)

@@ -2,7 +2,7 @@
 
 Some calls of the Triton backend do nothing on the host but allocate buffers, take views of tensors
 and launch kernels through :class:`.launch.FastLaunch`: the sorted layouts of ``hash`` and ``drop``
-(derived from q and k on the device), their tile summaries and lists, and the forward. Built piece by
+(derived from q and k on the device), their tile summaries and lists (with padding), and the forward. Built piece by
 piece, such a call pays for a ``Site``, a dozen allocations and a launch key per kernel. Under
 :func:`record`, a call logs every launch (the kept compiled kernel, the grid, the arguments) and every
 allocation; a dispatch mode watches the torch ops it runs, and any op that is neither an allocation

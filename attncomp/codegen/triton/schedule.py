@@ -15,11 +15,13 @@ Both directions use the same test on the same summaries, so the forward, dQ and 
 the same pairs. A pair is visited iff it may hold a kept entry; the kernels then apply the exact
 entry predicate (:func:`.template._entry`).
 
-Summaries are int64 ``(B or 1, H or 1, tiles, 8)``: ``[pmin, pmax, smin, smax, any, rlo, rhi, all]``
-(``any``/``all``: whether any / every token of the tile is valid); lists are int32 ``(B or 1, H or 1,
-outer tiles, inner tiles)`` with counts ``(B or 1, H or 1, outer)``. An entry is ``2 * tile + full``:
-``full`` when the §4.1 predicates (positions, segments, padding) and a SPION pattern allow every
-entry of the pair, so that the kernels skip their per-logit tests there.
+Summaries are int64 ``(B or 1, H or 1, tiles, 10)``: ``[pmin, pmax, smin, smax, any, rlo, rhi, all, clo,
+chi]`` (``any``/``all``: whether any / every token of the tile is valid; ``[rlo, rhi)`` the hull of the
+valid rows' nonempty kept key ranges, ``[clo, chi)`` their core: the keys every row in ``N`` keeps, empty
+where one row's range is); lists are int32 ``(B or 1, H or 1, outer tiles, inner tiles)`` with counts
+``(B or 1, H or 1, outer)``. An entry is ``2 * tile + full``: ``full`` when the §4.1 predicates
+(positions, segments, padding), a SPION pattern and a sorted layout's ranges allow every entry of the
+pair, so that the kernels skip their per-logit tests there.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ from .template import _tok_vals
 
 __all__ = ["tile_summaries", "tile_lists"]
 
-_FIELDS = 8
+_FIELDS = 10
+_NF = tl.constexpr(_FIELDS)
 
 
 def _empty(shape, dtype, device) -> torch.Tensor:
@@ -64,7 +67,7 @@ def _summary_side(Sum, Perm, Pos, Seg, Val, Lo, Hi, t, r, nt, N, Hs, s_pos, s_se
         hi = tl.load(Hi + r.to(tl.int64) * N + offs, mask=valid, other=0)
         ok = ok & (lo < hi)
     big = 2147483647  # int32 values (see template._tok_vals): a sentinel above all of them
-    base = Sum + (r.to(tl.int64) * nt + t) * 8
+    base = Sum + (r.to(tl.int64) * nt + t) * _NF
     tl.store(base + 0, tl.min(tl.where(ok, p, big), 0))
     tl.store(base + 1, tl.max(tl.where(ok, p, -big), 0))
     tl.store(base + 2, tl.min(tl.where(ok, sg, big), 0))
@@ -74,6 +77,8 @@ def _summary_side(Sum, Perm, Pos, Seg, Val, Lo, Hi, t, r, nt, N, Hs, s_pos, s_se
     if RANGE:
         tl.store(base + 5, tl.min(tl.where(ok, lo, big), 0))
         tl.store(base + 6, tl.max(tl.where(ok, hi, -big), 0))
+        tl.store(base + 8, tl.max(tl.where(valid, lo, -big), 0))
+        tl.store(base + 9, tl.min(tl.where(valid, hi, big), 0))
 
 
 @fast_launch
@@ -134,10 +139,10 @@ def _tile_visit(QS, KS, qt, kt, ival, Pat, spr, spc, TBq, TBk, win_left, win_rig
                 HAS_RIGHT: tl.constexpr, SEG: tl.constexpr, QVAL: tl.constexpr, KVAL: tl.constexpr,
                 RANGE: tl.constexpr, SPION_BS: tl.constexpr):
     """``(visit, full)`` for query tiles ``qt`` and key tiles ``kt`` (equal-shape vectors): whether
-    they may share a kept entry, and whether the §4.1 predicates (and a SPION pattern) allow all
-    their entries."""
-    qs = QS + qt.to(tl.int64) * 8
-    ks = KS + kt.to(tl.int64) * 8
+    they may share a kept entry, and whether the §4.1 predicates (and a SPION pattern, and a sorted
+    layout's ranges) allow all their entries."""
+    qs = QS + qt.to(tl.int64) * _NF
+    ks = KS + kt.to(tl.int64) * _NF
     ok = ival & (_field(qs, 4, ival) != 0) & (_field(ks, 4, ival) != 0)
     full = ok
     if POS != 0:
@@ -158,6 +163,7 @@ def _tile_visit(QS, KS, qt, kt, ival, Pat, spr, spc, TBq, TBk, win_left, win_rig
         full = full & (_field(ks, 7, ival) != 0)
     if RANGE:
         ok = ok & (_field(qs, 5, ival) < (kt + 1) * BLOCK_N) & (_field(qs, 6, ival) > kt * BLOCK_N)
+        full = full & (_field(qs, 8, ival) <= kt * BLOCK_N) & (_field(qs, 9, ival) >= (kt + 1) * BLOCK_N)
     if SPION_BS > 0:
         hit, every = _pattern_cover(Pat, spr, spc, qt, kt, ival, TBq, TBk, BLOCK_M, BLOCK_N, SPION_BS)
         ok = ok & hit

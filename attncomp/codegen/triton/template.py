@@ -12,6 +12,11 @@ A site is specialised through ``tl.constexpr`` parameters along two axes:
   the §4.1 predicates and the pattern allow the whole tile (then the kernel skips their per-logit
   tests). Padding alone takes the span below ``backend.PAD_LIST_MIN`` entries (validity is then
   tested per logit), so that short kernels do not wait on the lists' launches (a chosen bound).
+  ``SCHED_RANGE`` (query tiles of a sorted layout with no other predicate than its ranges: ``hash`` and
+  ``drop``, causal or not): the span of key tiles that the tile's rows' ``[lo, hi)`` ranges reach,
+  computed in the kernel from the ranges it loads anyway, so that no summaries or lists are built and no
+  tile index is read before its keys; a key tile inside every row's range (the ranges' core) skips the
+  per-logit range test.
 * **entry predicate** (:func:`_entry`): the §4.1 predicates (position window, segments, ``q_valid`` /
   ``k_valid``), the residual ``attn_mask`` and the policy's keep rule (DFSS N:M selection in registers,
   the bucket/keep range of a sorted layout, ``exclude_self``, SPION block membership), all on the
@@ -43,7 +48,7 @@ import triton.language as tl
 
 from .common import _dot, _dropout_scale, _key_order, _nm24_exp2, _nm_select
 
-__all__ = ["MODE_FWD", "MODE_DQ", "MODE_DKDV", "SCHED_SPAN", "SCHED_LIST", "POLICY_DENSE", "POLICY_DFSS",
+__all__ = ["MODE_FWD", "MODE_DQ", "MODE_DKDV", "SCHED_SPAN", "SCHED_LIST", "SCHED_RANGE", "POLICY_DENSE", "POLICY_DFSS",
            "POLICY_SORTED", "POLICY_SPION",
            "POS_NONE", "POS_ARANGE", "POS_VECTOR"]
 
@@ -52,6 +57,7 @@ MODE_DQ = 1
 MODE_DKDV = 2
 SCHED_SPAN = 0
 SCHED_LIST = 1
+SCHED_RANGE = 2  # query-outer passes of a sorted layout: the span of its rows' ranges (see above)
 POLICY_DENSE = 0
 POLICY_DFSS = 1
 POLICY_SORTED = 2  # hash and drop: a sorted layout with per-query key ranges
@@ -236,8 +242,9 @@ def _entry(
     ``qk`` is the raw ``q·k`` tile, queries by keys, or keys by queries when ``TRANSPOSED``; the
     ``*2`` arguments are broadcastable to it: row-order indices ``m2``/``n2``, original indices
     ``qi2``/``kj2``, and the per-token values of :func:`_tok_vals` and the sorted ranges.
-    ``pred_check`` (a scalar) is false for tiles that every §4.1 predicate and a SPION pattern allow
-    entirely (the schedule knows them: their position, segment, padding and block tests are skipped);
+    ``pred_check`` (a scalar) is false for tiles that every §4.1 predicate, a SPION pattern and a sorted
+    layout's ranges allow entirely (the schedule knows them: their position, segment, padding, block and
+    range tests are skipped);
     ``n_first`` is the tile's first key (row order). With ``PRESCALE`` the result is in log2 units; without
     it, raw ``q·k`` (the caller applies the scale inside its ``exp2`` multiply-add).
     """
@@ -268,7 +275,8 @@ def _entry(
             if KVAL:
                 s = tl.where(kv2, s, _NEG)
     if POLICY == 2:
-        s = tl.where((n2 >= lo2) & (n2 < hi2), s, _NEG)
+        if pred_check:  # false where the tile lies inside every row's range (schedule)
+            s = tl.where((n2 >= lo2) & (n2 < hi2), s, _NEG)
     if EXCLUDE_SELF:
         s = tl.where(qi2 != kj2, s, _NEG)
     if POLICY == 3:
@@ -325,6 +333,7 @@ def _attention_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SEG: tl.constexpr, QVAL: tl.constexpr, KVAL: tl.constexpr,
     SPION_BS: tl.constexpr, SCHED: tl.constexpr, MODE: tl.constexpr, NATURAL: tl.constexpr,
     TMA: tl.constexpr = False, DQ_ATOMIC: tl.constexpr = False, NM_EXP: tl.constexpr = False,
+    KV_SORTED: tl.constexpr = False,
 ):
     """The template's one kernel. ``MODE``: ``MODE_FWD`` (``out``, ``lse``), ``MODE_DQ`` (the
     backward's ``dq`` from ``DO``, ``Lse`` in log2 units and ``Delta``): one program per (query tile,
@@ -340,7 +349,10 @@ def _attention_kernel(
     dim) instead of per-thread address loads: K and V in the forward and dQ modes (key tiles in row order:
     no sorted layout, no N:M key order), Q and dO in the dK/dV mode (no sorted layout). With ``NM_EXP``
     (forward, 2:4 DFSS) the selection runs fused with the exponentials (:func:`.common._nm24_exp2`: only the
-    two kept logits of a group are exponentiated) instead of in :func:`_entry`.
+    two kept logits of a group are exponentiated) instead of in :func:`_entry`. With ``KV_SORTED`` (forward
+    and dQ of a sorted layout) ``K``/``V`` are copies in row order, read at the tile's own rows (and, with
+    ``TMA``, through descriptors of the copies) instead of gathered through the permutation: no backend
+    path makes such copies; ``benchmarks/sorted_kv.py`` times the kernel with them.
 
     With ``DQ_ATOMIC`` the dK/dV mode also computes dQ: each tile's ``dS^T K * sm_scale`` is added with
     float32 atomics to the buffer at ``DQ`` (strides ``sdq*``, rows in original query order), so that
@@ -489,17 +501,31 @@ def _attention_kernel(
 
         n_lo, n_hi = _span(tile * BLOCK_M, tl.minimum(tile * BLOCK_M + BLOCK_M, Nq) - 1, pos_off, win_left, win_right,
                            BLOCK_N, tl.cdiv(Nk, BLOCK_N), POS, HAS_LEFT, HAS_RIGHT)
+        if SCHED == 2:
+            # the key tiles the rows' ranges reach (none where every range is empty), and their core:
+            # the keys every row of the tile keeps
+            has = mval & (lo < hi)
+            n_lo = tl.min(tl.where(has, lo, Nk), 0) // BLOCK_N
+            n_hi = tl.cdiv(tl.max(tl.where(has, hi, 0), 0), BLOCK_N)
+            core_lo = tl.max(tl.where(mval, lo, 0), 0)
+            core_hi = tl.min(tl.where(mval, hi, Nk), 0)
         lrow, t_lo, t_hi = _inner_tiles(List, Cnt, b, h, tile, slb, slh, slt, scb, sch, n_lo, n_hi, SCHED)
         for t in range(t_lo, t_hi):
             start_n, pred_check = _inner_tile(lrow, t, tile * BLOCK_M, pos_off, win_left, win_right, BLOCK_M, BLOCK_N,
                                               True, SCHED, POS, HAS_LEFT, HAS_RIGHT, PERMUTED, QVAL | KVAL)
+            if SCHED == 2:
+                pred_check = (start_n < core_lo) | (start_n + BLOCK_N > core_hi)
             offs_n = start_n + _key_order(BLOCK_N, NM_M)
             nval = offs_n < Nk
             kj = _orig(kperm, offs_n, nval, PERMUTED)
+            if KV_SORTED:
+                krow = offs_n
+            else:
+                krow = kj
             if TMA:
                 kT = tl.trans(tl.reshape(Desc0.load([b, hk, start_n, 0]), (BLOCK_N, BLOCK_D)))
             else:
-                kT = _load_tile(k_base, kj, nval, skn, offs_d, HEAD_D, BLOCK_D, CHECK_K, True)
+                kT = _load_tile(k_base, krow, nval, skn, offs_d, HEAD_D, BLOCK_D, CHECK_K, True)
             kp, ks, kv = _tok_vals(kj, nval, b, KPos, s_kpos, KSeg, s_kseg, KVal, s_kval, 0, POS, SEG, KVAL)
             s = _entry(_dot(q, kT, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)),
                        offs_m[:, None], offs_n[None, :], qi[:, None], kj[None, :], qp[:, None], qs[:, None], qv[:, None],
@@ -511,7 +537,7 @@ def _attention_kernel(
                 if TMA:
                     vT = tl.trans(tl.reshape(Desc1.load([b, hk, start_n, 0]), (BLOCK_N, BLOCK_DV)))
                 else:
-                    vT = _load_tile(v_base, kj, nval, svn, offs_dv, HEAD_DV, BLOCK_DV, CHECK_K, True)
+                    vT = _load_tile(v_base, krow, nval, svn, offs_dv, HEAD_DV, BLOCK_DV, CHECK_K, True)
                 p = tl.math.exp2(s * sc - lse2[:, None])
                 dp = _dot(do, vT, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32))
                 if DROPOUT:
@@ -537,7 +563,7 @@ def _attention_kernel(
                 if TMA:
                     v = tl.reshape(Desc1.load([b, hk, start_n, 0]), (BLOCK_N, BLOCK_DV))
                 else:
-                    v = _load_tile(v_base, kj, nval, svn, offs_dv, HEAD_DV, BLOCK_DV, CHECK_K, False)
+                    v = _load_tile(v_base, krow, nval, svn, offs_dv, HEAD_DV, BLOCK_DV, CHECK_K, False)
                 acc = _dot(p.to(v.dtype), v, acc)
                 m_i = m_new
 
