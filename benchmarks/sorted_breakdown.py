@@ -5,6 +5,10 @@ histogram launch must read (q and k once) as a bandwidth.
 
     python benchmarks/sorted_breakdown.py [--policies hash,drop] [--dims 64,128] [--ns 16384]
                                           [--causal 1] [--config BMxBNwWsS] [--json PATH]
+                                          [--lsh ELEMSxCHUNKSwWARPS,...]
+
+``--lsh`` times the hash rows once per setting of the LSH histogram programs (``layout.LSH_ELEMS``,
+``LSH_MAX_CHUNKS``, ``LSH_WARPS``; e.g. ``8192x4w4``, the default), in the same run.
 
 Shapes as ``attention.py``'s: B=4, H=16, bf16; hash with 16 buckets, drop with rates 0.5/0.5.
 """
@@ -64,8 +68,13 @@ def main(argv=None):
     ap.add_argument("--causal", default="1")
     ap.add_argument("--config", default="", help="forward tiles, e.g. 128x64w4s3 (default: the backend's)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--lsh", default="", help="LSH histogram settings ELEMSxCHUNKSwWARPS, comma-separated")
     a = ap.parse_args(argv)
     from attncomp.codegen.triton import backend as TB
+    from attncomp.codegen.triton import layout as L
+
+    default = f"{L.LSH_ELEMS}x{L.LSH_MAX_CHUNKS}w{L.LSH_WARPS}"
+    settings = a.lsh.split(",") if a.lsh else [default]
 
     B, H, dt = 4, 16, torch.bfloat16
     cfg = _config(a.config)
@@ -76,8 +85,15 @@ def main(argv=None):
             for causal in (c == "1" for c in a.causal.split(",")):
                 sdpa = bench_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal),
                                 False)
-                for pol in a.policies.split(","):
+                for pol, lsh in [(p, s) for p in a.policies.split(",") for s in (settings if p == "hash" else [""])]:
                     spec = make_spec(pol, causal, dt)
+                    if lsh:
+                        e, rest = lsh.split("x")
+                        ch, w = rest.split("w")
+                        L.LSH_ELEMS, L.LSH_MAX_CHUNKS, L.LSH_WARPS = int(e), int(ch), int(w)
+                        # (a kept plan or layout would replay or reuse the previous setting's launches)
+                        TB._PLANS.clear()
+                        TB._LAYOUT_CACHE.clear()
 
                     def call():
                         return TB.attention_forward(spec, q, k, v, config=cfg)
@@ -87,16 +103,17 @@ def main(argv=None):
                     hist_gb = 2 * q.numel() * q.element_size() / 1e9 if pol == "hash" else 0.0
                     row = dict(policy=pol, N=n, D=d, causal=causal, whole_ms=whole, sdpa_ms=sdpa,
                                x_sdpa=sdpa / whole, kernels_us=parts, config=TB.last_configs.get("fwd"),
-                               hist_tb_s=hist_gb / (parts.get("_layout_hist", 0) * 1e-6) / 1e3 if hist_gb else None)
+                               hist_tb_s=hist_gb / (parts.get("_layout_hist", 0) * 1e-6) / 1e3 if hist_gb else None,
+                               lsh=lsh or None)
                     rows.append(row)
-                    print(f"{pol} N={n} D={d} causal={causal}: {whole:.3f} ms ({row['x_sdpa']:.2f}x SDPA "
+                    print(f"{pol} N={n} D={d} causal={causal} {lsh}: {whole:.3f} ms ({row['x_sdpa']:.2f}x SDPA "
                           f"{sdpa:.3f} ms); config {row['config']}", flush=True)
     print("\npolicy     N    D  causal  whole ms  x SDPA  " + "  ".join(f"{k[1:]:>15}" for k in KERNELS))
     for r in rows:
         ku = r["kernels_us"]
         print(f"{r['policy']:6} {r['N']:5} {r['D']:4}  {str(r['causal']):6} {r['whole_ms']:8.3f}  {r['x_sdpa']:6.2f}  "
               + "  ".join(f"{ku.get(k, 0.0):13.1f}us" for k in KERNELS)
-              + (f"  hist {r['hist_tb_s']:.2f} TB/s" if r["hist_tb_s"] else ""))
+              + (f"  hist {r['hist_tb_s']:.2f} TB/s ({r['lsh']})" if r["hist_tb_s"] else ""))
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f,
