@@ -245,8 +245,12 @@ class Site:
             DROPOUT=self.dropout, PRESCALE=self.mask_kind == MASK_FLOAT or not self.scale > 0.0,
             POS=self.pos, HAS_LEFT=self.win_left is not None, HAS_RIGHT=self.win_right is not None,
             SEG=self.seg, QVAL=self.q_val is not None, KVAL=self.k_val is not None,
-            SPION_BS=self.spion_bs, SCHED=self.sched_q if outer_q else self.sched,
+            SPION_BS=self.spion_bs, SCHED=self.schedule(outer_q),
         )
+
+    def schedule(self, outer_q: bool) -> int:
+        """The tile schedule of a pass over query tiles (``outer_q``: forward, dQ) or key tiles (dK/dV)."""
+        return self.sched_q if outer_q else self.sched
 
     def pred_args(self, lst, cnt) -> tuple:
         d = self._dummy
@@ -269,7 +273,7 @@ class Site:
     def lists(self, block_m: int, block_n: int, outer_q: bool):
         """The tile lists for query tiles of ``block_m`` and key tiles of ``block_n`` (``None`` for a
         span schedule): per query tile when ``outer_q``, else per key tile."""
-        if (self.sched_q if outer_q else self.sched) != SCHED_LIST:
+        if self.schedule(outer_q) != SCHED_LIST:
             return None, None
         key = self._pattern_key(block_m, block_n, outer_q)
         if key is not None:

@@ -4,8 +4,9 @@ A recorded plan (:class:`.record.Replay`) launches the same compiled kernels wit
 each call, but for the addresses of the call's tensors, its workspace and its outputs. In a model's
 steady state those addresses repeat (the caching allocator hands the freed blocks back), so a run of
 launches whose arguments are all fixed by them can be captured once into a CUDA graph and launched
-afterwards with one ``cuGraphLaunch`` instead of one launch per kernel (on an H100 host a hash call's
-then six launches took its op call from 67-126 us to 34-72 us: ``benchmarks/README.md``).
+afterwards with one ``cuGraphLaunch`` instead of one launch per kernel (on an H100 host, a hash call
+of six launches, before the range spans of :mod:`.template`, went from 67-126 us to 34-72 us per op
+call: ``benchmarks/README.md``).
 
 :func:`capture` records the launches on a stream of its own (in the driver's relaxed capture mode,
 which leaves other threads' calls alone); nothing runs while it records, so the caller launches the

@@ -213,8 +213,8 @@ def _bstride(t: Optional[torch.Tensor]) -> int:
 
 def tile_summaries(block_m: int, block_n: int, nq: int, nk: int, rows_b: int, hq: int, hk: int, q_perm, k_perm,
                    q_pos, k_pos, q_seg, k_seg, q_val, k_val, lo, hi, q_off: int, pos_kind: int, device):
-    """``(qsum, ksum)``: the summaries ``(rows_b, hq, cdiv(nq, block_m), 8)`` of the query side and
-    ``(rows_b, hk, cdiv(nk, block_n), 8)`` of the key side (see the module docstring), one launch.
+    """``(qsum, ksum)``: the summaries ``(rows_b, hq, cdiv(nq, block_m), 10)`` of the query side and
+    ``(rows_b, hk, cdiv(nk, block_n), 10)`` of the key side (see the module docstring), one launch.
 
     ``q_perm``/``lo``/``hi``: ``(rows_b, hq, nq)``, ``k_perm``: ``(rows_b, hk, nk)``, both perms or
     neither; ``*_pos``/``*_seg``/``*_val``: ``(B or 1, n)`` or ``None``; ``pos_kind``: 2 when positions
