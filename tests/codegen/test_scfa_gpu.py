@@ -101,11 +101,12 @@ def test_counting_sort_layout_equals_torch_sort(scfa):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
 
 
-@pytest.mark.parametrize("policy", ["hash", "drop", "drop-aux"])
+@pytest.mark.parametrize("policy", ["hash", "drop", "drop-aux", "drop-kv"])
 def test_replayed_sorted_forwards_and_their_backward(policy, monkeypatch):
     """The op called as compiled graphs call a hash/drop site, five times with fresh inputs (no policy
     tensors; drop: a fresh seed each time, from which the op draws the keep masks; ``drop-aux``: masks
-    drawn first by ``attncomp::policy_aux``): from the third call the draw and the forward replay
+    drawn first by ``attncomp::policy_aux``; ``drop-kv``: the forward reads sorted K/V copies, which the
+    replays allocate poisoned): from the third call the draw and the forward replay
     recorded launches (``backend._SortedPlan``/``_DrawPlan``) into poisoned workspaces; outputs and the
     backward's gradients (which read the replayed layout) match the float32 reference. The seeds'
     words fall in different specialisation classes (the histogram kernel takes them unspecialised)."""
@@ -113,10 +114,13 @@ def test_replayed_sorted_forwards_and_their_backward(policy, monkeypatch):
     from attncomp import ops
     from attncomp.codegen import reference as R
     from attncomp.codegen.triton import backend as TB
-    from attncomp.codegen.triton import record
+    from attncomp.codegen.triton import configs, record
     from attncomp.policy import Drop, Hash
     from attncomp.spec import AttentionSpec
     from tests.utils import poison
+
+    # sorted copies where the site reads them (drop-kv), else none
+    monkeypatch.setattr(configs, "SORTED_KV_MIN_Q", 0 if policy == "drop-kv" else 1 << 40)
 
     def poisoned(shape, stride, dtype, device):
         t = torch.empty_strided(shape, stride, dtype=dtype, device=device)
@@ -140,7 +144,7 @@ def test_replayed_sorted_forwards_and_their_backward(policy, monkeypatch):
         if policy == "drop-aux":
             qa, ka = torch.ops.attncomp.policy_aux(q, k, js, seed)
         out = torch.ops.attncomp.attention(q, k, v, None, qa, ka, None, None, None, None, None, None, None, js,
-                                           0.0, seed if policy == "drop" else 0)[0]
+                                           0.0, seed if policy in ("drop", "drop-kv") else 0)[0]
         go = torch.randn_like(out)
         out.backward(go)
         aux = ops.materialize_aux(spec, q.detach(), k.detach(), seed=seed)
@@ -152,7 +156,7 @@ def test_replayed_sorted_forwards_and_their_backward(policy, monkeypatch):
     assert len(replays) == 3
 
 
-@pytest.mark.parametrize("policy,p", [("hash", 0.0), ("drop", 0.0), ("drop", 0.2)])
+@pytest.mark.parametrize("policy,p", [("hash", 0.0), ("drop", 0.0), ("drop", 0.2), ("drop-kv", 0.0), ("drop-kv", 0.2)])
 def test_replays_launch_as_cuda_graphs(policy, p, monkeypatch):
     """On the default stream a replay launches its runs of launches without seed words as CUDA graphs
     once their addresses come back (``record._Run``, ``cugraph``): twelve op calls over two input sets
@@ -161,17 +165,19 @@ def test_replays_launch_as_cuda_graphs(policy, p, monkeypatch):
     and its backward (which reads the layout a graph wrote) match the float32 reference; graphs were
     captured and launched, and back-to-back calls launch them; the last call equals, bit for bit, the
     same call with graphs off; and a capture of the op by the caller (``torch.cuda.graph``) takes the
-    launches as they are."""
+    launches as they are. ``drop-kv``: the forward reads sorted K/V copies (through TMA descriptors,
+    the H100's default), outputs of the replays from the same poisoned buffers in turn."""
     pytest.importorskip("triton")
     from attncomp import ops
     from attncomp.codegen import reference as R
     from attncomp.codegen.triton import backend as TB
-    from attncomp.codegen.triton import cugraph, record
+    from attncomp.codegen.triton import configs, cugraph, record
     from attncomp.policy import Drop, Hash
     from attncomp.spec import AttentionSpec
     from tests.utils import poison
 
     monkeypatch.setattr(ops, "_CALLS", {})
+    monkeypatch.setattr(configs, "SORTED_KV_MIN_Q", 0 if policy == "drop-kv" else 1 << 40)
     pool: dict = {}
 
     def two_in_turn(shape, stride, dtype, device):  # the replays' workspaces and outputs: poisoned, in turn
@@ -217,6 +223,10 @@ def test_replays_launch_as_cuda_graphs(policy, p, monkeypatch):
     (plan,) = [x for x in ops._CALLS.values() if type(x) is TB._SortedPlan]
     runs = [s for s in plan.replay.steps if type(s) is record._Run]
     assert len(runs) == 1 and runs[0].why is None and runs[0].captures >= 2 and len(launched) >= 4
+    copies = {"k_sorted", "v_sorted"} & {o[0] for o in plan.replay.outputs}
+    assert len(copies) == (2 if policy == "drop-kv" else 0)
+    # the forward's TMA descriptors (of the copies), rebuilt at each replay's addresses
+    assert len(plan.replay.launches[-1][6]) == (2 if copies and plan.config.get("TMA") else 0)
     with torch.no_grad():  # (the same tensors: the op keeps one plan)
         n = len(launched)
         for _ in range(4):  # back to back, as a model's steady state

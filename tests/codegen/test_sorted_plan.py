@@ -25,6 +25,7 @@ pytest.importorskip("numpy")
 triton = pytest.importorskip("triton")
 from torch.utils._python_dispatch import _disable_current_modes  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
+from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 from attncomp import ops  # noqa: E402
 from attncomp.codegen import reference as R  # noqa: E402
@@ -65,8 +66,12 @@ class _Compiled:
         assert (stream, function, meta, launch_meta, enter, exit_) == (0, "fn", "meta", None, None, None)
         kw = dict(zip(self.names, args, strict=True))
         for name, dt in self.dtypes.items():
-            if type(kw[name]) is int:
-                kw[name] = _resolve(kw[name], dt)
+            a = kw[name]
+            if type(a) is int:
+                kw[name] = _resolve(a, dt)
+            elif isinstance(a, TensorDescriptor) and not isinstance(a.base, torch.Tensor):  # a replay's
+                base = _resolve(a.base.data_ptr(), dt).as_strided(a.shape, a.strides)
+                kw[name] = TensorDescriptor(base, a.shape, a.strides, a.block_shape, a.padding)
         with _disable_current_modes():  # (the interpreter's own torch ops are not the call's)
             self.interp[(g0, g1, g2)](**kw)
 
@@ -79,6 +84,7 @@ def _stand_in(orig, volatile, monkeypatch):
     def run(*args, grid, warmup, **kwargs):
         bound = dict(zip(names, args))
         dtypes = {n: a.dtype for n, a in bound.items() if isinstance(a, torch.Tensor)}
+        dtypes.update({n: a.base.dtype for n, a in bound.items() if isinstance(a, TensorDescriptor)})
         with _disable_current_modes():
             interp[grid](*args, **{k: v for k, v in kwargs.items() if k in names})
         return _Compiled(interp, names, dtypes)
@@ -374,16 +380,25 @@ def _two_buffers_in_turn(monkeypatch, n=2):
     monkeypatch.setattr(record, "_alloc", alloc)
 
 
-@pytest.mark.parametrize("case,seeded,run_len", [("hash", (), 4), ("drop", (0,), 3), ("drop-dropout", (0, 3), 2)])
+@pytest.mark.parametrize("case,seeded,run_len", [("hash", (), 4), ("drop", (0,), 3), ("drop-dropout", (0, 3), 2),
+                                                ("drop-kv", (0,), 3), ("drop-kv-tma", (0,), 3),
+                                                ("drop-kv-dropout", (0, 3), 2)])
 def test_runs_of_a_replay_launch_as_graphs_of_their_addresses(kernels, monkeypatch, case, seeded, run_len):
     """On a GPU a replay launches its launches with no seed word as one CUDA graph per set of addresses
     (the call's tensors, workspace and outputs) once that set comes back. Here the graph is a stand-in
     that replays the launches as captured, and the allocator hands out two poisoned buffers in turn:
     inputs and outputs come back at addresses seen before in every combination, with fresh values
     and fresh seeds, and every call must match the reference (a graph of other addresses, or with a
-    seed word fixed in it, would not)."""
-    from attncomp.codegen.triton import cugraph
+    seed word fixed in it, would not). ``-kv``: drop's sorted K/V copies, outputs of each replay that
+    its forward reads (``-tma``: through descriptors, rebuilt at each replay's addresses)."""
+    from attncomp.codegen.triton import configs, cugraph
 
+    copies = "-kv" in case
+    if copies:
+        monkeypatch.setattr(configs, "SORTED_KV_MIN_Q", 0)
+    if case.endswith("-tma"):
+        monkeypatch.setattr(configs, "fwd_candidates",
+                            lambda *a, **kw: [dict(configs.interpret_config(1), TMA=1)])
     graphs = []
     monkeypatch.setattr(record, "_capturable", lambda go: True)
     monkeypatch.setattr(cugraph, "usable", lambda device: True)
@@ -391,7 +406,7 @@ def test_runs_of_a_replay_launch_as_graphs_of_their_addresses(kernels, monkeypat
     _two_buffers_in_turn(monkeypatch)
     policy = Hash(n_buckets=4) if case == "hash" else Drop(q_rate=0.5, k_rate=0.5)
     spec = AttentionSpec(policy=policy, causal=True, backend="triton")
-    p = 0.3 if case == "drop-dropout" else 0.0
+    p = 0.3 if case.endswith("dropout") else 0.0
     js = spec.to_json()
     g = torch.Generator().manual_seed(fresh_seed())
     triples = [qkv(1, 4, 29, 16, Hk=2, Nk=29) for _ in range(2)]
@@ -414,10 +429,15 @@ def test_runs_of_a_replay_launch_as_graphs_of_their_addresses(kernels, monkeypat
     assert [i for i, s in enumerate(steps) if s is not runs[0]] == [i if i == 0 else i - run_len + 1 for i in seeded]
     # the run's key: every address its launches read (with dropout the forward is not in it: the layout's
     # launches read only the workspace)
-    assert set(runs[0].names) == ({"ws"} if p else {"q", "k", "v", "ws", "out", "lse"})
+    # (the copies' scatter reads k and v and writes the copies)
+    names = {"ws", "k", "v", "k_sorted", "v_sorted"} if copies else {"ws"}
+    assert set(runs[0].names) == (names if p else names | {"q", "k", "v", "ws", "out", "lse"})
+    fwd = plan.replay.launches[-1]
+    assert len(fwd[6]) == (2 if case.endswith("-tma") else 0)  # the forward's descriptors, of the copies
+    assert {d[1] for d in fwd[6]} <= {"k_sorted", "v_sorted"}
     # ten replays over four address sets (two where only the workspace counts): each captured at its
     # second sighting and launched then, and again at each later one
-    n_sets = 2 if p else 4
+    n_sets = 2 if p and not copies else 4
     assert runs[0].captures == n_sets and len(graphs) == n_sets
     assert all(gr.size == run_len for gr in graphs) and sum(gr.launches for gr in graphs) == 10 - n_sets
 

@@ -116,6 +116,43 @@ def test_drop_draws_fused_equal_policy_keep_mask(rates, seed):
     assert not (torch.equal(other.q_groups == 0, qk) and torch.equal(other.k_groups == 0, kk))
 
 
+@pytest.mark.parametrize("D,Dv,Nk,k_rate,dtype", [(32, 32, 29, 0.5, torch.float32), (48, 80, 150, 0.3, torch.bfloat16),
+                                                  (16, 16, 300, 0.9, torch.float16), (64, 64, 40, 0.0, torch.float32)])
+def test_drop_kv_copies_hold_the_kept_rows_in_sorted_order_then_zeros(D, Dv, Nk, k_rate, dtype):
+    """``kv=(k, v)``: the scatter launch copies each kept key's K and V rows to its sorted slot (kept keys
+    first, in order) and writes the ``KV_COPY_PAD`` slots after them as zeros; the slots past those stay
+    as they were (poisoned here), and the sort itself is the same as without copies."""
+    B, Hq, Hk, Nq = 2, 4, 2, 37
+    g = torch.Generator().manual_seed(D + Nk)
+    q = torch.randn(B, Hq, Nq, D, generator=g).to(dtype)
+    # strided views, as projections give them (heads inner)
+    k = torch.randn(B, Nk, Hk, D, generator=g).to(dtype).transpose(1, 2)
+    v = torch.randn(B, Nk, Hk, Dv, generator=g).to(dtype).transpose(1, 2)
+    spec = AttentionSpec(policy=Drop(q_rate=0.5, k_rate=k_rate, seed=5))
+    real = torch.empty
+    try:  # every buffer of the layout poisoned
+        torch.empty = lambda *a, **kw: real(*a, **kw).fill_(float("nan") if kw.get("dtype", torch.float32)
+                                                             .is_floating_point else -7)
+        lay = L.derive_layout(spec, q, k, seed=77, kv=(k, v))
+    finally:
+        torch.empty = real
+    plain = L.derive_layout(spec, q, k, seed=77)
+    assert torch.equal(lay.k_perm, plain.k_perm) and torch.equal(lay.lo, plain.lo) and lay.kv is not None
+    assert plain.kv is None
+    ks, vs = lay.kv
+    assert ks.shape == (B, Hk, Nk, D) and vs.shape == (B, Hk, Nk, Dv) and ks.is_contiguous() and vs.is_contiguous()
+    kept = (lay.k_groups == 0).sum(-1)
+    for b in range(B):
+        for h in range(Hk):
+            n = int(kept[b, h])
+            order = lay.k_perm[b, h, :n].long()
+            assert torch.equal(order, (lay.k_groups[b, h] == 0).nonzero().flatten())
+            assert torch.equal(ks[b, h, :n], k[b, h, order]) and torch.equal(vs[b, h, :n], v[b, h, order])
+            pad = min(Nk, n + L.KV_COPY_PAD)
+            assert (ks[b, h, n:pad] == 0).all() and (vs[b, h, n:pad] == 0).all()
+            assert ks[b, h, pad:].isnan().all() and vs[b, h, pad:].isnan().all()
+
+
 @pytest.mark.parametrize("D,nb,dtype", [(32, 4, torch.float32), (64, 16, torch.float16), (48, 2, torch.bfloat16),
                                         (128, 8, torch.float32)])
 def test_lsh_buckets_fused_equal_policy(D, nb, dtype):

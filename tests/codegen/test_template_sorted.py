@@ -316,6 +316,107 @@ def test_policy_tensors_derived_on_the_device(policy):
     assert torch.equal(other, out) == (policy.name == "hash")
 
 
+class _KernelSpy:
+    """``TB._attention_kernel`` that records each launch's meta-parameters."""
+
+    def __init__(self, real):
+        self.real, self.launches = real, []
+
+    def __getitem__(self, grid):
+        def go(*args, **kw):
+            self.launches.append(kw)
+            return self.real[grid](*args, **kw)
+
+        return go
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+_SORTED_KV_CASES = {  # spec kwargs, (B, Hq, Hk, Nq, Nk, D, Dv), dtype, dropout
+    "causal-gqa": (dict(causal=True), (2, 4, 2, 45, 45, 32, 32), torch.float32, 0.0),
+    "bottom-right-cross": (dict(causal=True, causal_align="bottom_right"), (1, 2, 2, 21, 53, 64, 48),
+                           torch.float32, 0.0),
+    "full-fp16": (dict(), (1, 2, 1, 37, 29, 16, 16), torch.float16, 0.0),
+    "window-dropout": (dict(window_left=9, window_right=0), (1, 2, 2, 40, 40, 32, 32), torch.float32, 0.2),
+}
+
+
+@pytest.mark.parametrize("tma", [False, True], ids=["loads", "tma"])
+@pytest.mark.parametrize("case", list(_SORTED_KV_CASES))
+def test_drop_forward_reads_its_kept_keys_from_sorted_copies(case, tma, monkeypatch):
+    """A ``drop`` forward whose query tiles span their ranges reads its kept keys' K/V rows in sorted order
+    from the copies the counting sort's scatter launch made (``KV_SORTED``), by address loads or through
+    TMA descriptors of the copies. Every buffer is poisoned (the copies' slots past the kept keys and
+    their zero rows too: a tile reaching there must not read them into P V); k and v are strided views.
+    Output and lse against the float64 reference with the call's draws, and the backward (which gathers
+    through the permutation, from the remembered layout) against its gradients."""
+    from attncomp.codegen.triton import configs
+    from attncomp.ops import materialize_aux
+    from tests.utils import fresh_seed, poison
+
+    kw, (B, Hq, Hk, Nq, Nk, D, Dv), dtype, p = _SORTED_KV_CASES[case]
+    monkeypatch.setattr(configs, "SORTED_KV_MIN_Q", 0)
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(real_empty(*a, **k)))
+    spy = _KernelSpy(TB._attention_kernel)
+    monkeypatch.setattr(TB, "_attention_kernel", spy)
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hq, Nq, D, generator=g).to(dtype)
+    k = torch.randn(B, Nk, Hk, D, generator=g).to(dtype).transpose(1, 2)
+    v = torch.randn(B, Nk, Hk, Dv, generator=g).to(dtype).transpose(1, 2)
+    spec = AttentionSpec(policy=Drop(q_rate=0.3, k_rate=0.5, seed=4), dropout_p=p, **kw)
+    cfg = dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1, TMA=int(tma))
+    site = TB.Site(spec, q, k, v, None, p, seed, sorted_kv=True)
+    assert site.kv_sorted and site.tag == "drop+kv" and site.tma_ok
+    out, lse = TB.attention_forward(spec, q, k, v, dropout_p=p, seed=seed, config=cfg)
+    (fwd,) = spy.launches
+    assert fwd["KV_SORTED"] and fwd["TMA"] == tma and fwd["SCHED"] == TB.SCHED_RANGE
+    qa, ka = materialize_aux(spec, q, k, seed=seed)
+    d = torch.float64
+    ro, rl = R.attention(q.to(d), k.to(d), v.to(d), spec=spec, q_aux=qa, k_aux=ka, dropout_p=p, seed=seed)
+    assert_close(out, ro, dtype, "out")
+    fin = torch.isfinite(rl)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(rl))
+    torch.testing.assert_close(lse[fin].double(), rl[fin].double(), atol=1e-3, rtol=1e-3)
+    go = torch.randn(out.shape, generator=g).to(dtype)
+    grads = TB.attention_backward(spec, q, k, v, None, out, lse, go, dropout_p=p, seed=seed)
+    assert not any(x.get("KV_SORTED") for x in spy.launches[1:])
+    ref = R.attention_backward(q.to(d), k.to(d), v.to(d), None, go.to(d), spec=spec, q_aux=qa, k_aux=ka,
+                               dropout_p=p, seed=seed)[:3]
+    for name, a, b in zip(("dq", "dk", "dv"), grads, ref):
+        atol, rtol = TOL[dtype]
+        torch.testing.assert_close(a.double(), b, atol=atol * max(1.0, b.abs().max().item()), rtol=rtol,
+                                   msg=lambda m: f"{name}\n{m}")
+
+
+def test_sorted_copies_only_where_they_pay_and_apply(monkeypatch):
+    """Copies are made for a forward's ``drop`` site with range spans and at least
+    ``configs.SORTED_KV_MIN_Q`` queries; not for padding (tile lists), hash, given keep masks, the
+    backward's site, ``ATTNCOMP_SORTED_KV=0``, or fewer queries (a decode step)."""
+    from attncomp.codegen.triton import configs
+
+    q, k, v = qkv(1, 2, 40, 16)
+    drop = AttentionSpec(causal=True, policy=Drop(q_rate=0.3, k_rate=0.5))
+    monkeypatch.setattr(configs, "SORTED_KV_MIN_Q", 40)
+
+    def site(spec=drop, q=q, k=k, v=v, fwd=True, preds=None, aux=(None, None)):
+        return TB.Site(spec, q, k, v, None, 0.0, 3, preds, *aux, sorted_kv=fwd)
+
+    s = site()
+    assert s.kv_sorted and s.layout.kv is not None and site().kv_sorted  # (a forward derives afresh)
+    assert not site(q=q[:, :, :39]).kv_sorted  # fewer queries than the bound
+    assert not site(fwd=False).kv_sorted and site(fwd=False).layout.kv is None
+    assert not site(AttentionSpec(causal=True, policy=Hash(n_buckets=4))).kv_sorted
+    keep = (torch.rand(1, 2, 40) > 0.3, torch.rand(1, 2, 40) > 0.5)
+    assert not site(aux=keep).kv_sorted
+    pad = Predicates(k_valid=torch.arange(40)[None] < 33)
+    assert not site(preds=pad).kv_sorted
+    monkeypatch.setenv("ATTNCOMP_SORTED_KV", "0")
+    assert not site().kv_sorted
+
+
 @pytest.mark.parametrize("shape", [(2, 4, 2, 37, 37), (1, 4, 4, 5, 29)], ids=["gqa", "decode"])
 def test_drop_site_without_masks_draws_from_the_op_seed(shape, monkeypatch):
     """As compiled graphs call a ``drop`` site: no keep masks, the op's seed. The Triton backend draws

@@ -411,7 +411,7 @@ def test_a_causal_dfss_site_launches_its_gpu_default(monkeypatch):
     for causal in (True, False):
         site = types.SimpleNamespace(D=64, Dv=64, dtype=torch.bfloat16, nm_m=4, spion_bs=0, device=torch.device("cpu"),
                                      win_right=0 if causal else None, signature=lambda c=causal: ("spy", c),
-                                     tune_key=lambda: {}, sorted_key=())
+                                     tune_key=lambda: {}, sorted_key=(), tag="")
         launched = []
         TB._run_tuned("fwd", site, launched.append, spy)
         assert asked[-1][-2] is causal and asked[-1][-1] == ""
@@ -419,32 +419,40 @@ def test_a_causal_dfss_site_launches_its_gpu_default(monkeypatch):
         assert launched == [want]
 
 
-@pytest.mark.parametrize("policy", ["hash", "drop"])
+@pytest.mark.parametrize("policy", ["hash", "drop", "drop+kv"])
 def test_a_sorted_site_launches_its_policys_gpu_default(monkeypatch, policy):
     """hash and drop sites share their kernel's meta-parameters but not their fastest tiles: the backend
     asks for the candidates with the policy, keys its choice with it, and (H100, tuning off) launches the
-    policy's default, which for hash at D=128 is a tile only sorted layouts are offered."""
+    policy's default, which for hash at D=128 is a tile only sorted layouts are offered. ``drop+kv``: a
+    drop forward reading sorted K/V copies, keyed apart from the gathering one, whose default reads the
+    copies through TMA."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setattr(configs, "gpu_tag", lambda device: "h100")
     monkeypatch.setenv("ATTNCOMP_TRITON_TUNE", "0")
     monkeypatch.setattr(TB, "_config_memo", {})
-    spec = AttentionSpec(causal=True, policy=Hash(n_buckets=4) if policy == "hash" else Drop())
+    monkeypatch.setattr(configs, "SORTED_KV_MIN_Q", 0)
+    name, copies = policy.split("+")[0], policy.endswith("+kv")
+    spec = AttentionSpec(causal=True, policy=Hash(n_buckets=4) if name == "hash" else Drop())
     q, k, v = (torch.randn(1, 2, 40, 128, dtype=torch.bfloat16) for _ in range(3))
     with monkeypatch.context() as m:  # the site as the interpreter builds it
         m.setenv("TRITON_INTERPRET", "1")
-        site = TB.Site(spec, q, k, v, None, 0.0, 0, None)
-    assert site.sorted_key == (policy, True) and site.tune_key()["layout"] == [policy, True]
+        site = TB.Site(spec, q, k, v, None, 0.0, 0, None, sorted_kv=copies)
+        plain = TB.Site(spec, q, k, v, None, 0.0, 0, None)
+    assert site.tag == policy and site.sorted_key == (name, True, copies)
+    assert site.tune_key()["layout"] == [name, True, copies]
     launched = []
     TB._run_tuned("fwd", site, launched.append, configs.fwd_candidates)
-    assert launched == [configs.GPU_DEFAULTS_SORTED["h100"][("fwd", 128, policy)]]
+    want = configs.GPU_DEFAULTS_SORTED["h100"][("fwd", 128, policy)]
+    assert launched == [want] and bool(want.get("TMA")) == copies
     cands = configs.fwd_candidates(128, 128, torch.bfloat16, 1, gpu="h100", layout=policy)
     assert configs.FWD_CONFIGS_SORTED[128][0] in cands
     assert configs.FWD_CONFIGS_SORTED[128][0] not in configs.fwd_candidates(128, 128, torch.bfloat16, 1, gpu="h100")
     with monkeypatch.context() as m:
         m.setenv("TRITON_INTERPRET", "1")
-        other = TB.Site(spec.replace(policy=Drop() if policy == "hash" else Hash(n_buckets=4)), q, k, v, None, 0.0, 0,
+        other = TB.Site(spec.replace(policy=Drop() if name == "hash" else Hash(n_buckets=4)), q, k, v, None, 0.0, 0,
                         None)
     assert other.meta(16, 16) == site.meta(16, 16) and other.signature() != site.signature()
+    assert (plain.signature() != site.signature()) == copies
 
 
 def test_interpreter_never_tunes(monkeypatch):

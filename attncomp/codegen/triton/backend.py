@@ -35,7 +35,8 @@ from . import configs
 from .common import LOG2E, MASK_BOOL, MASK_FLOAT, MASK_NONE
 from .common import cdiv as _cdiv, next_pow2 as _next_pow2, pow2_block as _pow2, seed_word as _seed_word
 from .common import window_bound as _clamp
-from .layout import GK_IDS, Layout, counting_layout, derive_layout, draw_words, layout_from_aux, window_ranges
+from .layout import (GK_IDS, KV_COPY_PAD, Layout, counting_layout, derive_layout, draw_words, layout_from_aux,
+                     window_ranges)
 from .schedule import tile_lists, tile_summaries
 from .template import (MODE_DKDV, MODE_DQ, MODE_FWD, POLICY_DENSE, POLICY_DFSS, POLICY_SORTED, POLICY_SPION,
                        POS_ARANGE, POS_NONE, POS_VECTOR, SCHED_LIST, SCHED_RANGE, SCHED_SPAN)
@@ -101,7 +102,10 @@ class Site:
     """Everything about one call that the kernels need, derived once from the spec and tensors."""
 
     def __init__(self, spec: AttentionSpec, q, k, v, attn_mask, dropout_p: float, seed: int, preds=None,
-                 q_aux=None, k_aux=None, block_pattern=None, layout: Optional[Layout] = None):
+                 q_aux=None, k_aux=None, block_pattern=None, layout: Optional[Layout] = None,
+                 sorted_kv: bool = False):
+        """``sorted_kv``: a forward's site, which may read a ``drop`` layout's sorted K/V copies
+        (:attr:`kv_sorted`); the backward's never does."""
         self.B, self.Hq, self.Nq, self.D = (int(s) for s in q.shape)
         self.Hk, self.Nk, self.Dv = int(k.shape[1]), int(k.shape[2]), int(v.shape[-1])
         self.groups = self.Hq // self.Hk
@@ -166,6 +170,11 @@ class Site:
             self.pattern, self.spion_bs = p, int(pol.block_size)
             self.pat_strides = (0 if p.shape[0] == 1 else p.stride(0), p.stride(1), p.stride(2))
         self.layout, self.sorted_key = None, ()
+        # a forward whose query tiles will span their ranges (no padding, segments or position vectors)
+        # of keys kept by a draw reads them from sorted copies, made by the draw's scatter launch
+        copies = (sorted_kv and isinstance(pol, Drop) and self.pos != POS_VECTOR and not self.seg
+                  and self.q_val is None and self.k_val is None and layout is None and q_aux is None
+                  and k_aux is None and configs.sorted_kv_enabled(self.Nq))
         if self.policy == POLICY_SORTED:
             # the window around default positions becomes part of each query's key range (computed
             # by the counting sort's scatter, or by window_ranges for other layouts)
@@ -173,7 +182,7 @@ class Site:
             if layout is None:
                 if q_aux is None and k_aux is None:
                     # derived on the device, fused with the sort: LSH buckets, or keep draws of the call's seed
-                    layout = _derived_for(spec, q, k, window, seed)
+                    layout = _derived_for(spec, q, k, window, seed, (k, v) if copies else None)
                 elif q_aux is None or k_aux is None:
                     raise half_given_aux(pol)
                 else:
@@ -183,9 +192,6 @@ class Site:
             if window is not None:
                 self.pos, self.win_left, self.win_right = POS_NONE, None, None
             self.layout = layout
-            # the policy and whether the ranges are cut to a window: hash's buckets and drop's kept prefix
-            # make different tiles fastest (configs.GPU_DEFAULTS_SORTED), so both key the choice
-            self.sorted_key = (pol.name, window is not None)
         # padding alone: tile lists (which skip padded tiles) only where the kernel is long enough to
         # hide the three launches that build them; below that the span tests validity per logit
         padding_lists = (self.q_val is not None or self.k_val is not None) and self.Nq * self.Nk >= PAD_LIST_MIN
@@ -195,24 +201,47 @@ class Site:
         # positions is cut into them) visit the span of their ranges, computed in the kernel: no lists
         self.sched_q = SCHED_RANGE if (self.policy == POLICY_SORTED and self.pos == POS_NONE and not self.seg
                                        and self.q_val is None and self.k_val is None) else self.sched
+        #: the forward's key/value tiles come in row order from the layout's sorted copies (``Layout.kv``)
+        self.kv_sorted = copies and self.sched_q == SCHED_RANGE and self.layout.kv is not None
+        if self.policy == POLICY_SORTED:
+            # the policy, whether the ranges are cut to a window, and whether K/V come from sorted copies:
+            # hash's buckets and drop's kept prefix make different tiles fastest (configs.GPU_DEFAULTS_SORTED)
+            self.sorted_key = (pol.name, self.layout.window is not None, self.kv_sorted)
         self._dummy = dummy
-        self._kv = (k, v)
+        self._kv = self.layout.kv if self.kv_sorted else (k, v)
         # a 2:4 selection can be fused with the forward's exponentials (config key NM_EXP)
         self.nm_exp_ok = self.policy == POLICY_DFSS and self.nm_m == 4 and self.nm_n == 2
 
     @functools.cached_property
     def tma_ok(self) -> bool:
-        """Whether key/value tiles can come through TMA descriptors: rows in order (no sorted layout,
-        no N:M key order), a Hopper GPU (or the interpreter), 16-byte aligned bases and strides.
-        Computed on first use: only a launch whose configuration asks for TMA pays for the checks."""
-        return (self.policy != POLICY_SORTED and self.nm_m <= 2 and _has_tma(self.device)
+        """Whether key/value tiles can come through TMA descriptors: rows in order (no sorted layout but
+        through its sorted copies, no N:M key order), a Hopper GPU (or the interpreter), 16-byte aligned
+        bases and strides. Computed on first use: only a launch whose configuration asks for TMA pays
+        for the checks."""
+        return ((self.policy != POLICY_SORTED or self.kv_sorted) and self.nm_m <= 2 and _has_tma(self.device)
                 and all(_tma_aligned(t) for t in self._kv))
 
+    @property
+    def tag(self) -> str:
+        """The sorted layout's name for the tuning defaults (``configs.GPU_DEFAULTS_SORTED``): the
+        policy, ``+kv`` where K/V come from sorted copies; ``""`` for other policies."""
+        if not self.sorted_key:
+            return ""
+        return self.sorted_key[0] + ("+kv" if self.kv_sorted else "")
+
     # -- kernel arguments ------------------------------------------------------------------------
+    def fwd_kv(self, k: torch.Tensor, v: torch.Tensor, block_n: int) -> tuple:
+        """``(K, V, KV_SORTED)`` of a forward launch with ``block_n``-key tiles: the sorted copies where
+        the site reads them (tiles no longer than the zeros after the kept keys), else ``k`` and ``v``."""
+        if self.kv_sorted and block_n <= KV_COPY_PAD:
+            return (*self._kv, True)
+        return k, v, False
+
     def kv_descriptors(self, cfg: dict, block_n: int) -> tuple:
         """``(Desc0, Desc1, TMA)`` of a forward or dQ launch: descriptors of ``block_n``-key blocks of K
-        and V when ``cfg`` asks for TMA and the site allows it, else placeholders the kernel never reads."""
-        if not (cfg.get("TMA") and self.tma_ok):
+        and V when ``cfg`` asks for TMA and the site allows it, else placeholders the kernel never reads.
+        (A forward's K and V: :meth:`fwd_kv`.)"""
+        if not (cfg.get("TMA") and self.tma_ok) or (self.kv_sorted and block_n > KV_COPY_PAD):
             return self._dummy, self._dummy, False
         k, v = self._kv
         return _descriptor(k, block_n, self.block_d), _descriptor(v, block_n, self.block_dv), True
@@ -476,7 +505,7 @@ def attention_forward(spec: AttentionSpec, q, k, v, attn_mask=None, dropout_p: f
 def _forward(spec, q, k, v, attn_mask, dropout_p, seed, preds, q_aux, k_aux, block_pattern, layout, config):
     """``(out, lse, site, launched)``: the forward through a :class:`Site`; ``launched`` lists the
     launches' ``(config, grid, tma)`` (``site`` None and nothing launched for empty sizes)."""
-    site = Site(spec, q, k, v, attn_mask, dropout_p, seed, preds, q_aux, k_aux, block_pattern, layout)
+    site = Site(spec, q, k, v, attn_mask, dropout_p, seed, preds, q_aux, k_aux, block_pattern, layout, sorted_kv=True)
     B, Hq, Nq, Nk = site.B, site.Hq, site.Nq, site.Nk
     out = _out_empty(q, site.Dv)
     lse = _empty((B, Hq, Nq), torch.float32, q.device)
@@ -490,11 +519,12 @@ def _forward(spec, q, k, v, attn_mask, dropout_p, seed, preds, q_aux, k_aux, blo
         bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
         lst, cnt = site.lists(bm, bn, True)
         kd, vd, tma = site.kv_descriptors(cfg, bn)
+        kk, vv, kv_sorted = site.fwd_kv(k, v, bn)
         grid = (_cdiv(Nq, bm), B * Hq)
         kw = dict(BLOCK_M=bm, BLOCK_N=bn, MODE=MODE_FWD, NATURAL=False, num_warps=cfg["num_warps"],
                   num_stages=cfg["num_stages"], TMA=tma, NM_EXP=bool(cfg.get("NM_EXP")) and site.nm_exp_ok,
-                  **site.meta(bm, bn))
-        _attention_kernel[grid](*_fwd_args(site, q, k, v, out, lse, kd, vd, lst, cnt, site.seed_word), **kw)
+                  KV_SORTED=kv_sorted, **site.meta(bm, bn))
+        _attention_kernel[grid](*_fwd_args(site, q, kk, vv, out, lse, kd, vd, lst, cnt, site.seed_word), **kw)
         launched.append((cfg, grid, tma))
 
     _run_tuned("fwd", site, launch, configs.fwd_candidates, config)
@@ -789,9 +819,10 @@ class _SortedPlan:
     and replayed for the calls of the same key:
 
     * a layout derived on the device (no policy tensors given): the counting sort (three launches;
-      ``drop``'s keep draws with the call's seed words), the tile summaries and lists where the site
-      has padding (else the forward's query tiles span their ranges), the forward; one workspace
-      allocation for the layout and lists. The layout stays in the workspace; the
+      ``drop``'s keep draws with the call's seed words, and its sorted K/V copies), the tile summaries
+      and lists where the site has padding (else the forward's query tiles span their ranges), the
+      forward; one workspace allocation for the layout and lists (the copies are allocated apart and
+      freed with the call). The layout stays in the workspace; the
       backward of the call finds it in the layout cache as views made on demand (:class:`_LazyLayout`);
     * policy tensors given (``drop``'s keep masks from :func:`draw_keep`): the layout comes from the
       cache (the draw's) for each call, and the forward (and any summaries and lists) read it."""
@@ -828,8 +859,11 @@ class _SortedPlan:
         seeds = {_attention_kernel: {"seed": "seed"}} if site.dropout else {}
         if isinstance(spec.policy, Drop) and layout is None:  # the draw's seed words: the call's
             seeds[_layout_mod._layout_hist] = {"q_seed": "q_seed", "k_seed": "k_seed"}
+        outputs = {"out": out, "lse": lse}
+        if site.kv_sorted:  # the sorted K/V copies: allocated per call (not kept with the layout in the workspace)
+            outputs["k_sorted"], outputs["v_sorted"] = site.layout.kv
         try:
-            replay = record.Replay(rec, inputs, {"out": out, "lse": lse}, seeds, {_attention_kernel: unread})
+            replay = record.Replay(rec, inputs, outputs, seeds, {_attention_kernel: unread})
         except ValueError:
             return None
         fields = None
@@ -969,7 +1003,7 @@ def _run_tuned(kind: str, site: Site, launch, candidates_fn, config: Optional[di
             if rec is not None:  # a choice measured now launches candidates a replay must not repeat
                 rec.spoil("the launch configuration was chosen during the call")
             cands = candidates_fn(site.D, site.Dv, site.dtype, site.nm_m, site.spion_bs, configs.gpu_tag(site.device),
-                                  site.win_right is not None, site.sorted_key[0] if site.sorted_key else "")
+                                  site.win_right is not None, site.tag)
             config = configs.choose(f"triton_attention_{kind}", site.tune_key(), cands,
                                     _bencher(launch) if site.device.type == "cuda" else None)
             # last resort: the smallest tiles that hold whole N:M groups, one pipeline stage
@@ -1084,22 +1118,24 @@ class _LazyLayout:
 
 
 def _derived_for(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, window=None,
-                 seed: Optional[int] = None) -> Layout:
+                 seed: Optional[int] = None, kv: Optional[tuple] = None) -> Layout:
     """:func:`.layout.derive_layout` of q and k (``drop``: keep draws of the call's ``seed``),
     remembered for the backward of the same call (which gets the same q, k and seed): keyed by the
     tensors' identity and version and the seed, held by weak reference (the cache keeps no q or k
     alive). A remembered layout of another window is cut by the caller. A call being recorded
-    (:mod:`.record`) derives it: its plan must hold the launches."""
+    (:mod:`.record`) derives it: its plan must hold the launches. ``kv``: ``drop``'s ``(k, v)``, whose
+    kept rows a derivation copies (``Layout.kv``; a remembered layout has none: the backward reads
+    none, and the cache keeps no copy alive; so a call that asks for copies derives afresh)."""
     try:
         key = _derived_key(spec.policy, q, k, seed)
     except RuntimeError:  # inference tensors: no cache
-        return derive_layout(spec, q, k, seed=seed, window=window)
+        return derive_layout(spec, q, k, seed=seed, window=window, kv=kv)
     hit = _LAYOUT_CACHE.get(key)
-    if hit is not None and hit[0]() is q and hit[1]() is k and record.active() is None:
+    if hit is not None and hit[0]() is q and hit[1]() is k and record.active() is None and kv is None:
         lay = hit[2]
         return lay.get() if type(lay) is _LazyLayout else lay
-    lay = derive_layout(spec, q, k, seed=seed, window=window)
-    _remember(key, (weakref.ref(q), weakref.ref(k), lay))
+    lay = derive_layout(spec, q, k, seed=seed, window=window, kv=kv)
+    _remember(key, (weakref.ref(q), weakref.ref(k), lay if lay.kv is None else lay._replace(kv=None)))
     return lay
 
 

@@ -144,10 +144,15 @@ GPU_DEFAULTS_NM: Dict[str, Dict[tuple, Config]] = {
 # D=64 (dense default 2.838), 128x128w8s3 2.955 ms at D=128 (64x64w4s3 3.353). hash at D=128 (the kernel alone,
 # ``sorted_kv.py --configs``, a later run): 64x32w4s3 1.125 ms against 64x64w4s3 1.230, a candidate of sorted
 # layouts only (FWD_CONFIGS_SORTED).
-FWD_CONFIGS_SORTED: Dict[int, List[Config]] = {128: [_cfg(64, 32, 4, 3)]}
+# ``drop+kv``: drop reading its kept keys from sorted copies (``backend.Site.kv_sorted``), whose rows in order
+# TMA can read: the kernel alone (``sorted_kv.py``, copies made apart) 2.486 ms at D=128 with 64x64w4s3
+# through TMA against 2.965 gathered with 128x128w8s3, 1.566 against 1.774 ms at D=64 (64x64w4s3 both).
+FWD_CONFIGS_SORTED: Dict[int, List[Config]] = {128: [_cfg(64, 32, 4, 3), dict(_cfg(64, 64, 4, 3), TMA=1)]}
 GPU_DEFAULTS_SORTED: Dict[str, Dict[tuple, Config]] = {
     "h100": {("fwd", 64, "hash"): _cfg(64, 64, 4, 3), ("fwd", 128, "hash"): _cfg(64, 32, 4, 3),
-             ("fwd", 64, "drop"): _cfg(64, 64, 4, 3), ("fwd", 128, "drop"): _cfg(128, 128, 8, 3)},
+             ("fwd", 64, "drop"): _cfg(64, 64, 4, 3), ("fwd", 128, "drop"): _cfg(128, 128, 8, 3),
+             ("fwd", 64, "drop+kv"): dict(_cfg(64, 64, 4, 3), TMA=1),
+             ("fwd", 128, "drop+kv"): dict(_cfg(64, 64, 4, 3), TMA=1)},
 }
 # The Gluon Hopper forward (:mod:`.hopper`) of dense sites on sm_90 GPUs, per (head dim, causal):
 # query tile, key tile, warps, key-ring and value-ring depth, and ``WS`` for the warp-specialised
@@ -206,6 +211,19 @@ def gluon_enabled() -> bool:
     """Whether dense and DFSS forwards on sm_90 may run the Gluon kernel (``ATTNCOMP_GLUON=0`` turns it
     off)."""
     return env.get("ATTNCOMP_GLUON", "1") != "0"
+
+
+#: queries from which a ``drop`` forward reads its kept keys from sorted copies (``Layout.kv``, written by
+#: the counting sort's scatter launch): each key tile is then read by many query tiles, which the copy's
+#: one extra read and write of the kept rows must pay for. A bound chosen, not measured: decode steps
+#: (one query tile) stay on the gather
+SORTED_KV_MIN_Q = 1024
+
+
+def sorted_kv_enabled(nq: int) -> bool:
+    """Whether a ``drop`` forward of ``nq`` queries reads sorted K/V copies (``ATTNCOMP_SORTED_KV=0`` turns
+    them off; ``benchmarks/sorted_breakdown.py`` compares both)."""
+    return nq >= SORTED_KV_MIN_Q and env.get("ATTNCOMP_SORTED_KV", "1") != "0"
 
 
 _GPU_TAGS: Dict[int, str] = {}
@@ -275,8 +293,8 @@ def fwd_candidates(d: int, dv: int, dtype: torch.dtype, nm_m: int, block: int = 
                    bounded: bool = False, layout: str = "") -> List[Config]:
     """Forward configurations for head dims ``d``/``dv``, N:M group size ``nm_m`` (1: none), SPION
     block size ``block`` (0: none), GPU (:func:`gpu_tag`), whether the keys have a right bound
-    (``bounded``: causal or a window) and the policy of a sorted layout (``layout``: ``"hash"`` or
-    ``"drop"``, else ``""``), the default first."""
+    (``bounded``: causal or a window) and the policy of a sorted layout (``layout``: ``"hash"``, ``"drop"``
+    or ``"drop+kv"`` (:attr:`.backend.Site.tag`), else ``""``), the default first."""
     if interpret_mode():
         return [interpret_config(nm_m)]
     pool = (FWD_CONFIGS_NM if nm_m > 1 else FWD_CONFIGS)[_tier(d, dv)]

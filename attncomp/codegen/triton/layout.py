@@ -6,8 +6,9 @@ sorted by a per-token group id, the hash bucket; for ``drop`` 0 for kept tokens,
 queries and 2 for dropped keys (so a dropped query shares a group with no key, and the stable sort
 is the compaction "kept tokens first, in order"). Sorted query ``m`` then keeps exactly the sorted
 keys ``lo[m] <= p < hi[m]`` of its group (before the other predicates, which the kernels apply on
-original positions). The kernel template reads the permutations to gather rows, so no sorted copy
-of q, k or v is made.
+original positions). The kernel template reads the permutations to gather rows; only a ``drop``
+forward asks for sorted copies of its kept keys' K and V rows (``Layout.kv``), written by the
+scatter launch, which its key tiles then read in row order (through TMA on Hopper).
 
 Two ways to build it, both without a device-to-host read:
 
@@ -49,6 +50,9 @@ _CHUNK = 32
 #: two warps 105 / 231 us at D=64 / 128 against 127 / 255 us on four, 177 / 430 us on eight; 4096 or 16384
 #: elements no faster
 LSH_ELEMS, LSH_MAX_CHUNKS, LSH_WARPS = 8192, 4, 2
+#: sorted K/V copies (``Layout.kv``): slots past the kept keys written as zeros, so that a key tile of up to
+#: this many keys that reaches past them reads finite rows (its logits there are masked, its P is 0)
+KV_COPY_PAD = 128
 
 
 class Layout(NamedTuple):
@@ -64,6 +68,10 @@ class Layout(NamedTuple):
     #: ``(off, left, right)`` when the ranges are cut to that position window (:func:`window_ranges`),
     #: ``None`` when they are whole groups
     window: Optional[Tuple[int, Optional[int], Optional[int]]] = None
+    #: ``(k_sorted, v_sorted)``, contiguous ``(B, Hk, Nk, D)``: the K and V rows of group 0's keys (``drop``'s
+    #: kept keys) at their sorted slots, then ``KV_COPY_PAD`` zero rows; other slots unwritten. ``None``
+    #: where not asked for (:func:`counting_layout`'s ``kv``)
+    kv: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
 
 
 @triton.jit
@@ -236,14 +244,30 @@ def _group_rank(KGrp, KStartPos, rk, g, t, valid, Nk, k_nch, end, CHUNK: tl.cons
 
 
 @triton.jit
+def _copy_rows(Src, sb, sh, sn, Dst, row, Hk, N, offs, pos, take, write, HEAD: tl.constexpr, BLOCK: tl.constexpr):
+    """Rows ``offs`` of row ``row = b * Hk + h`` of ``Src`` to slots ``pos`` of the contiguous ``Dst``:
+    copied where ``take``, zeros where ``write`` only."""
+    d = tl.arange(0, BLOCK)
+    dm = (d < HEAD)[None, :]
+    src = Src + (row // Hk) * sb + (row % Hk) * sh + offs[:, None].to(tl.int64) * sn + d[None, :]
+    x = tl.load(src, mask=take[:, None] & dm, other=0.0)
+    tl.store(Dst + (row * N + pos[:, None].to(tl.int64)) * HEAD + d[None, :], x, mask=write[:, None] & dm)
+
+
+@triton.jit
 def _scatter_side(Grp, StartPos, Perm, c, row, N, n_chunks, KStart, KCount, Lo, Hi, H, GROUPS,
                   KGrp, KStartPos, Nk, k_nch, win_off, win_left, win_right,
                   RANGES: tl.constexpr, WIN_L: tl.constexpr, WIN_R: tl.constexpr,
-                  CHUNK: tl.constexpr, R_P2: tl.constexpr):
+                  CHUNK: tl.constexpr, R_P2: tl.constexpr,
+                  K=None, V=None, KS=None, VS=None, skb=0, skh=0, skn=0, svb=0, svh=0, svn=0,
+                  COPY: tl.constexpr = False, HEAD_D: tl.constexpr = 16, BLOCK_D: tl.constexpr = 16,
+                  HEAD_DV: tl.constexpr = 16, BLOCK_DV: tl.constexpr = 16, PAD: tl.constexpr = 0):
     """Tokens of chunk ``c`` of one side's row to their sorted slots (stable: rank among the chunk's
     earlier tokens of the group); with ``RANGES`` (query side) also each sorted query's range of
     sorted keys of its group, cut to the keys ``i + win_off - win_left <= j <= i + win_off + win_right``
-    where ``WIN_L``/``WIN_R`` (the window of :func:`window_ranges`, from the keys' chunk starts)."""
+    where ``WIN_L``/``WIN_R`` (the window of :func:`window_ranges`, from the keys' chunk starts).
+    With ``COPY`` (key side; ``H`` is then the KV heads) group 0's K and V rows are also copied to
+    their slots of ``KS``/``VS``, and the ``PAD`` slots after group 0's written as zeros."""
     if c < n_chunks:
         ar = tl.arange(0, CHUNK)
         offs = c * CHUNK + ar
@@ -252,6 +276,11 @@ def _scatter_side(Grp, StartPos, Perm, c, row, N, n_chunks, KStart, KCount, Lo, 
         rank = tl.sum(((g[:, None] == g[None, :]) & (ar[None, :] < ar[:, None])).to(tl.int32), 1)
         pos = tl.load(StartPos + (row * n_chunks + c) * R_P2 + g, mask=valid, other=0) + rank
         tl.store(Perm + row * N + pos, offs, mask=valid)
+        if COPY:
+            take = valid & (g == 0)
+            write = take | (valid & (pos < tl.load(KCount + row * R_P2) + PAD))
+            _copy_rows(K, skb, skh, skn, KS, row, H, N, offs, pos, take, write, HEAD_D, BLOCK_D)
+            _copy_rows(V, svb, svh, svn, VS, row, H, N, offs, pos, take, write, HEAD_DV, BLOCK_DV)
         if RANGES:
             rk = (row // H) * (H // GROUPS) + (row % H) // GROUPS
             kst = tl.load(KStart + rk * R_P2 + g, mask=valid, other=0)
@@ -272,15 +301,19 @@ def _scatter_side(Grp, StartPos, Perm, c, row, N, n_chunks, KStart, KCount, Lo, 
 @fast_launch
 @triton.jit
 def _layout_scatter(QGrp, KGrp, QStartPos, KStartPos, QPerm, KPerm, Nq, Nk, q_nch, k_nch, KStart, KCount, Lo, Hi,
-                    Hq, GROUPS, win_off, win_left, win_right, k_rows,
-                    WIN_L: tl.constexpr, WIN_R: tl.constexpr, CHUNK: tl.constexpr, R_P2: tl.constexpr):
+                    Hq, GROUPS, win_off, win_left, win_right, k_rows, K, V, KS, VS, skb, skh, skn, svb, svh, svn,
+                    WIN_L: tl.constexpr, WIN_R: tl.constexpr, CHUNK: tl.constexpr, R_P2: tl.constexpr,
+                    COPY: tl.constexpr = False, HEAD_D: tl.constexpr = 16, BLOCK_D: tl.constexpr = 16,
+                    HEAD_DV: tl.constexpr = 16, BLOCK_DV: tl.constexpr = 16, PAD: tl.constexpr = 0):
     """:func:`_scatter_side` of both sides in one launch: programs ``(chunk, row)``, the key rows
-    first, then the query rows with their ranges."""
+    first (with ``COPY``: their K/V rows of group 0 to the sorted copies), then the query rows with
+    their ranges."""
     c = tl.program_id(0)
     r = tl.program_id(1).to(tl.int64)
     if r < k_rows:
-        _scatter_side(KGrp, KStartPos, KPerm, c, r, Nk, k_nch, KStart, KCount, Lo, Hi, 1, 1,
-                      KGrp, KStartPos, Nk, k_nch, 0, 0, 0, False, False, False, CHUNK, R_P2)
+        _scatter_side(KGrp, KStartPos, KPerm, c, r, Nk, k_nch, KStart, KCount, Lo, Hi, Hq // GROUPS, 1,
+                      KGrp, KStartPos, Nk, k_nch, 0, 0, 0, False, False, False, CHUNK, R_P2,
+                      K, V, KS, VS, skb, skh, skn, svb, svh, svn, COPY, HEAD_D, BLOCK_D, HEAD_DV, BLOCK_DV, PAD)
     else:
         _scatter_side(QGrp, QStartPos, QPerm, c, r - k_rows, Nq, q_nch, KStart, KCount, Lo, Hi, Hq, GROUPS,
                       KGrp, KStartPos, Nk, k_nch, win_off, win_left, win_right, True, WIN_L, WIN_R, CHUNK, R_P2)
@@ -301,13 +334,14 @@ def counting_layout(q_src: torch.Tensor, k_src: torch.Tensor, n_groups: int, *, 
                     rot: Optional[torch.Tensor] = None, q_rate: float = 0.0, k_rate: float = 0.0,
                     q_seed_word: int = 0, k_seed_word: int = 0,
                     window: Optional[Tuple[int, Optional[int], Optional[int]]] = None,
-                    keep: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> Layout:
+                    keep: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+                    kv: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> Layout:
     """The layout by counting sort; group ids computed on the device per ``kind`` (``GK_*``) from
     ``q_src``/``k_src`` (ids, keep masks, or the q/k tensors for LSH; ignored for draws).
     Ids must lie in ``[g_off, g_off + n_groups)``. With ``window`` the ranges are those of
     :func:`window_ranges` with it, computed in the same launch. ``keep``: bool ``(q_keep, k_keep)``
     of the sides' shapes, written with whether each token is in group 0 (kept, for ``drop``).
-    Three launches, each over both sides."""
+    ``kv``: the ``(k, v)`` of the keys, whose group-0 rows the scatter launch copies into ``Layout.kv``. Three launches, each over both sides."""
     (B, Hq, Nq), (_, Hk, Nk) = q_shape, k_shape
     dev = q_src.device
     i32 = torch.int32
@@ -347,11 +381,26 @@ def counting_layout(q_src: torch.Tensor, k_src: torch.Tensor, n_groups: int, *, 
     w_off, w_left, w_right = window if window is not None else (0, None, None)
     if w_left is None and w_right is None:
         window = None
+    copies, kx, vx, copy_kw = None, k_perm, k_perm, {}
+    if kv is not None:
+        kx, vx = (t if t.stride(-1) == 1 else t.contiguous() for t in kv)
+        d, dv = kx.shape[-1], vx.shape[-1]
+        copies = (torch.empty((B, Hk, Nk, d), dtype=kx.dtype, device=dev),
+                  torch.empty((B, Hk, Nk, dv), dtype=vx.dtype, device=dev))
+        copy_kw = dict(COPY=True, HEAD_D=d, BLOCK_D=next_pow2(max(d, 16)), HEAD_DV=dv, BLOCK_DV=next_pow2(max(dv, 16)),
+                       PAD=KV_COPY_PAD)
+    ks, vs = copies if copies is not None else (k_perm, k_perm)
     _layout_scatter[(max(q_nch, k_nch), k_rows + q_rows)](
         qg, kg, q_sp, k_sp, q_perm, k_perm, Nq, Nk, q_nch, k_nch, k_st, k_ct, lo, hi, Hq, Hq // Hk,
-        int(w_off), window_bound(w_left), window_bound(w_right), k_rows,
-        WIN_L=w_left is not None, WIN_R=w_right is not None, CHUNK=_CHUNK, R_P2=R_P2, num_warps=2)
-    return Layout(q_perm, k_perm, lo, hi, qg, kg, window)
+        int(w_off), window_bound(w_left), window_bound(w_right), k_rows, kx, vx, ks, vs,
+        *_bhn_strides(kx, kv is not None), *_bhn_strides(vx, kv is not None),
+        WIN_L=w_left is not None, WIN_R=w_right is not None, CHUNK=_CHUNK, R_P2=R_P2, num_warps=2, **copy_kw)
+    return Layout(q_perm, k_perm, lo, hi, qg, kg, window, copies)
+
+
+def _bhn_strides(t: torch.Tensor, on: bool) -> Tuple[int, int, int]:
+    """Batch, head and row strides of a ``(B, H, N, D)`` tensor (zeros where ``on`` is false)."""
+    return (t.stride(0), t.stride(1), t.stride(2)) if on else (0, 0, 0)
 
 
 def sorted_layout(q_groups: torch.Tensor, k_groups: torch.Tensor) -> Layout:
@@ -429,13 +478,14 @@ def draw_words(seed: int) -> Tuple[int, int]:
 
 
 def derive_layout(spec, q: torch.Tensor, k: torch.Tensor, seed: Optional[int] = None, window=None,
-                  keep: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> Layout:
+                  keep: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+                  kv: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> Layout:
     """The policy's per-token tensors derived on the device and sorted in the same kernels:
     LSH buckets (``hash``, as :func:`attncomp.policy.lsh_buckets`) or keep draws (``drop``, as
     :func:`attncomp.policy.keep_mask` with streams 0 and 1 of ``seed``, default the policy's).
     ``layout.q_groups``/``k_groups`` hold the buckets, or 0 (kept) / nonzero (dropped); the ranges
     are cut to ``window`` (:func:`window_ranges`); ``drop`` also writes its keep masks to ``keep``
-    (bool ``(q_keep, k_keep)``) where given."""
+    (bool ``(q_keep, k_keep)``) where given, and its kept keys' rows of ``kv = (k, v)`` to ``Layout.kv``."""
     pol = spec.policy
     B, Hq, Nq, D = q.shape
     Hk, Nk = k.shape[1], k.shape[2]
@@ -446,5 +496,5 @@ def derive_layout(spec, q: torch.Tensor, k: torch.Tensor, seed: Optional[int] = 
     if isinstance(pol, Drop):
         qw, kw = draw_words(pol.seed if seed is None else seed)
         return counting_layout(q, k, 3, kind=GK_DRAW, q_rate=pol.q_rate, k_rate=pol.k_rate, q_seed_word=qw,
-                               k_seed_word=kw, keep=keep, **shapes)
+                               k_seed_word=kw, keep=keep, kv=kv, **shapes)
     raise ValueError(f"policy {pol.name!r} has no sorted layout (hash and drop do)")

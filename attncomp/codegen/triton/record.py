@@ -17,7 +17,9 @@ Each argument of a recorded launch is replayed, by what it was:
 * a buffer allocated during the call -> its place in the workspace, or the call's own output;
 * a tensor registered with :func:`constant` (a cached rotation) -> the same tensor (the plan holds it);
 * a scalar -> the same value; the seed parameters named by the caller -> the call's seed word;
-* anything else (a tensor that existed before the call, a TMA descriptor) -> no plan.
+* a TMA descriptor (``TensorDescriptor``) of one of the above -> a descriptor of the same shape, strides,
+  block and padding at the replay's address of that tensor (encoded by the launcher per address);
+* anything else (a tensor that existed before the call) -> no plan.
 
 On a GPU, consecutive launches with no seed word among their arguments form a run that is launched
 as one CUDA graph per set of addresses once that set comes back (:class:`_Run`, :mod:`.cugraph`).
@@ -36,6 +38,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 __all__ = ["Recording", "record", "active", "constant", "Replay", "workspace_view"]
 
@@ -174,7 +177,7 @@ class Replay:
             names = [p.name for p in fl.fn.params]
             seed_at = {names.index(p): n for p, n in seeds.get(fl, {}).items()}
             null_at = {names.index(n) for n in nulls.get(fl, ())}
-            template, slots = list(args), []
+            template, slots, descs = list(args), [], []
             for i, a in enumerate(args):
                 if i in seed_at:
                     slots.append((i, seed_at[i], 0))
@@ -185,11 +188,16 @@ class Replay:
                     slots.append(self._slot(i, a, addresses, place))
                     template[i] = None
                 elif type(a).__name__ == "TensorDescriptor":
-                    raise ValueError("a launch reads a TMA descriptor")
+                    if not isinstance(a.base, torch.Tensor):
+                        raise ValueError("a launch reads a TMA descriptor of no tensor")
+                    _, name, off = self._slot(i, a.base, addresses, place)
+                    descs.append((i, name, off, (list(a.shape), list(a.strides), list(a.block_shape), a.padding)))
+                    template[i] = None
             kernel, tail = entry
             g = tuple(grid) + (1, 1)
             # what FastLaunch.launch_entry passes, with the arguments' tail (constexprs) appended
-            self.launches.append((launcher(kernel), g[0], g[1], g[2], template + list(tail), tuple(slots)))
+            self.launches.append((launcher(kernel), g[0], g[1], g[2], template + list(tail), tuple(slots),
+                                  tuple(descs)))
             seeded.append(bool(seed_at))
             kernels[id(fl)] = fl
         self.kernels = tuple(kernels.values())
@@ -254,12 +262,33 @@ class Replay:
 def _calls(launches, base: Dict[str, int]) -> List[tuple]:
     """``(go, g0, g1, g2, args)`` of each recorded launch, its slots filled from ``base``."""
     calls = []
-    for go, g0, g1, g2, template, slots in launches:
+    for go, g0, g1, g2, template, slots, descs in launches:
         args = template.copy()
         for i, name, off in slots:
             args[i] = base[name] + off
+        for i, name, off, layout in descs:
+            args[i] = _descriptor_at(base[name] + off, *layout)
         calls.append((go, g0, g1, g2, args))
     return calls
+
+
+class _Address:
+    """A device address where a descriptor's base tensor was: what Triton's launcher reads of it."""
+
+    __slots__ = ("p",)
+
+    def __init__(self, p: int):
+        self.p = p
+
+    def data_ptr(self) -> int:
+        return self.p
+
+
+def _descriptor_at(p: int, shape: list, strides: list, block: list, padding: str) -> TensorDescriptor:
+    """A TMA descriptor of the recorded layout at address ``p`` (no checks: the recorded one passed them)."""
+    d = object.__new__(TensorDescriptor)
+    d.base, d.shape, d.strides, d.block_shape, d.padding = _Address(p), shape, strides, block, padding
+    return d
 
 
 def _capturable(go) -> bool:
@@ -297,7 +326,7 @@ class _Run:
 
     def __init__(self, launches: list):
         self.launches = launches
-        self.names = tuple(sorted({name for ln in launches for _, name, _ in ln[5]} - {"const"}))
+        self.names = tuple(sorted({sl[1] for ln in launches for sl in ln[5] + ln[6]} - {"const"}))
         self.graphs: "OrderedDict[tuple, object]" = OrderedDict()
         self.seen: Dict[tuple, bool] = {}
         self.why: Optional[str] = None

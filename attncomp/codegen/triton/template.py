@@ -350,9 +350,9 @@ def _attention_kernel(
     no sorted layout, no N:M key order), Q and dO in the dK/dV mode (no sorted layout). With ``NM_EXP``
     (forward, 2:4 DFSS) the selection runs fused with the exponentials (:func:`.common._nm24_exp2`: only the
     two kept logits of a group are exponentiated) instead of in :func:`_entry`. With ``KV_SORTED`` (forward
-    and dQ of a sorted layout) ``K``/``V`` are copies in row order, read at the tile's own rows (and, with
-    ``TMA``, through descriptors of the copies) instead of gathered through the permutation: no backend
-    path makes such copies; ``benchmarks/sorted_kv.py`` times the kernel with them.
+    and dQ of a sorted layout) ``K``/``V`` are copies in sorted order, read at the tile's own rows (and,
+    with ``TMA``, through descriptors of the copies) instead of gathered through the permutation: a
+    ``drop`` forward's (``Layout.kv``: its kept keys, then zero rows for the tiles that reach past them).
 
     With ``DQ_ATOMIC`` the dK/dV mode also computes dQ: each tile's ``dS^T K * sm_scale`` is added with
     float32 atomics to the buffer at ``DQ`` (strides ``sdq*``, rows in original query order), so that
