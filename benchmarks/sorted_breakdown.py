@@ -5,12 +5,16 @@ histogram launch must read (q and k once) as a bandwidth.
 
     python benchmarks/sorted_breakdown.py [--policies hash,drop] [--dims 64,128] [--ns 16384]
                                           [--causal 1] [--config BMxBNwWsS] [--json PATH]
-                                          [--lsh ELEMSxCHUNKSwWARPS,...]
+                                          [--lsh ELEMSxCHUNKSwWARPS,...] [--sorted-kv 1,0]
+                                          [--heads B,HQ,HK] [--heads-inner]
 
 ``--lsh`` times the hash rows once per setting of the LSH histogram programs (``layout.LSH_ELEMS``,
-``LSH_MAX_CHUNKS``, ``LSH_WARPS``; e.g. ``8192x4w4``, the default), in the same run.
+``LSH_MAX_CHUNKS``, ``LSH_WARPS``; e.g. ``8192x4w4``, the default), in the same run. ``--sorted-kv 1,0``
+times the drop rows with and without the sorted K/V copies (``ATTNCOMP_SORTED_KV``), in turn.
 
-Shapes as ``attention.py``'s: B=4, H=16, bf16; hash with 16 buckets, drop with rates 0.5/0.5.
+Shapes as ``attention.py``'s: B=4, H=16, bf16; hash with 16 buckets, drop with rates 0.5/0.5. ``--heads 1,32,8``
+takes another batch and grouped KV heads, ``--heads-inner`` q, k and v as a model's projections give them
+(``(B, N, H, D)`` transposed).
 """
 
 from __future__ import annotations
@@ -69,6 +73,9 @@ def main(argv=None):
     ap.add_argument("--config", default="", help="forward tiles, e.g. 128x64w4s3 (default: the backend's)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--lsh", default="", help="LSH histogram settings ELEMSxCHUNKSwWARPS, comma-separated")
+    ap.add_argument("--sorted-kv", default="1", help="drop with (1) and/or without (0) sorted K/V copies")
+    ap.add_argument("--heads", default="4,16,16", help="batch, query heads, KV heads")
+    ap.add_argument("--heads-inner", action="store_true", help="q, k, v as (B, N, H, D) transposed")
     a = ap.parse_args(argv)
     from attncomp.codegen.triton import backend as TB
     from attncomp.codegen.triton import layout as L
@@ -76,17 +83,27 @@ def main(argv=None):
     default = f"{L.LSH_ELEMS}x{L.LSH_MAX_CHUNKS}w{L.LSH_WARPS}"
     settings = a.lsh.split(",") if a.lsh else [default]
 
-    B, H, dt = 4, 16, torch.bfloat16
+    B, H, Hk = map(int, a.heads.split(","))
+    dt = torch.bfloat16
     cfg = _config(a.config)
     rows = []
     for n in map(int, a.ns.split(",")):
         for d in map(int, a.dims.split(",")):
             q, k, v, _ = make_inputs(B, H, n, d, dt, "cuda")
+            k, v = k[:, :Hk], v[:, :Hk]
+            if a.heads_inner:
+                q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+            else:
+                k, v = k.contiguous(), v.contiguous()
             for causal in (c == "1" for c in a.causal.split(",")):
-                sdpa = bench_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal),
-                                False)
-                for pol, lsh in [(p, s) for p in a.policies.split(",") for s in (settings if p == "hash" else [""])]:
+                sdpa = bench_ms(lambda: torch.nn.functional.scaled_dot_product_attention(
+                    q, k, v, is_causal=causal, enable_gqa=Hk != H), False)
+                variants = {"hash": [(s, "") for s in settings], "drop": [("", c) for c in a.sorted_kv.split(",")]}
+                for pol, lsh, kv in [(p, *s) for p in a.policies.split(",") for s in variants[p]]:
                     spec = make_spec(pol, causal, dt)
+                    if kv:
+                        os.environ["ATTNCOMP_SORTED_KV"] = kv
+                        TB._PLANS.clear()  # (a plan replays the launches it recorded, copies or not)
                     if lsh:
                         e, rest = lsh.split("x")
                         ch, w = rest.split("w")
@@ -101,17 +118,18 @@ def main(argv=None):
                     whole = bench_ms(call, False)
                     parts = kernel_us(call)
                     hist_gb = 2 * q.numel() * q.element_size() / 1e9 if pol == "hash" else 0.0
-                    row = dict(policy=pol, N=n, D=d, causal=causal, whole_ms=whole, sdpa_ms=sdpa,
+                    row = dict(policy=pol, B=B, H=H, Hk=Hk, heads_inner=a.heads_inner, N=n, D=d, causal=causal, whole_ms=whole, sdpa_ms=sdpa,
                                x_sdpa=sdpa / whole, kernels_us=parts, config=TB.last_configs.get("fwd"),
                                hist_tb_s=hist_gb / (parts.get("_layout_hist", 0) * 1e-6) / 1e3 if hist_gb else None,
-                               lsh=lsh or None)
+                               lsh=lsh or None, sorted_kv=kv == "1" if kv else None)
                     rows.append(row)
-                    print(f"{pol} N={n} D={d} causal={causal} {lsh}: {whole:.3f} ms ({row['x_sdpa']:.2f}x SDPA "
+                    print(f"{pol} N={n} D={d} causal={causal} {lsh}{'kv=' + kv if kv else ''}: {whole:.3f} ms ({row['x_sdpa']:.2f}x SDPA "
                           f"{sdpa:.3f} ms); config {row['config']}", flush=True)
-    print("\npolicy     N    D  causal  whole ms  x SDPA  " + "  ".join(f"{k[1:]:>15}" for k in KERNELS))
+    print("\npolicy     N    D  causal  kv  whole ms  x SDPA  " + "  ".join(f"{k[1:]:>15}" for k in KERNELS))
     for r in rows:
         ku = r["kernels_us"]
-        print(f"{r['policy']:6} {r['N']:5} {r['D']:4}  {str(r['causal']):6} {r['whole_ms']:8.3f}  {r['x_sdpa']:6.2f}  "
+        kv = {None: "-", True: "on", False: "off"}[r["sorted_kv"]]
+        print(f"{r['policy']:6} {r['N']:5} {r['D']:4}  {str(r['causal']):6} {kv:3} {r['whole_ms']:8.3f}  {r['x_sdpa']:6.2f}  "
               + "  ".join(f"{ku.get(k, 0.0):13.1f}us" for k in KERNELS)
               + (f"  hist {r['hist_tb_s']:.2f} TB/s ({r['lsh']})" if r["hist_tb_s"] else ""))
     if a.json:
