@@ -118,18 +118,20 @@ def main(argv=None):
                     whole = bench_ms(call, False)
                     parts = kernel_us(call)
                     hist_gb = 2 * q.numel() * q.element_size() / 1e9 if pol == "hash" else 0.0
-                    row = dict(policy=pol, B=B, H=H, Hk=Hk, heads_inner=a.heads_inner, N=n, D=d, causal=causal, whole_ms=whole, sdpa_ms=sdpa,
-                               x_sdpa=sdpa / whole, kernels_us=parts, config=TB.last_configs.get("fwd"),
+                    row = dict(policy=pol, B=B, H=H, Hk=Hk, heads_inner=a.heads_inner, N=n, D=d, causal=causal,
+                               whole_ms=whole, sdpa_ms=sdpa, x_sdpa=sdpa / whole, kernels_us=parts,
+                               config=TB.last_configs.get("fwd"),
                                hist_tb_s=hist_gb / (parts.get("_layout_hist", 0) * 1e-6) / 1e3 if hist_gb else None,
                                lsh=lsh or None, sorted_kv=kv == "1" if kv else None)
                     rows.append(row)
-                    print(f"{pol} N={n} D={d} causal={causal} {lsh}{'kv=' + kv if kv else ''}: {whole:.3f} ms ({row['x_sdpa']:.2f}x SDPA "
-                          f"{sdpa:.3f} ms); config {row['config']}", flush=True)
+                    print(f"{pol} N={n} D={d} causal={causal} {lsh}{'kv=' + kv if kv else ''}: {whole:.3f} ms "
+                          f"({row['x_sdpa']:.2f}x SDPA {sdpa:.3f} ms); config {row['config']}", flush=True)
     print("\npolicy     N    D  causal  kv  whole ms  x SDPA  " + "  ".join(f"{k[1:]:>15}" for k in KERNELS))
     for r in rows:
         ku = r["kernels_us"]
         kv = {None: "-", True: "on", False: "off"}[r["sorted_kv"]]
-        print(f"{r['policy']:6} {r['N']:5} {r['D']:4}  {str(r['causal']):6} {kv:3} {r['whole_ms']:8.3f}  {r['x_sdpa']:6.2f}  "
+        print(f"{r['policy']:6} {r['N']:5} {r['D']:4}  {str(r['causal']):6} {kv:3} {r['whole_ms']:8.3f}  "
+              f"{r['x_sdpa']:6.2f}  "
               + "  ".join(f"{ku.get(k, 0.0):13.1f}us" for k in KERNELS)
               + (f"  hist {r['hist_tb_s']:.2f} TB/s ({r['lsh']})" if r["hist_tb_s"] else ""))
     if a.json:

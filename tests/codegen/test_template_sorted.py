@@ -391,7 +391,7 @@ def test_drop_forward_reads_its_kept_keys_from_sorted_copies(case, tma, monkeypa
                                    msg=lambda m: f"{name}\n{m}")
 
 
-def test_sorted_copies_only_where_they_pay_and_apply(monkeypatch):
+def test_sorted_copies_only_for_forwards_with_range_spans_and_enough_queries(monkeypatch):
     """Copies are made for a forward's ``drop`` site with range spans and at least
     ``configs.SORTED_KV_MIN_Q`` queries; not for padding (tile lists), hash, given keep masks, the
     backward's site, ``ATTNCOMP_SORTED_KV=0``, or fewer queries (a decode step)."""

@@ -170,10 +170,13 @@ class Site:
             self.pattern, self.spion_bs = p, int(pol.block_size)
             self.pat_strides = (0 if p.shape[0] == 1 else p.stride(0), p.stride(1), p.stride(2))
         self.layout, self.sorted_key = None, ()
-        # a forward whose query tiles will span their ranges (no padding, segments or position vectors)
-        # of keys kept by a draw reads them from sorted copies, made by the draw's scatter launch
-        copies = (sorted_kv and isinstance(pol, Drop) and self.pos != POS_VECTOR and not self.seg
-                  and self.q_val is None and self.k_val is None and layout is None and q_aux is None
+        # query tiles of a sorted layout with its ranges as the only predicate (a window around default
+        # positions is cut into them below) visit the span of their ranges, computed in the kernel: no lists
+        spans = (self.policy == POLICY_SORTED and self.pos != POS_VECTOR and not self.seg and self.q_val is None
+                 and self.k_val is None)
+        # a forward of such tiles over keys kept by a draw reads them from sorted copies, made by the
+        # draw's scatter launch
+        copies = (spans and sorted_kv and isinstance(pol, Drop) and layout is None and q_aux is None
                   and k_aux is None and configs.sorted_kv_enabled(self.Nq))
         if self.policy == POLICY_SORTED:
             # the window around default positions becomes part of each query's key range (computed
@@ -197,12 +200,9 @@ class Site:
         padding_lists = (self.q_val is not None or self.k_val is not None) and self.Nq * self.Nk >= PAD_LIST_MIN
         self.sched = SCHED_LIST if (self.pos == POS_VECTOR or self.seg or padding_lists
                                     or self.policy in (POLICY_SORTED, POLICY_SPION)) else SCHED_SPAN
-        # query tiles of a sorted layout with its ranges as the only predicate (a window around default
-        # positions is cut into them) visit the span of their ranges, computed in the kernel: no lists
-        self.sched_q = SCHED_RANGE if (self.policy == POLICY_SORTED and self.pos == POS_NONE and not self.seg
-                                       and self.q_val is None and self.k_val is None) else self.sched
+        self.sched_q = SCHED_RANGE if spans else self.sched
         #: the forward's key/value tiles come in row order from the layout's sorted copies (``Layout.kv``)
-        self.kv_sorted = copies and self.sched_q == SCHED_RANGE and self.layout.kv is not None
+        self.kv_sorted = copies and self.layout.kv is not None
         if self.policy == POLICY_SORTED:
             # the policy, whether the ranges are cut to a window, and whether K/V come from sorted copies:
             # hash's buckets and drop's kept prefix make different tiles fastest (configs.GPU_DEFAULTS_SORTED)
@@ -230,10 +230,15 @@ class Site:
         return self.sorted_key[0] + ("+kv" if self.kv_sorted else "")
 
     # -- kernel arguments ------------------------------------------------------------------------
+    def _reads_copies(self, block_n: int) -> bool:
+        """Whether launches with ``block_n``-key tiles read the sorted copies (tiles no longer than the
+        zeros after the kept keys)."""
+        return self.kv_sorted and block_n <= KV_COPY_PAD
+
     def fwd_kv(self, k: torch.Tensor, v: torch.Tensor, block_n: int) -> tuple:
         """``(K, V, KV_SORTED)`` of a forward launch with ``block_n``-key tiles: the sorted copies where
-        the site reads them (tiles no longer than the zeros after the kept keys), else ``k`` and ``v``."""
-        if self.kv_sorted and block_n <= KV_COPY_PAD:
+        the site reads them, else ``k`` and ``v``."""
+        if self._reads_copies(block_n):
             return (*self._kv, True)
         return k, v, False
 
@@ -241,7 +246,7 @@ class Site:
         """``(Desc0, Desc1, TMA)`` of a forward or dQ launch: descriptors of ``block_n``-key blocks of K
         and V when ``cfg`` asks for TMA and the site allows it, else placeholders the kernel never reads.
         (A forward's K and V: :meth:`fwd_kv`.)"""
-        if not (cfg.get("TMA") and self.tma_ok) or (self.kv_sorted and block_n > KV_COPY_PAD):
+        if not (cfg.get("TMA") and self.tma_ok) or (self.kv_sorted and not self._reads_copies(block_n)):
             return self._dummy, self._dummy, False
         k, v = self._kv
         return _descriptor(k, block_n, self.block_d), _descriptor(v, block_n, self.block_dv), True
@@ -405,9 +410,7 @@ def _descriptor(t: torch.Tensor, rows: int, cols: int) -> TensorDescriptor:
     if (rows, cols) not in _CHECKED_BLOCKS:
         TensorDescriptor(t, list(t.shape), list(t.stride()), block)  # raises on a block shape TMA cannot take
         _CHECKED_BLOCKS.add((rows, cols))
-    d = object.__new__(TensorDescriptor)
-    d.base, d.shape, d.strides, d.block_shape, d.padding = t, list(t.shape), list(t.stride()), block, "zero"
-    return d
+    return record.descriptor(t, list(t.shape), list(t.stride()), block)
 
 
 def _tma_aligned(t: torch.Tensor) -> bool:

@@ -8,7 +8,7 @@ is the compaction "kept tokens first, in order"). Sorted query ``m`` then keeps 
 keys ``lo[m] <= p < hi[m]`` of its group (before the other predicates, which the kernels apply on
 original positions). The kernel template reads the permutations to gather rows; only a ``drop``
 forward asks for sorted copies of its kept keys' K and V rows (``Layout.kv``), written by the
-scatter launch, which its key tiles then read in row order (through TMA on Hopper).
+scatter launch, which its key tiles then read in row order (through TMA where the tiles ask for it).
 
 Two ways to build it, both without a device-to-host read:
 
@@ -341,7 +341,8 @@ def counting_layout(q_src: torch.Tensor, k_src: torch.Tensor, n_groups: int, *, 
     Ids must lie in ``[g_off, g_off + n_groups)``. With ``window`` the ranges are those of
     :func:`window_ranges` with it, computed in the same launch. ``keep``: bool ``(q_keep, k_keep)``
     of the sides' shapes, written with whether each token is in group 0 (kept, for ``drop``).
-    ``kv``: the ``(k, v)`` of the keys, whose group-0 rows the scatter launch copies into ``Layout.kv``. Three launches, each over both sides."""
+    ``kv``: the ``(k, v)`` of the keys, whose group-0 rows the scatter launch copies into ``Layout.kv``.
+    Three launches, each over both sides."""
     (B, Hq, Nq), (_, Hk, Nk) = q_shape, k_shape
     dev = q_src.device
     i32 = torch.int32
@@ -381,7 +382,7 @@ def counting_layout(q_src: torch.Tensor, k_src: torch.Tensor, n_groups: int, *, 
     w_off, w_left, w_right = window if window is not None else (0, None, None)
     if w_left is None and w_right is None:
         window = None
-    copies, kx, vx, copy_kw = None, k_perm, k_perm, {}
+    copies, kx, vx, copy_kw, kv_strides = None, k_perm, k_perm, {}, (0,) * 6
     if kv is not None:
         kx, vx = (t if t.stride(-1) == 1 else t.contiguous() for t in kv)
         d, dv = kx.shape[-1], vx.shape[-1]
@@ -389,18 +390,13 @@ def counting_layout(q_src: torch.Tensor, k_src: torch.Tensor, n_groups: int, *, 
                   torch.empty((B, Hk, Nk, dv), dtype=vx.dtype, device=dev))
         copy_kw = dict(COPY=True, HEAD_D=d, BLOCK_D=next_pow2(max(d, 16)), HEAD_DV=dv, BLOCK_DV=next_pow2(max(dv, 16)),
                        PAD=KV_COPY_PAD)
+        kv_strides = (*kx.stride()[:3], *vx.stride()[:3])
     ks, vs = copies if copies is not None else (k_perm, k_perm)
     _layout_scatter[(max(q_nch, k_nch), k_rows + q_rows)](
         qg, kg, q_sp, k_sp, q_perm, k_perm, Nq, Nk, q_nch, k_nch, k_st, k_ct, lo, hi, Hq, Hq // Hk,
-        int(w_off), window_bound(w_left), window_bound(w_right), k_rows, kx, vx, ks, vs,
-        *_bhn_strides(kx, kv is not None), *_bhn_strides(vx, kv is not None),
+        int(w_off), window_bound(w_left), window_bound(w_right), k_rows, kx, vx, ks, vs, *kv_strides,
         WIN_L=w_left is not None, WIN_R=w_right is not None, CHUNK=_CHUNK, R_P2=R_P2, num_warps=2, **copy_kw)
     return Layout(q_perm, k_perm, lo, hi, qg, kg, window, copies)
-
-
-def _bhn_strides(t: torch.Tensor, on: bool) -> Tuple[int, int, int]:
-    """Batch, head and row strides of a ``(B, H, N, D)`` tensor (zeros where ``on`` is false)."""
-    return (t.stride(0), t.stride(1), t.stride(2)) if on else (0, 0, 0)
 
 
 def sorted_layout(q_groups: torch.Tensor, k_groups: torch.Tensor) -> Layout:

@@ -40,7 +40,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-__all__ = ["Recording", "record", "active", "constant", "Replay", "workspace_view"]
+__all__ = ["Recording", "record", "active", "constant", "descriptor", "Replay", "workspace_view"]
 
 _TLS = threading.local()
 _CONSTANTS: Dict[int, weakref.ref] = {}
@@ -187,7 +187,7 @@ class Replay:
                 elif isinstance(a, torch.Tensor):
                     slots.append(self._slot(i, a, addresses, place))
                     template[i] = None
-                elif type(a).__name__ == "TensorDescriptor":
+                elif isinstance(a, TensorDescriptor):
                     if not isinstance(a.base, torch.Tensor):
                         raise ValueError("a launch reads a TMA descriptor of no tensor")
                     _, name, off = self._slot(i, a.base, addresses, place)
@@ -284,11 +284,17 @@ class _Address:
         return self.p
 
 
-def _descriptor_at(p: int, shape: list, strides: list, block: list, padding: str) -> TensorDescriptor:
-    """A TMA descriptor of the recorded layout at address ``p`` (no checks: the recorded one passed them)."""
+def descriptor(base, shape: list, strides: list, block: list, padding: str = "zero") -> TensorDescriptor:
+    """A TMA descriptor built without the constructor's checks (which cost more host time than a launch):
+    the caller has checked what they assert. ``base``: a tensor, or an :class:`_Address`."""
     d = object.__new__(TensorDescriptor)
-    d.base, d.shape, d.strides, d.block_shape, d.padding = _Address(p), shape, strides, block, padding
+    d.base, d.shape, d.strides, d.block_shape, d.padding = base, shape, strides, block, padding
     return d
+
+
+def _descriptor_at(p: int, shape: list, strides: list, block: list, padding: str) -> TensorDescriptor:
+    """A TMA descriptor of the recorded layout at address ``p`` (the recorded one passed the checks)."""
+    return descriptor(_Address(p), shape, strides, block, padding)
 
 
 def _capturable(go) -> bool:
