@@ -316,10 +316,9 @@ def config_name(c: dict) -> str:
     ``+dq...``: the dQ launch's tiles, warps and stages; ``+atomic``/``+tmadq``: dQ added in the dK/dV
     launch by element atomics / TMA bulk reductions; ``gluon 64x128w4s2v1``: the Gluon Hopper forward's
     tiles, warps, key-ring and value-ring depths; `` ws``/`` wsnp``: its warp-specialised kernel with or
-    without turns, `` persistent`` one program per SM)."""
+    without turns)."""
     if c.get("KERNEL") == "gluon":
-        ws = ((" ws" if c.get("PINGPONG", True) else " wsnp") + (" persistent" if c.get("PERSISTENT") else "")
-              if c.get("WS") else "")
+        ws = (" ws" if c.get("PINGPONG", True) else " wsnp") if c.get("WS") else ""
         rings = f"s{c['STAGES']}v{c.get('V_STAGES', c['STAGES'])}"
         return f"gluon {c['BLOCK_M']}x{c['BLOCK_N']}w{c['num_warps']}{rings}{ws}"
     return (f"{c['BLOCK_M']}x{c['BLOCK_N']}w{c['num_warps']}s{c['num_stages']}{'T' if c.get('NATURAL') == 0 else ''}"

@@ -12,7 +12,7 @@ a dense call runs by default, the Gluon kernel under its default configuration f
     python benchmarks/gluon_fwd.py                        # D 64/128, causal and not, N=16384
     python benchmarks/gluon_fwd.py --ns 4096,16384 --dims 128
     python benchmarks/gluon_fwd.py --policies dfss --variants-at 0
-    python benchmarks/gluon_fwd.py --dims 128 --ns 4096 --variants-at 4096 --match persistent --rounds 3
+    python benchmarks/gluon_fwd.py --dims 128 --ns 4096 --variants-at 4096 --match 128x128w4s2v2 --rounds 3
 """
 
 from __future__ import annotations
@@ -31,17 +31,14 @@ from attention import attncomp_fn, bench_ms, config_name, flops, make_inputs, sd
 from hopper import gemm_tflops  # noqa: E402
 
 # (BLOCK_M, BLOCK_N, warps, key ring, value ring[, kind]); kind "ws": the warp-specialised kernel (two
-# or three consumer warp groups of 64 queries, taking turns when two, and a producer warp), "wsnp": without turns;
-# "+p": persistent (one program per SM, taking query tiles in rounds)
+# or three consumer warp groups of 64 queries, taking turns when two, and a producer warp), "wsnp": without turns
 VARIANTS = {64: [(64, 128, 4, 2, 2), (64, 128, 4, 2, 1), (64, 64, 4, 2, 2), (128, 64, 8, 2, 2), (128, 128, 8, 2, 2),
                  (128, 128, 4, 2, 2, "ws"), (128, 128, 4, 3, 3, "ws"), (128, 128, 4, 2, 2, "wsnp"),
                  (128, 128, 4, 3, 3, "wsnp"), (128, 256, 4, 2, 2, "wsnp"), (192, 128, 4, 2, 2, "wsnp"),
-                 (192, 128, 4, 3, 3, "wsnp"), (192, 128, 4, 2, 2, "wsnp+p"), (128, 128, 4, 2, 2, "wsnp+p"),
-                 (128, 128, 4, 3, 3, "wsnp+p")],
+                 (192, 128, 4, 3, 3, "wsnp")],
             128: [(128, 128, 8, 2, 2), (128, 128, 8, 2, 1), (64, 128, 4, 2, 1), (64, 64, 4, 2, 2), (64, 64, 4, 3, 3),
                   (64, 128, 4, 2, 2), (128, 128, 4, 2, 2, "ws"), (128, 128, 4, 2, 2, "wsnp"), (128, 64, 4, 3, 3, "ws"),
-                  (128, 128, 4, 3, 2, "ws"), (128, 128, 4, 3, 2, "wsnp"), (128, 128, 4, 2, 1, "wsnp"),
-                  (128, 128, 4, 2, 2, "wsnp+p"), (128, 128, 4, 2, 2, "ws+p")]}
+                  (128, 128, 4, 3, 2, "ws"), (128, 128, 4, 3, 2, "wsnp"), (128, 128, 4, 2, 1, "wsnp")]}
 CASES = [(2, 4, 2, 1000, 64, False, "bfloat16"), (1, 4, 4, 1000, 128, True, "float16"),
          (1, 2, 1, 130, 64, True, "bfloat16"), (1, 2, 2, 77, 128, False, "bfloat16"),
          (2, 2, 2, 4096, 128, True, "bfloat16"), (1, 8, 2, 2048, 64, True, "float16")]
@@ -51,9 +48,7 @@ def _cfg(v):
     bm, bn, w, s, vs = v[:5]
     cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, STAGES=s, V_STAGES=vs)
     if len(v) > 5:
-        cfg.update(WS=True, PINGPONG=v[5].startswith("ws") and not v[5].startswith("wsnp"))
-        if v[5].endswith("+p"):
-            cfg["PERSISTENT"] = True
+        cfg.update(WS=True, PINGPONG=v[5] == "ws")
     return cfg
 
 
@@ -82,8 +77,6 @@ def check(variants, args) -> list:
         spec = AttentionSpec(causal=causal, policy=DFSS(2, 4) if nm24 else Dense())
         ro, rl = R.attention(q.float(), k.float(), v.float(), None, spec=spec)
         for var in variants[D]:
-            # (persistent: 7 programs, so that each takes several query tiles of these small cases)
-            hopper.PERSISTENT_PROGRAMS = 7 if _cfg(var).get("PERSISTENT") else None
             o = torch.empty_strided((B, Hq, N, D), output_strides(B, Hq, N, D), device="cuda", dtype=dtype)
             o.fill_(float("nan"))
             lse = torch.full((B, Hq, N), float("nan"), device="cuda")
@@ -103,7 +96,6 @@ def check(variants, args) -> list:
             print(f"check {policy} {B}x{Hq}/{Hk}x{N}x{D} causal={causal} {dt} {_name(var)}: out {err_o:.2e} "
                   f"lse {err_l:.2e}"
                   f"{'' if same else ' (repeats differ)'} {'ok' if ok else 'FAIL'}", flush=True)
-    hopper.PERSISTENT_PROGRAMS = None
     return out
 
 
@@ -134,10 +126,11 @@ def run(args) -> list:
         variants = VARIANTS[D] if N in args.variants_at else []
         cfgs = ([dict(default, KERNEL="gluon")] if default else []) + [
             dict(_cfg(x), KERNEL="gluon") for x in variants if _cfg(x) != default]
-        runs = {}  # name -> its timings, one per round (cuDNN's too)
+        runs = {}  # name -> its timings, one per round (with rounds, cuDNN's too)
         for _ in range(args.rounds):  # (in turn: a drift of the GPU's clocks reaches every configuration alike)
-            runs.setdefault("cudnn (dense), in turn", []).append(
-                bench_ms(sdpa_fn(causal, q, k, v, None, "fwd", "cudnn"), False))
+            if args.rounds > 1:
+                runs.setdefault("cudnn (dense), in turn", []).append(
+                    bench_ms(sdpa_fn(causal, q, k, v, None, "fwd", "cudnn"), False))
             for cfg in cfgs:
                 name = config_name(cfg) + (" (default)" if default and cfg is cfgs[0] else "")
                 try:  # through the backend's host path, as a model's call runs it
@@ -148,10 +141,9 @@ def run(args) -> list:
                 runs.setdefault(name, []).append(ms)
         if args.rounds > 1:  # the ratios against cuDNN's median over the rounds
             base = statistics.median(runs["cudnn (dense), in turn"])
-        timed += [(name, statistics.median(ms)) for name, ms in runs.items() if args.rounds > 1 or "cudnn" not in name]
-        for name, ms in runs.items():
-            if args.rounds > 1:
+            for name, ms in runs.items():
                 print(f"{policy} D={D} N={N} causal={int(causal)} {name}: rounds " + " ".join(f"{x:.3f}" for x in ms))
+        timed += [(name, statistics.median(ms)) for name, ms in runs.items()]
         # the default again, after the others: how far the GPU drifted within the row
         timed.append(("attncomp default, again", bench_ms(attncomp_fn(policy, causal, q, k, v, None, "fwd"),
                                                           False)))

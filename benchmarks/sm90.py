@@ -148,7 +148,6 @@ def compile_config(policy: str, causal: bool, D: int, passes: str, cfg: Dict, N:
         if cfg.get("KERNEL") == "gluon":  # the Gluon Hopper forward (dense, DFSS 2:4), as the backend calls it
             from attncomp.codegen.triton import hopper
 
-            hopper.PERSISTENT_PROGRAMS = hopper.PERSISTENT_PROGRAMS or 132  # (no device to ask: the H100's SMs)
             hopper.forward(q, k, v, D ** -0.5, causal, 0, torch.empty_like(q), torch.empty(1, 2, N), cfg,
                            policy == "dfss")
         elif passes == "fwd":

@@ -54,16 +54,11 @@ def _configs(D, dfss=False):
             dict(BLOCK_M=192, BLOCK_N=128, num_warps=4, STAGES=2, V_STAGES=2, WS=True, PINGPONG=False)]
     if D == 128:  # (three consumers spill at D=128)
         more.pop()
-    # persistent: each program takes query tiles in rounds (two consumers with and without turns; three)
-    more += [dict(c, PERSISTENT=True) for c in more if c.get("WS")]
-    more.append(dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, STAGES=2, V_STAGES=2, WS=True, PINGPONG=False,
-                     PERSISTENT=True))
     return [dict(c, KERNEL="gluon") for c in own + [c for c in more if c not in own]]
 
 
 def _name(c):
-    ws = ((" ws" if c.get("PINGPONG", True) else " wsnp") + (" persistent" if c.get("PERSISTENT") else "")
-          if c.get("WS") else "")
+    ws = (" ws" if c.get("PINGPONG", True) else " wsnp") if c.get("WS") else ""
     return "%dx%dw%ds%dv%d" % (c["BLOCK_M"], c["BLOCK_N"], c["num_warps"], c["STAGES"], c["V_STAGES"]) + ws
 
 
@@ -98,22 +93,12 @@ def test_gluon_forward_against_reference(TB, case):
 def _check_against_reference(TB, spec, q, k, v, go, preds):
     D, dtype = q.shape[-1], q.dtype
     ro, rl = R.attention(q.double(), k.double(), v.double(), None, spec=spec, preds=preds)
-    from attncomp.codegen.triton import hopper
-
-    # persistent configurations with one program per SM, and with 3 (each takes many query tiles)
-    runs = [(cfg, n) for cfg in _configs(D, spec.policy.name == "dfss")
-            for n in ((None, 3) if cfg.get("PERSISTENT") else (None,))]
-    for cfg, programs in runs:
-        hopper.PERSISTENT_PROGRAMS = programs
-        try:
-            out, lse = TB.attention_forward(spec, q, k, v, preds=preds, config=cfg)
-        finally:
-            hopper.PERSISTENT_PROGRAMS = None
+    for cfg in _configs(D, spec.policy.name == "dfss"):
+        out, lse = TB.attention_forward(spec, q, k, v, preds=preds, config=cfg)
         assert TB.last_configs["fwd"]["KERNEL"] == "gluon"
-        name = _name(cfg) + (f" on {programs} programs" if programs else "")
-        close(f"out {name}", out, ro, _TOL[dtype])
+        close(f"out {_name(cfg)}", out, ro, _TOL[dtype])
         err = (lse.double() - rl).abs().nan_to_num(float("inf"))
-        assert err.max() < 2e-3, (f"lse {name}: max error {err.max().item():.3g} at "
+        assert err.max() < 2e-3, (f"lse {_name(cfg)}: max error {err.max().item():.3g} at "
                                   f"{[int(i) for i in torch.unravel_index(err.argmax(), err.shape)]}")
     # the template's backward from the Gluon forward's out and lse
     rq, rk, rv, _ = R.attention_backward(q.double(), k.double(), v.double(), None, go.double(), spec=spec,

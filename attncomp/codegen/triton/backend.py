@@ -644,7 +644,7 @@ def _gluon_forward(spec, q, k, v, attn_mask, dropout_p, preds, block_pattern, la
     last_configs["fwd"] = dict(cfg, KERNEL="gluon")
     entry = mod.kernel_for(cfg).last_entry
     if config is None and entry is not None:  # the launch took (or can take) the short path: the op may keep it
-        _TAKEN.plan = _GluonPlan(mod, spec, q, off, causal, cfg, nm24, entry, _state(_seed_word(0)))
+        _TAKEN.plan = _GluonPlan(mod, spec, q, off, cfg, nm24, entry, _state(_seed_word(0)))
     return out, lse
 
 
@@ -655,8 +655,8 @@ class _GluonPlan:
     key holds what they read) and without ``JITFunction.run``. What the key does not hold is checked
     per call: ``ATTNCOMP_GLUON``, the device and flags of :func:`_state`, the short launch path."""
 
-    def __init__(self, mod, spec, q, off: int, causal: bool, cfg: dict, nm24: bool, entry: tuple, state: tuple):
-        self.mod, self.cfg, self.nm24, self.causal, self.entry, self.state = mod, cfg, nm24, causal, entry, state
+    def __init__(self, mod, spec, q, off: int, cfg: dict, nm24: bool, entry: tuple, state: tuple):
+        self.mod, self.cfg, self.nm24, self.entry, self.state = mod, cfg, nm24, entry, state
         self.kernel = mod.kernel_for(cfg)
         self.scale, self.off = _scale(spec, q.shape[-1]), off
         self.config = dict(cfg, KERNEL="gluon")
@@ -676,15 +676,13 @@ class _GluonPlan:
         out = _out_empty(q, q.shape[-1])
         lse = _empty(self.lse_shape, torch.float32, self.device)
         if self.kept is None:
-            grid, args = self.mod.launch_args(q, k, v, self.scale, self.off, out, lse, self.cfg, self.nm24,
-                                              self.causal)
+            grid, args = self.mod.launch_args(q, k, v, self.scale, self.off, out, lse, self.cfg, self.nm24)
             kernel.launch_entry(self.entry, grid, args, state[2])
         else:
             key = (_ptr(q), _ptr(k), _ptr(v), _ptr(out), _ptr(lse))
             hit = self.launches.get(key)
             if hit is None:
-                grid, args = self.mod.launch_args(q, k, v, self.scale, self.off, out, lse, self.cfg, self.nm24,
-                                                  self.causal)
+                grid, args = self.mod.launch_args(q, k, v, self.scale, self.off, out, lse, self.cfg, self.nm24)
                 hit = (grid[0], grid[1], self.kept[0]((*args, *self.entry[1])))
                 _put(self.launches, key, hit, _MAX_KEPT_LAUNCHES)
             self.kept[1](hit[0], hit[1], 1, kernel._stream(state[2]), hit[2])

@@ -324,77 +324,28 @@ def _kv_step(j, q, k_buf, v_buf, k_bar, v_bar, k_desc, v_desc, m_i, l_i, o, p_cu
 
 
 @gluon.jit
-def _ws_tile(k, sched, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
-    """``(valid, bh, start_m, hi, n_full)`` of the query tile this program takes in its round ``k``. The
-    schedule lists every query tile, heads in groups of ``HG`` (``sched``), in a group the long (causal)
-    tiles first and the group's heads inner; round ``k`` gives its ``P`` tiles (``P`` the programs) to the
-    programs in order when ``k`` is even and in reverse when odd, so that over two rounds every program
-    takes about as many keys (a program past the list's end in the last round has none: ``valid``).
-    With one program per tile (not persistent; ``HG`` 1) the order is the non-persistent grid's."""
-    BH, HG, Hq, groups, n_q, n_k, off = sched
-    P = gl.num_programs(0)
-    c = gl.program_id(0)
-    num_m = gl.cdiv(n_q, BLOCK_M)
-    t = k * P + c + (k % 2) * (P - 1 - 2 * c)
-    span = HG * num_m
-    grp = t // span
-    hg = gl.minimum(HG, BH - grp * HG)
-    r = t - grp * span
-    bh = grp * HG + r % hg
-    start_m = (num_m - 1 - r // hg) * BLOCK_M
-    hi, n_full = _key_range(n_k, start_m, off, BLOCK_M, BLOCK_N, CAUSAL)
-    return t < BH * num_m, bh, start_m, hi, n_full
-
-
-@gluon.jit
-def _ws_rounds(sched, BLOCK_M: gl.constexpr):
-    """How many rounds of :func:`_ws_tile` the programs take."""
-    return gl.cdiv(sched[0] * gl.cdiv(sched[4], BLOCK_M), gl.num_programs(0))
-
-
-@gluon.jit
-def _ws_load(q_desc, k_desc, v_desc, smem, sched, NM: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-             V_STAGES: gl.constexpr, Q_BUFS: gl.constexpr):
-    """The producer: per query tile of the program (:func:`_ws_tile`), every consumer's query rows (into
-    the tile's query buffer once its consumer released it), then key tile ``j`` and value tile ``j`` for
-    ``j < hi``, each into its ring slot once every consumer released what the slot held. The rings'
-    slots count on across the program's query tiles (``g``), so the next tile's first keys come while the
-    consumers finish the last."""
-    q_buf, k_buf, v_buf, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn = smem
+def _ws_load(q_desc, k_desc, v_desc, q_buf, k_buf, v_buf, q_bar, k_ready, k_empty, v_ready, v_empty, b, h, hk,
+             start_m, hi, NM: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr):
+    """The producer: every consumer's query rows, then key tile ``j`` and value tile ``j`` for ``j < hi``,
+    each into its ring slot once every consumer released what the slot held."""
     M_WG: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     BOXES: gl.constexpr = 4 * (HEAD_D // k_desc.block_type.shape[4]) if NM else 1
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2] * (4 if NM else 1)
     kv_bytes: gl.constexpr = k_desc.block_type.nbytes * BOXES
-    NUM_WG: gl.constexpr = q_buf.shape[0] // Q_BUFS
-    Hq = sched[2]
-    groups = sched[3]
-    g = 0  # key (and value) tiles requested so far
-    tc = 0  # query tiles so far
-    for k in range(_ws_rounds(sched, NUM_WG * M_WG)):
-        valid, bh, start_m, hi, n_full = _ws_tile(k, sched, NUM_WG * M_WG, BLOCK_N, CAUSAL)
-        if valid:
-            b = bh // Hq
-            h = bh % Hq
-            hk = h // groups
-            qb = (tc % Q_BUFS) * NUM_WG
-            for w in gl.static_range(NUM_WG):
-                if Q_BUFS > 1:
-                    mbarrier.wait(q_empty.index(qb + w), ((tc // Q_BUFS) & 1) ^ 1)
-                mbarrier.expect(q_bar.index(qb + w), q_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(q_desc, [b, h, start_m + w * M_WG, 0], q_bar.index(qb + w),
-                                                q_buf.index(qb + w))
-            for j in range(hi):
-                sk = (g + j) % STAGES
-                mbarrier.wait(k_empty.index(sk), (((g + j) // STAGES) & 1) ^ 1)
-                mbarrier.expect(k_ready.index(sk), kv_bytes)
-                _load_kv(k_desc, b, hk, j * BLOCK_N, k_ready.index(sk), k_buf, sk, True, NM, HEAD_D)
-                sv = (g + j) % V_STAGES
-                mbarrier.wait(v_empty.index(sv), (((g + j) // V_STAGES) & 1) ^ 1)
-                mbarrier.expect(v_ready.index(sv), kv_bytes)
-                _load_kv(v_desc, b, hk, j * BLOCK_N, v_ready.index(sv), v_buf, sv, True, NM, HEAD_D)
-            g += hi
-            tc += 1
+    NUM_WG: gl.constexpr = q_buf.shape[0]
+    for w in gl.static_range(NUM_WG):
+        mbarrier.expect(q_bar.index(w), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [b, h, start_m + w * M_WG, 0], q_bar.index(w), q_buf.index(w))
+    for j in range(hi):
+        sk = j % STAGES
+        mbarrier.wait(k_empty.index(sk), ((j // STAGES) & 1) ^ 1)
+        mbarrier.expect(k_ready.index(sk), kv_bytes)
+        _load_kv(k_desc, b, hk, j * BLOCK_N, k_ready.index(sk), k_buf, sk, True, NM, HEAD_D)
+        sv = j % V_STAGES
+        mbarrier.wait(v_empty.index(sv), ((j // V_STAGES) & 1) ^ 1)
+        mbarrier.expect(v_ready.index(sv), kv_bytes)
+        _load_kv(v_desc, b, hk, j * BLOCK_N, v_ready.index(sv), v_buf, sv, True, NM, HEAD_D)
 
 
 @gluon.jit
@@ -421,46 +372,12 @@ def _ws_release(bar):
 
 
 @gluon.jit
-def _ws_consume(o_desc, lse_ptr, smem, sched, qk_scale, WG: gl.constexpr, CAUSAL: gl.constexpr, NM: gl.constexpr,
-                STAGES: gl.constexpr, V_STAGES: gl.constexpr, PINGPONG: gl.constexpr, Q_BUFS: gl.constexpr):
-    """Consumer ``WG``: per query tile of the program (:func:`_ws_tile`), its rows ``[start_m + WG * M_WG,
-    start_m + (WG + 1) * M_WG)``; ``smem``: the buffers and barriers the partitions share."""
-    q_buf = smem[0]
-    M_WG: gl.constexpr = o_desc.block_type.shape[2]
-    NUM_WG: gl.constexpr = q_buf.shape[0] // Q_BUFS
-    BLOCK_N: gl.constexpr = smem[1].shape[3] * (4 if NM else 1)
-    Hq = sched[2]
-    if Q_BUFS == 1:  # one query tile per program (not persistent): no loop, so no count is carried
-        valid, bh, start_m, hi, n_full = _ws_tile(0, sched, NUM_WG * M_WG, BLOCK_N, CAUSAL)
-        _ws_query_tile(o_desc, lse_ptr, smem, sched, qk_scale, bh, bh // Hq, bh % Hq, start_m, hi, n_full, 0, WG, 0,
-                       0, WG, CAUSAL, NM, STAGES, V_STAGES, PINGPONG, False)
-    else:
-        g = 0  # key (and value) tiles read so far: the rings' count
-        tc = 0  # query tiles so far
-        tt = 0  # turns taken so far (PINGPONG)
-        for k in range(_ws_rounds(sched, NUM_WG * M_WG)):
-            valid, bh, start_m, hi, n_full = _ws_tile(k, sched, NUM_WG * M_WG, BLOCK_N, CAUSAL)
-            if valid:
-                _ws_query_tile(o_desc, lse_ptr, smem, sched, qk_scale, bh, bh // Hq, bh % Hq, start_m, hi, n_full, g,
-                               (tc % Q_BUFS) * NUM_WG + WG, (tc // Q_BUFS) & 1, tt, WG, CAUSAL, NM, STAGES, V_STAGES,
-                               PINGPONG, True)
-                g += hi
-                tc += 1
-                tt += hi + 1
-
-
-@gluon.jit
-def _ws_query_tile(o_desc, lse_ptr, smem, sched, qk_scale, bh, b, h, start_m, hi, n_full, g, qi, q_phase, tt,
-                   WG: gl.constexpr, CAUSAL: gl.constexpr, NM: gl.constexpr, STAGES: gl.constexpr,
-                   V_STAGES: gl.constexpr, PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr):
-    """Consumer ``WG``'s rows of the query tile from ``start_m``, in query buffer ``qi`` (its phase
-    ``q_phase``), its key tiles from ring count ``g`` and its turns from ``tt``: the loop of
-    :func:`_kv_step`, then the epilogue, after which (``PERSISTENT``) the query buffer goes back to the
-    producer."""
-    q_buf, k_buf, v_buf, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn = smem
-    n_q = sched[4]
-    n_k = sched[5]
-    off = sched[6]
+def _ws_consume(o_desc, lse_ptr, smem, bh, b, h, start_m, n_q, n_k, off, qk_scale, hi, n_full, WG: gl.constexpr,
+                CAUSAL: gl.constexpr, NM: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr,
+                PINGPONG: gl.constexpr):
+    """Consumer ``WG``: rows ``[start_m + WG * M_WG, start_m + (WG + 1) * M_WG)`` of the query tile;
+    ``smem``: the buffers and barriers the partitions share."""
+    q_buf, k_buf, v_buf, q_bar, k_ready, k_empty, v_ready, v_empty, turn = smem
     M_WG: gl.constexpr = o_desc.block_type.shape[2]
     HEAD_D: gl.constexpr = o_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_buf.shape[3] * (4 if NM else 1)
@@ -480,18 +397,17 @@ def _ws_query_tile(o_desc, lse_ptr, smem, sched, qk_scale, bh, b, h, start_m, hi
         cols0 = _nm_cols(BLOCK_N, col_s)
     else:
         cols0 = gl.arange(0, BLOCK_N, layout=col_s)
-    q = _tile_2d(q_buf.index(qi), M_WG, HEAD_D)
+    q = _tile_2d(q_buf.index(WG), M_WG, HEAD_D)
 
     # tile 0, masked: S_0 alone
-    mbarrier.wait(q_bar.index(qi), q_phase)
-    sk = g % STAGES
-    mbarrier.wait(k_ready.index(sk), (g // STAGES) & 1)
-    _ws_turn(turn, WG, tt, PINGPONG)
-    s_tok = warpgroup_mma(q, _kv_tile(k_buf, sk, BLOCK_N, HEAD_D, NM).permute((1, 0)),
+    mbarrier.wait(q_bar.index(WG), 0)
+    mbarrier.wait(k_ready.index(0), 0)
+    _ws_turn(turn, WG, 0, PINGPONG)
+    s_tok = warpgroup_mma(q, _kv_tile(k_buf, 0, BLOCK_N, HEAD_D, NM).permute((1, 0)),
                           gl.zeros([M_WG, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
     _ws_pass(turn, WG, PINGPONG)
     s = warpgroup_mma_wait(0, deps=(s_tok, ))
-    _ws_release(k_empty.index(sk))
+    _ws_release(k_empty.index(0))
     m_i = gl.full([M_WG], float("-inf"), gl.float32, row_s)
     l_i = gl.zeros([M_WG], gl.float32, row_s)
     m_i, alpha, p, l_i = _softmax_step(s, m_i, l_i, rows, cols0, qk_scale, n_k, off, True, CAUSAL, NM)
@@ -499,46 +415,41 @@ def _ws_query_tile(o_desc, lse_ptr, smem, sched, qk_scale, bh, b, h, start_m, hi
     o = gl.zeros([M_WG, HEAD_D], gl.float32, o_layout)
 
     for j in range(1, n_full):
-        m_i, l_i, o, p_cur = _ws_step(g + j, tt + j, q, k_buf, v_buf, k_ready, k_empty, v_ready, v_empty, turn, m_i,
-                                      l_i, o, p_cur, rows, cols0 + j * BLOCK_N, qk_scale, n_k, off, WG, False, CAUSAL,
-                                      NM, STAGES, V_STAGES, PINGPONG, s_layout, row_o, p_layout)
+        m_i, l_i, o, p_cur = _ws_step(j, q, k_buf, v_buf, k_ready, k_empty, v_ready, v_empty, turn, m_i, l_i, o,
+                                      p_cur, rows, cols0 + j * BLOCK_N, qk_scale, n_k, off, WG, False, CAUSAL, NM,
+                                      STAGES, V_STAGES, PINGPONG, s_layout, row_o, p_layout)
     for j in range(n_full, hi):
-        m_i, l_i, o, p_cur = _ws_step(g + j, tt + j, q, k_buf, v_buf, k_ready, k_empty, v_ready, v_empty, turn, m_i,
-                                      l_i, o, p_cur, rows, cols0 + j * BLOCK_N, qk_scale, n_k, off, WG, True, CAUSAL,
-                                      NM, STAGES, V_STAGES, PINGPONG, s_layout, row_o, p_layout)
+        m_i, l_i, o, p_cur = _ws_step(j, q, k_buf, v_buf, k_ready, k_empty, v_ready, v_empty, turn, m_i, l_i, o,
+                                      p_cur, rows, cols0 + j * BLOCK_N, qk_scale, n_k, off, WG, True, CAUSAL, NM,
+                                      STAGES, V_STAGES, PINGPONG, s_layout, row_o, p_layout)
 
     # the last tile's P @ V
-    last = g + hi - 1
+    last = hi - 1
     sv = last % V_STAGES
     mbarrier.wait(v_ready.index(sv), (last // V_STAGES) & 1)
-    _ws_turn(turn, WG, tt + hi, PINGPONG)
+    _ws_turn(turn, WG, hi, PINGPONG)
     o_tok = warpgroup_mma(p_cur, _kv_tile(v_buf, sv, BLOCK_N, HEAD_D, NM), o, is_async=True)
     _ws_pass(turn, WG, PINGPONG)
     o = warpgroup_mma_wait(0, deps=(o_tok, ))
-    _ws_release(v_empty.index(sv))
 
-    # (this consumer's query buffer holds its output tile: no MMA reads it any more; the store has read it
-    # when _write_out returns)
-    _write_out(o, m_i, l_i, q, q_buf.index(qi), o_desc, lse_ptr, b, h, bh, row0, rows, n_q, row_o)
-    if PERSISTENT:
-        _ws_release(q_empty.index(qi))
+    # (this consumer's query buffer holds its output tile: no MMA reads it any more)
+    _write_out(o, m_i, l_i, q, q_buf.index(WG), o_desc, lse_ptr, b, h, bh, row0, rows, n_q, row_o)
 
 
 @gluon.jit
-def _ws_step(g, t, q, k_buf, v_buf, k_ready, k_empty, v_ready, v_empty, turn, m_i, l_i, o, p_cur, rows, cols,
-             qk_scale, n_k, off, WG: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr, NM: gl.constexpr,
+def _ws_step(j, q, k_buf, v_buf, k_ready, k_empty, v_ready, v_empty, turn, m_i, l_i, o, p_cur, rows, cols, qk_scale,
+             n_k, off, WG: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr, NM: gl.constexpr,
              STAGES: gl.constexpr, V_STAGES: gl.constexpr, PINGPONG: gl.constexpr, s_layout: gl.constexpr,
              row_o: gl.constexpr, p_layout: gl.constexpr):
-    """A consumer's key tile at ring count ``g`` (:func:`_kv_step`'s schedule; the producer refills the
-    slots), its products issued at turn ``t``."""
+    """A consumer's key tile ``j`` (:func:`_kv_step`'s schedule; the producer refills the slots)."""
     M_WG: gl.constexpr = q.shape[0]
     HEAD_D: gl.constexpr = q.shape[1]
     BLOCK_N: gl.constexpr = k_buf.shape[3] * (4 if NM else 1)
-    sk = g % STAGES
-    sv = (g - 1) % V_STAGES
-    mbarrier.wait(k_ready.index(sk), (g // STAGES) & 1)
-    mbarrier.wait(v_ready.index(sv), ((g - 1) // V_STAGES) & 1)
-    _ws_turn(turn, WG, t, PINGPONG)
+    sk = j % STAGES
+    sv = (j - 1) % V_STAGES
+    mbarrier.wait(k_ready.index(sk), (j // STAGES) & 1)
+    mbarrier.wait(v_ready.index(sv), ((j - 1) // V_STAGES) & 1)
+    _ws_turn(turn, WG, j, PINGPONG)
     s_tok = warpgroup_mma(q, _kv_tile(k_buf, sk, BLOCK_N, HEAD_D, NM).permute((1, 0)),
                           gl.zeros([M_WG, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
     o_tok = warpgroup_mma(p_cur, _kv_tile(v_buf, sv, BLOCK_N, HEAD_D, NM), o, is_async=True)
@@ -554,28 +465,34 @@ def _ws_step(g, t, q, k_buf, v_buf, k_ready, k_empty, v_ready, v_empty, turn, m_
 
 
 @gluon.jit
-def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, lse_ptr, Hq, groups, n_q, n_k, off, qk_scale, BH, HG,
+def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, lse_ptr, Hq, groups, n_q, n_k, off, qk_scale,
                  CAUSAL: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr, NM: gl.constexpr,
-                 PINGPONG: gl.constexpr, NUM_WG: gl.constexpr, Q_BUFS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                 num_warps: gl.constexpr):
+                 PINGPONG: gl.constexpr, NUM_WG: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+    M_WG: gl.constexpr = q_desc.block_type.shape[2]
+    BLOCK_M: gl.constexpr = NUM_WG * M_WG
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     BOXES: gl.constexpr = 4 * (HEAD_D // k_desc.block_type.shape[4]) if NM else 1
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[2] * (4 if NM else 1)
     dtype: gl.constexpr = q_desc.dtype
 
-    # Q_BUFS query buffers per consumer (two when persistent: the next tile's rows come during this one)
-    q_buf = gl.allocate_shared_memory(dtype, [Q_BUFS * NUM_WG] + q_desc.block_type.shape, q_desc.layout)
+    pid_m = gl.num_programs(0) - 1 - gl.program_id(0)  # the long (causal) query tiles first
+    bh = gl.program_id(1)
+    b = bh // Hq
+    h = bh % Hq
+    hk = h // groups
+    start_m = pid_m * BLOCK_M
+
+    q_buf = gl.allocate_shared_memory(dtype, [NUM_WG] + q_desc.block_type.shape, q_desc.layout)
     k_buf = gl.allocate_shared_memory(dtype, [STAGES * BOXES] + k_desc.block_type.shape, k_desc.layout)
     v_buf = gl.allocate_shared_memory(dtype, [V_STAGES * BOXES] + v_desc.block_type.shape, v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [Q_BUFS * NUM_WG, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFS * NUM_WG, 1], mbarrier.MBarrierLayout())
+    q_bar = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(Q_BUFS * NUM_WG):
+    for i in gl.static_range(NUM_WG):
         mbarrier.init(q_bar.index(i), count=1)
-        mbarrier.init(q_empty.index(i), count=1)
     for i in gl.static_range(2):
         mbarrier.init(turn.index(i), count=1)
     for i in gl.static_range(STAGES):
@@ -588,21 +505,29 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, lse_ptr, Hq, groups, n_q, n_k, 
     if PINGPONG:  # the first consumer takes the first turn
         mbarrier.arrive(turn.index(0), count=1)
 
+    hi, n_full = _key_range(n_k, start_m, off, BLOCK_M, BLOCK_N, CAUSAL)  # (for every consumer's rows)
+
     # (turns: two consumers only)
-    smem = (q_buf, k_buf, v_buf, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn)
-    sched = (BH, HG, Hq, groups, n_q, n_k, off)
+    smem = (q_buf, k_buf, v_buf, q_bar, k_ready, k_empty, v_ready, v_empty, turn)
     if NUM_WG == 2:
         gl.warp_specialize([
-            (_ws_consume, (o_desc, lse_ptr, smem, sched, qk_scale, 0, CAUSAL, NM, STAGES, V_STAGES, PINGPONG, Q_BUFS)),
-            (_ws_consume, (o_desc, lse_ptr, smem, sched, qk_scale, 1, CAUSAL, NM, STAGES, V_STAGES, PINGPONG, Q_BUFS)),
-            (_ws_load, (q_desc, k_desc, v_desc, smem, sched, NM, CAUSAL, STAGES, V_STAGES, Q_BUFS)),
+            (_ws_consume, (o_desc, lse_ptr, smem, bh, b, h, start_m, n_q, n_k, off, qk_scale, hi, n_full, 0, CAUSAL,
+                           NM, STAGES, V_STAGES, PINGPONG)),
+            (_ws_consume, (o_desc, lse_ptr, smem, bh, b, h, start_m, n_q, n_k, off, qk_scale, hi, n_full, 1, CAUSAL,
+                           NM, STAGES, V_STAGES, PINGPONG)),
+            (_ws_load, (q_desc, k_desc, v_desc, q_buf, k_buf, v_buf, q_bar, k_ready, k_empty, v_ready, v_empty, b, h,
+                        hk, start_m, hi, NM, STAGES, V_STAGES)),
         ], [4, 1], [CONSUMER_REGS, 24])
     else:
         gl.warp_specialize([
-            (_ws_consume, (o_desc, lse_ptr, smem, sched, qk_scale, 0, CAUSAL, NM, STAGES, V_STAGES, False, Q_BUFS)),
-            (_ws_consume, (o_desc, lse_ptr, smem, sched, qk_scale, 1, CAUSAL, NM, STAGES, V_STAGES, False, Q_BUFS)),
-            (_ws_consume, (o_desc, lse_ptr, smem, sched, qk_scale, 2, CAUSAL, NM, STAGES, V_STAGES, False, Q_BUFS)),
-            (_ws_load, (q_desc, k_desc, v_desc, smem, sched, NM, CAUSAL, STAGES, V_STAGES, Q_BUFS)),
+            (_ws_consume, (o_desc, lse_ptr, smem, bh, b, h, start_m, n_q, n_k, off, qk_scale, hi, n_full, 0, CAUSAL,
+                           NM, STAGES, V_STAGES, False)),
+            (_ws_consume, (o_desc, lse_ptr, smem, bh, b, h, start_m, n_q, n_k, off, qk_scale, hi, n_full, 1, CAUSAL,
+                           NM, STAGES, V_STAGES, False)),
+            (_ws_consume, (o_desc, lse_ptr, smem, bh, b, h, start_m, n_q, n_k, off, qk_scale, hi, n_full, 2, CAUSAL,
+                           NM, STAGES, V_STAGES, False)),
+            (_ws_load, (q_desc, k_desc, v_desc, q_buf, k_buf, v_buf, q_bar, k_ready, k_empty, v_ready, v_empty, b, h,
+                        hk, start_m, hi, NM, STAGES, V_STAGES)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
 
 
@@ -675,53 +600,26 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cau
         raise ValueError(f"the warp-specialised Gluon forward runs query tiles of 128 or 192 (two or three consumer "
                          f"warp groups of 64; turns with two), not BLOCK_M={cfg['BLOCK_M']}"
                          f"{' with PINGPONG' if cfg.get('PINGPONG', True) else ''}")
-    if cfg.get("PERSISTENT") and not cfg.get("WS"):
-        raise ValueError("PERSISTENT is a key of the warp-specialised Gluon forward (WS)")
-    grid, args = launch_args(q, k, v, scale, pos_off, out, lse, cfg, nm24, causal)
+    grid, args = launch_args(q, k, v, scale, pos_off, out, lse, cfg, nm24)
     stages, v_stages = cfg["STAGES"], cfg.get("V_STAGES", cfg["STAGES"])
     if cfg.get("WS"):
         wg = cfg["BLOCK_M"] // 64
         maxnreg, regs = _WS_REGS[wg]
         _kernel_ws[grid](*args, CAUSAL=causal, STAGES=stages, V_STAGES=v_stages, NM=nm24,
-                         PINGPONG=bool(cfg.get("PINGPONG", True)), NUM_WG=wg, Q_BUFS=2 if cfg.get("PERSISTENT") else 1,
-                         CONSUMER_REGS=regs, num_warps=4, maxnreg=maxnreg)
+                         PINGPONG=bool(cfg.get("PINGPONG", True)), NUM_WG=wg, CONSUMER_REGS=regs, num_warps=4,
+                         maxnreg=maxnreg)
     else:
         _kernel[grid](*args, CAUSAL=causal, STAGES=stages, V_STAGES=v_stages, NM=nm24, num_warps=cfg["num_warps"])
 
 
-def launch_args(q, k, v, scale: float, pos_off: int, out, lse, cfg: dict, nm24: bool, causal: bool) -> tuple:
+def launch_args(q, k, v, scale: float, pos_off: int, out, lse, cfg: dict, nm24: bool) -> tuple:
     """``(grid, args)`` of :func:`forward`'s launch: its positional arguments (the descriptors of q, k,
     v and out, then lse and the sizes). A launch plan repeats them with a call's own tensors
     (``backend._GluonPlan``). The warp-specialised kernel reads each half of a query tile apart."""
     B, Hq, Nq, D = q.shape
     Hk, Nk = k.shape[1], k.shape[2]
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    args = (_desc(k, bn, nm24), _desc(v, bn, nm24))
-    if not cfg.get("WS"):
-        return (triton.cdiv(Nq, bm), B * Hq), (_desc(q, bm), *args, _desc(out, bm), lse, Hq, Hq // Hk, Nq, Nk, pos_off,
-                                               scale * LOG2E)
-    tiles = triton.cdiv(Nq, bm) * B * Hq
-    programs, heads = tiles, 1
-    if cfg.get("PERSISTENT"):
-        programs = min(tiles, persistent_programs(q.device))
-        if causal:  # enough heads per group that two rounds sort the tiles long to short
-            heads = min(B * Hq, triton.cdiv(2 * programs, triton.cdiv(Nq, bm)))
-    return (programs, 1), (_desc(q, 64), *args, _desc(out, 64), lse, Hq, Hq // Hk, Nq, Nk, pos_off, scale * LOG2E,
-                           B * Hq, heads)
-
-
-_SMS: dict = {}
-#: programs of a persistent launch (``PERSISTENT``): ``None``, one per SM; tests set fewer, so that each
-#: program takes many query tiles
-PERSISTENT_PROGRAMS: Optional[int] = None
-
-
-def persistent_programs(device: torch.device) -> int:
-    """Programs of a persistent launch on ``device``: one per SM (one block of the warp-specialised
-    kernel fills an SM's registers), or :data:`PERSISTENT_PROGRAMS`."""
-    if PERSISTENT_PROGRAMS is not None:
-        return PERSISTENT_PROGRAMS
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SMS:
-        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SMS[idx]
+    rows = 64 if cfg.get("WS") else bm
+    grid = (triton.cdiv(Nq, bm), B * Hq)
+    return grid, (_desc(q, rows), _desc(k, bn, nm24), _desc(v, bn, nm24), _desc(out, rows), lse, Hq, Hq // Hk, Nq,
+                  Nk, pos_off, scale * LOG2E)
