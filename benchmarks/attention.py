@@ -316,7 +316,9 @@ def config_name(c: dict) -> str:
     ``+dq...``: the dQ launch's tiles, warps and stages; ``+atomic``/``+tmadq``: dQ added in the dK/dV
     launch by element atomics / TMA bulk reductions; ``gluon 64x128w4s2v1``: the Gluon Hopper forward's
     tiles, warps, key-ring and value-ring depths; `` ws``/`` wsnp``: its warp-specialised kernel with or
-    without turns)."""
+    without turns; ``gluon dkdv 64x64s2+dq...``: the backward's Gluon dK/dV pass, then the template's dQ pass)."""
+    if c.get("KERNEL") == "gluon" and c.get("DQ"):  # the backward's Gluon dK/dV pass, then the template's dQ
+        return f"gluon dkdv {c['BLOCK_M']}x{c['BLOCK_N']}s{c['STAGES']}+dq{'x'.join(map(str, c['DQ']))}"
     if c.get("KERNEL") == "gluon":
         ws = (" ws" if c.get("PINGPONG", True) else " wsnp") if c.get("WS") else ""
         rings = f"s{c['STAGES']}v{c.get('V_STAGES', c['STAGES'])}"

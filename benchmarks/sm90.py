@@ -16,7 +16,7 @@ warp-group MMA instructions. What a configuration costs in occupancy is known be
     python benchmarks/sm90.py                          # dense forward candidates, D 64/128, causal and not
     python benchmarks/sm90.py --policies dense,dfss --dims 64,128,256 --passes fwd,bwd
     python benchmarks/sm90.py --json out.json
-    python benchmarks/sm90.py --gluon --first 1        # the default forwards and the Gluon forward's
+    python benchmarks/sm90.py --gluon --first 1        # the defaults and the Gluon forward's and dK/dV pass's
 
 Nothing here needs CUDA; ``tests/codegen/test_sm90_compile.py`` runs it on the default configurations.
 """
@@ -145,7 +145,13 @@ def compile_config(policy: str, causal: bool, D: int, passes: str, cfg: Dict, N:
     q, k, v = (torch.randn(1, 2, N, D, dtype=torch.bfloat16) for _ in range(3))
     spec = make_spec(policy, causal, torch.bfloat16)
     with sm90_compiles(options) as got:
-        if cfg.get("KERNEL") == "gluon":  # the Gluon Hopper forward (dense, DFSS 2:4), as the backend calls it
+        if cfg.get("KERNEL") == "gluon" and passes == "bwd":  # the backward's Gluon dK/dV pass (dense)
+            from attncomp.codegen.triton import hopper_bwd
+
+            z = torch.zeros(1, 2, N)
+            hopper_bwd.dkdv(q, k, v, torch.randn_like(q), z, z, torch.empty_like(k), torch.empty_like(v), D ** -0.5,
+                            causal, 0, cfg)
+        elif cfg.get("KERNEL") == "gluon":  # the Gluon Hopper forward (dense, DFSS 2:4), as the backend calls it
             from attncomp.codegen.triton import hopper
 
             hopper.forward(q, k, v, D ** -0.5, causal, 0, torch.empty_like(q), torch.empty(1, 2, N), cfg,
@@ -158,7 +164,7 @@ def compile_config(policy: str, causal: bool, D: int, passes: str, cfg: Dict, N:
     rows = []
     for kern in got:
         name = kern.name if hasattr(kern, "name") else kern.metadata.name
-        if "_attention_kernel" not in name and "_attn_fwd" not in name:
+        if "_attention_kernel" not in name and "_attn_fwd" not in name and "_bwd_dkdv" not in name:
             continue
         rows.append(dict(kernel=name, **kernel_stats(kern, kern.metadata.num_warps)))
     return rows
@@ -178,8 +184,11 @@ def run(args) -> List[Dict]:
                     D, D, torch.bfloat16, nm, gpu=args.gpu)
                 cands = cands[:args.first] if args.first > 0 else cands
                 for causal in (False, True):
-                    gluon = (configs.gluon_config(D, causal, policy == "dfss")
-                             if args.gluon and passes == "fwd" and policy in ("dense", "dfss") else None)
+                    gluon = None
+                    if args.gluon and passes == "fwd" and policy in ("dense", "dfss"):
+                        gluon = configs.gluon_config(D, causal, policy == "dfss")
+                    elif args.gluon and policy == "dense":  # (the backward: its Gluon dK/dV pass)
+                        gluon = configs.GLUON_BWD.get((D, causal))
                     for cfg in cands + ([dict(gluon, KERNEL="gluon")] if gluon else []):
                         try:
                             got = compile_config(policy, causal, D, passes, cfg)
@@ -210,7 +219,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                     "(h100; '' for the lists' own heads, the H200's)")
     ap.add_argument("--first", type=int, default=0, help="only the first N candidates of each list (1: the default)")
     ap.add_argument("--gluon", action="store_true", help="also the Gluon Hopper forward's configurations "
-                    "(dense and DFSS 2:4: configs.GLUON_FWD, GLUON_FWD_DFSS)")
+                    "(dense and DFSS 2:4: configs.GLUON_FWD, GLUON_FWD_DFSS) and, with --passes bwd, the Gluon "
+                    "dK/dV pass's (dense: configs.GLUON_BWD)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     rows = run(args)

@@ -241,3 +241,75 @@ def test_the_op_keeps_the_gluon_plan(TB, monkeypatch, policy):
     monkeypatch.setenv("ATTNCOMP_GLUON", "0")
     call()
     assert len(n) == 2 and "KERNEL" not in TB.last_configs["fwd"]
+
+
+def _bwd_configs():
+    """Gluon dK/dV pass configurations (queries per step, ring slots; blocks of 64 keys), each followed by
+    the template's dQ pass: the default's, and more."""
+    from attncomp.codegen.triton import configs
+
+    own = list(configs.GLUON_BWD.values())
+    more = [dict(KERNEL="gluon", BLOCK_M=bm, BLOCK_N=64, STAGES=st, num_warps=4, num_stages=2, DQ=[64, 64, 4, 2])
+            for bm, st in ((32, 3), (64, 3))]
+    return [c for i, c in enumerate(own + more) if c not in (own + more)[:i]]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}x{c[1]}/{c[2]}x{c[3]}x{c[4]}-D{c[5]}-"
+                         f"{'+'.join(c[6]) or 'full'}-{dtype_name(c[7])}")
+def test_gluon_dkdv_pass_against_reference(TB, case):
+    """The Gluon dK/dV pass (``hopper_bwd``) and the template's dQ pass after it give the float64
+    reference's gradients (poisoned outputs, odd lengths, grouped heads, both causal alignments, more keys
+    than queries), from the forward's ``out`` and ``lse``."""
+    spec, q, k, v, go, preds = _inputs(*case)
+    out, lse = TB.attention_forward(spec, q, k, v, preds=preds)
+    want = R.attention_backward(q.double(), k.double(), v.double(), None, go.double(), spec=spec, preds=preds)[:3]
+    for cfg in _bwd_configs():
+        got = TB.attention_backward(spec, q, k, v, None, out, lse, go, preds=preds, config=cfg)[:3]
+        assert TB.last_configs["bwd"].get("KERNEL") == "gluon"
+        for name, a, b in zip(("dq", "dk", "dv"), got, want):
+            close(f"{name} {cfg['BLOCK_M']}x{cfg['BLOCK_N']}s{cfg['STAGES']}", a, b, _TOL[q.dtype], True)
+
+
+def test_gluon_dkdv_pass_refuses_what_it_cannot_run(TB):
+    """A configuration that asks for the Gluon dK/dV pass on a call it cannot run (a mask tensor, DFSS)
+    raises instead of running something else."""
+    from attncomp.policy import get_policy
+
+    spec, q, k, v, go, preds = _inputs(1, 2, 2, 256, 256, 64, (), torch.bfloat16)
+    out, lse = TB.attention_forward(spec, q, k, v)
+    mask = torch.rand(256, 256, device="cuda") > 0.2
+    with pytest.raises(ValueError, match="Gluon dK/dV"):
+        TB.attention_backward(AttentionSpec(dtype="bfloat16", mask_kind="bool"), q, k, v, mask, out, lse, go,
+                              config=_bwd_configs()[0])
+    dfss = AttentionSpec(dtype="bfloat16", policy=get_policy("dfss").resolved(torch.bfloat16))
+    with pytest.raises(ValueError, match="DFSS"):
+        TB.attention_backward(dfss, q, k, v, None, out, lse, go, config=_bwd_configs()[0])
+
+
+def test_causal_dense_backward_takes_the_gluon_dkdv_pass(TB, monkeypatch):
+    """By default the backward of a causal dense site with enough keys runs the Gluon dK/dV pass
+    (``configs.GLUON_BWD``) and gives the template's gradients; a site without a mask, DFSS, few keys or
+    ``ATTNCOMP_GLUON=0`` keep the template's dK/dV pass."""
+    from attncomp.codegen.triton import configs
+    from attncomp.policy import get_policy
+
+    N = configs.GLUON_MIN_KEYS + 3
+    spec, q, k, v, go, preds = _inputs(1, 4, 2, N, N, 128, ("causal",), torch.bfloat16, seed=2)
+    out, lse = TB.attention_forward(spec, q, k, v)
+    got = TB.attention_backward(spec, q, k, v, None, out, lse, go)
+    assert TB.last_configs["bwd"].get("KERNEL") == "gluon" and TB.gluon_skipped["bwd"] is None
+    monkeypatch.setenv("ATTNCOMP_GLUON", "0")
+    want = TB.attention_backward(spec, q, k, v, None, out, lse, go)
+    assert "KERNEL" not in TB.last_configs["bwd"] and TB.gluon_skipped["bwd"] == "ATTNCOMP_GLUON=0"
+    monkeypatch.delenv("ATTNCOMP_GLUON")
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        close(f"{name} vs template", a, b, _TOL[torch.bfloat16], True)
+
+    full = spec.replace(causal=False)
+    dfss = spec.replace(policy=get_policy("dfss").resolved(torch.bfloat16))
+    short = k[:, :, :N // 2]
+    for why, (sp, kk) in {"no configuration": (full, k), "DFSS": (dfss, k), "keys <": (spec, short)}.items():
+        o, l = TB.attention_forward(sp, q, kk, kk)
+        TB.attention_backward(sp, q, kk, kk, None, o, l, go)
+        assert "KERNEL" not in TB.last_configs["bwd"], why
+        assert why in TB.gluon_skipped["bwd"], (why, TB.gluon_skipped["bwd"])

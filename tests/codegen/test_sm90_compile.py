@@ -98,3 +98,18 @@ def test_warp_specialised_config_is_checked(bad):
     cfg = dict(BLOCK_N=128, num_warps=4, STAGES=2, V_STAGES=2, WS=True, **bad)
     with pytest.raises(ValueError, match="warp-specialised"):
         hopper.forward(q, q, q, 0.125, False, 0, torch.empty_like(q), torch.empty(1, 1, 256), cfg)
+
+
+def test_gluon_dkdv_pass_compiles_for_hopper(tmp_path):
+    """The backward's Gluon dK/dV pass under each configuration of ``configs.GLUON_BWD`` (dense, D 64/128,
+    causal) compiles for sm_90 to warp-group MMAs, within a block's shared memory, without spill stores."""
+    rows, res = _sm90(tmp_path, "--policies", "dense", "--dims", "64,128", "--passes", "bwd", "--first", "1",
+                      "--gluon")
+    assert res.returncode == 0, res.stdout[-3000:]
+    gluon = [r for r in rows if r["config"].startswith("gluon dkdv")]
+    from attncomp.codegen.triton import configs
+
+    assert sorted((r["D"], r["causal"]) for r in gluon) == sorted(configs.GLUON_BWD), rows
+    for r in gluon:
+        assert "error" not in r, r
+        assert r["kernel"].startswith("_bwd_dkdv") and r["fits"] and r["spill"] == 0 and r["wgmma"] > 0, r

@@ -543,7 +543,8 @@ def _forward(spec, q, k, v, attn_mask, dropout_p, seed, preds, q_aux, k_aux, blo
 _GLUON: dict = {}  # device index -> the module, or None where it cannot run
 _GLUON_OFF: dict = {}  # launch keys whose compile failed (this Triton's Gluon) -> why
 _PRED_NAMES = ("q_pos", "k_pos", "q_seg", "k_seg", "q_valid", "k_valid")
-#: why the latest dense or DFSS forward on a CUDA device did not run the Gluon kernel (None when it did)
+#: why the latest dense or DFSS forward (``"fwd"``) on a CUDA device did not run the Gluon kernel, or its backward
+#: (``"bwd"``) the Gluon dK/dV pass by default (None when it did)
 gluon_skipped: dict = {}
 
 
@@ -560,6 +561,27 @@ def _gluon_module(device: torch.device):
                 mod = None
         _GLUON[idx] = mod
     return _GLUON[idx]
+
+
+def _gluon_bwd_default(spec, q, k, v, attn_mask, dropout_p, preds, block_pattern, layout, grad_out) -> Optional[dict]:
+    """The backward configuration of a call whose dK/dV pass the Gluon kernel takes by default
+    (``configs.GLUON_BWD``: dense causal sites on sm_90, with the template's dQ pass it was measured with);
+    ``None`` (the template's tuned or default configuration) elsewhere. ``gluon_skipped["bwd"]`` says why not."""
+    why, causal, off, nm24 = _gluon_why_not(spec, q, k, v, attn_mask, dropout_p, preds, block_pattern, layout, False)
+    cfg = configs.GLUON_BWD.get((q.shape[-1], causal))
+    if why is None:
+        why = ("DFSS" if nm24 else None) or ("no configuration" if cfg is None else None)
+    if why is None and not _tma_aligned(grad_out):
+        why = "a tensor TMA cannot read (16-byte aligned base and strides, unit last stride)"
+    gluon_skipped["bwd"] = why
+    return None if why is not None else cfg
+
+
+def _gluon_bwd_module():
+    """:mod:`.hopper_bwd` (imported where a configuration asks for it: the device is an sm_90 GPU)."""
+    from . import hopper_bwd
+
+    return hopper_bwd
 
 
 def _gluon_nm24(spec: AttentionSpec, dtype: torch.dtype) -> Optional[bool]:
@@ -933,6 +955,8 @@ def attention_backward(spec: AttentionSpec, q, k, v, attn_mask, out, lse, grad_o
     """
     q, k, v = _last_contiguous(q), _last_contiguous(k), _last_contiguous(v)
     out, grad_out = _last_contiguous(out), _last_contiguous(grad_out)
+    if config is None and q.is_cuda:
+        config = _gluon_bwd_default(spec, q, k, v, attn_mask, dropout_p, preds, block_pattern, layout, grad_out)
     site = Site(spec, q, k, v, attn_mask, dropout_p, seed, preds, q_aux, k_aux, block_pattern, layout)
     B, Hq, Hk, Nq, Nk = site.B, site.Hq, site.Hk, site.Nq, site.Nk
     dq = _empty(q.shape, q.dtype, q.device)
@@ -956,6 +980,16 @@ def attention_backward(spec: AttentionSpec, q, k, v, attn_mask, out, lse, grad_o
 
     def launch(cfg):
         bm, bn, w, st = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"]
+        if cfg.get("KERNEL") == "gluon":  # the dK/dV pass in Gluon (hopper_bwd), then the template's dQ pass
+            why, causal, off, nm24 = _gluon_why_not(spec, q, k, v, attn_mask, dropout_p, preds, block_pattern,
+                                                    layout, True)
+            why = why or ("DFSS" if nm24 else None)  # (_gluon_why_not asked hopper.applies: the same inputs)
+            if why is not None or not all(_tma_aligned(t) for t in (grad_out, dk, dv)):
+                raise ValueError(f"config {cfg} asks for the Gluon dK/dV pass, which cannot run this call: "
+                                 f"{why or 'a tensor TMA cannot read or write'}")
+            _gluon_bwd_module().dkdv(q, k, v, grad_out, lse2, delta, dk, dv, site.scale, causal, off, cfg)
+            _dq_pass(cfg, bn, bm, w, st)
+            return
         # orientation of the dK/dV tiles: queries by keys for a row-wise selection, else keys by queries
         natural = bool(cfg.get("NATURAL", site.policy == POLICY_DFSS))
         lst, cnt = site.lists(bm, bn, False)
@@ -978,6 +1012,9 @@ def attention_backward(spec: AttentionSpec, q, k, v, attn_mask, out, lse, grad_o
             BLOCK_M=bm, BLOCK_N=bn, MODE=MODE_DKDV, NATURAL=natural, num_warps=w, num_stages=st, TMA=tma,
             **site.meta(bm, bn, False),
         )
+        _dq_pass(cfg, bn, bm, w, st)
+
+    def _dq_pass(cfg, bn, bm, w, st):
         # dQ: its own tiles when the config names them ("DQ": [queries, keys, warps, stages]),
         # else the dK/dV shape transposed (large query tile, small key tile)
         qm, qn, qw, qs = cfg.get("DQ") or (bn, bm, w, st)

@@ -195,6 +195,18 @@ GLUON_FWD_SHORT: Dict[tuple, Config] = {
 }
 GLUON_SHORT_QUERIES = 8192
 
+# The Gluon dK/dV pass of the backward (:mod:`.hopper_bwd`; the template's dQ pass after it) of dense sites on
+# sm_90 GPUs, per (head dim, causal): queries per step, keys per block, ring slots. Causal only: from
+# ``benchmarks/gluon_bwd.py`` on an H100 (bf16, B=4, H=16, N 4096 and 16384, medians of 2-3 rounds in
+# turn, three calls), the whole backward took 0.83-0.92x / 0.88-0.90x the template's time (D=64 / D=128, causal);
+# without a mask 0.93-1.02x at D=64 and 0.99-1.06x at D=128 (benchmarks/README.md).
+# ``DQ``: the template's dQ pass as measured with it (queries, keys, warps, stages; K and V by address loads).
+GLUON_BWD: Dict[tuple, Config] = {
+    (64, True): dict(KERNEL="gluon", BLOCK_M=64, BLOCK_N=64, STAGES=2, num_warps=4, num_stages=3, DQ=[64, 64, 4, 3]),
+    (128, True): dict(KERNEL="gluon", BLOCK_M=64, BLOCK_N=64, STAGES=2, num_warps=4, num_stages=3,
+                      DQ=[128, 64, 8, 3]),
+}
+
 
 def gluon_config(D: int, causal: bool, nm24: bool, n_q: Optional[int] = None) -> Optional[Config]:
     """The Gluon forward's default configuration for a dense (or, with ``nm24``, DFSS 2:4) site of head

@@ -1,0 +1,182 @@
+"""The dK/dV pass of the backward for Hopper (sm_90) in Gluon: dense attention, causal or not, its matrix
+products issued as asynchronous warp-group MMAs so that the exponentials of one query tile run while the
+tensor cores compute the next products.
+
+The template's backward (:mod:`.template`, ``MODE_DKDV``) is written in Triton's tile language, whose
+compiler waits for each ``tl.dot`` before the next statement. Here, per block of ``BLOCK_N`` keys (rows of
+every product, so that ``P^T`` and ``dS^T`` are the register operands of ``dV`` and ``dK``) and per query
+tile of ``BLOCK_M`` rows of every query head of the block's key head (grouped heads):
+
+* the block's key and value rows come once through TMA; query and ``dO`` tiles stream through a ring of
+  ``STAGES`` slots (4-D descriptors: rows past ``N`` read as zeros), each slot with its own barrier;
+* ``S^T = K Q^T`` and ``dP^T = V dO^T`` are issued together; the kernel waits for the first only and
+  computes ``P^T = exp2(S^T * scale * log2(e) - lse2)`` while the second runs (``lse2``: the forward's
+  ``lse`` in log2 units, ``+inf`` for rows past ``N`` or without keys, so that their ``P`` is 0);
+* then ``dS^T = P^T (dP^T - delta)``, ``dV += P^T dO`` and ``dK += dS^T Q``, after which the slot takes
+  the tile ``STAGES`` steps on (two blocks per SM overlap one block's exponentials with the other's
+  products);
+* causal: query tiles before the block's first visible query are skipped, and the mask is applied only
+  to the tiles that cross the diagonal;
+* the epilogue scales ``dK`` by the softmax scale and writes ``dK`` and ``dV`` through TMA from the key
+  and value buffers (rows past ``N`` clipped).
+
+``dQ`` stays the template's pass (``MODE_DQ``). The inputs are those of the template's dK/dV pass after
+its preprocessing launch (``delta``, ``lse2``). It runs the inputs the Gluon forward runs (dense:
+:func:`.hopper.applies`); which calls take it is the backend's choice (configuration key
+``KERNEL="gluon"``; by default causal dense sites, ``configs.GLUON_BWD``, where it measured faster than the
+template's pass; without a mask it measured as fast or slower). Gluon kernels have no interpreter: they are
+checked on a Hopper GPU (``tests/codegen/test_hopper_gpu.py``) and compiled for sm_90 on any machine
+(``benchmarks/sm90.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+from .common import LOG2E
+from .hopper import _desc, _tile_2d
+from .launch import FastLaunch
+
+__all__ = ["dkdv"]
+
+
+@gluon.jit
+def _load_step(q_desc, do_desc, q_buf, do_buf, bar, slot, it, b, hk, groups, lo, n_m, total,
+               BLOCK_M: gl.constexpr):
+    """Requests the query and ``dO`` tiles of step ``it`` (query head ``hk * groups + it // (n_m - lo)``,
+    query tile ``lo + it % (n_m - lo)``) into ring slot ``slot``; nothing past the last step."""
+    per_head = n_m - lo
+    h = hk * groups + it // per_head
+    start_m = (lo + it % per_head) * BLOCK_M
+    pred = it < total
+    mbarrier.expect(bar.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(q_desc, [b, h, start_m, 0], bar.index(slot), q_buf.index(slot), pred=pred)
+    tma.async_copy_global_to_shared(do_desc, [b, h, start_m, 0], bar.index(slot), do_buf.index(slot), pred=pred)
+
+
+@gluon.jit
+def _probs(st_tok, dpt_tok, it, lse2_ptr, delta_ptr, rows, b, hk, Hq, groups, lo, n_m, n_q, off, start_n, qk_scale,
+           CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, st_layout: gl.constexpr):
+    """``(P^T, dS^T)`` of step ``it`` from its issued ``S^T`` and ``dP^T`` products: waits for the first,
+    exponentiates (masked where the tile crosses the diagonal) while the second runs, then waits for it."""
+    BLOCK_N: gl.constexpr = rows.shape[0]
+    per_head = n_m - lo
+    h = hk * groups + it // per_head
+    start_m = (lo + it % per_head) * BLOCK_M
+    cols = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
+    row = (b * Hq + h).to(gl.int64) * n_q + cols
+    lse2 = gl.load(lse2_ptr + row, mask=cols < n_q, other=float("inf"))
+    delta = gl.load(delta_ptr + row, mask=cols < n_q, other=0.0)
+    st = warpgroup_mma_wait(1, deps=(st_tok, ))
+    pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
+    if CAUSAL:
+        if start_m + off < start_n + BLOCK_N - 1:  # the tile crosses the diagonal
+            pt = gl.where(gl.expand_dims(cols, 0) + off >= gl.expand_dims(rows, 1), pt, 0.0)
+    dpt = warpgroup_mma_wait(0, deps=(dpt_tok, ))
+    return pt, pt * (dpt - gl.expand_dims(delta, 0))
+
+
+@gluon.jit
+def _bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse2_ptr, delta_ptr, Hq, groups, n_q, n_k, off,
+              qk_scale, sm_scale, CAUSAL: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+    HEAD_D: gl.constexpr = k_desc.block_type.shape[3]
+    dtype: gl.constexpr = k_desc.dtype
+
+    start_n = gl.program_id(0) * BLOCK_N
+    bhk = gl.program_id(1)
+    Hk = Hq // groups
+    b = bhk // Hk
+    hk = bhk % Hk
+
+    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                        instr_shape=[16, BLOCK_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, HEAD_D, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, st_layout)
+
+    k_buf = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
+    v_buf = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
+    q_buf = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_buf = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bar.index(i), count=1)
+    fence_async_shared()
+
+    # the query tiles a key of the block can be seen from (causal: from the first query at or past it)
+    n_m = gl.cdiv(n_q, BLOCK_M)
+    lo = 0
+    if CAUSAL:
+        lo = gl.minimum(gl.maximum(start_n - off, 0) // BLOCK_M, n_m)
+    total = groups * (n_m - lo)
+
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [b, hk, start_n, 0], kv_bar, k_buf)
+    tma.async_copy_global_to_shared(v_desc, [b, hk, start_n, 0], kv_bar, v_buf)
+    for i in gl.static_range(STAGES):
+        _load_step(q_desc, do_desc, q_buf, do_buf, bar, i, i, b, hk, groups, lo, n_m, total, BLOCK_M)
+
+    k_s = _tile_2d(k_buf, BLOCK_N, HEAD_D)
+    v_s = _tile_2d(v_buf, BLOCK_N, HEAD_D)
+    rows = start_n + gl.arange(0, BLOCK_N, layout=row_s)
+    dk = gl.zeros([BLOCK_N, HEAD_D], gl.float32, acc_layout)
+    dv = gl.zeros([BLOCK_N, HEAD_D], gl.float32, acc_layout)
+    mbarrier.wait(kv_bar, 0)
+
+    for it in range(total):
+        slot = it % STAGES
+        mbarrier.wait(bar.index(slot), (it // STAGES) & 1)
+        q_s = _tile_2d(q_buf.index(slot), BLOCK_M, HEAD_D)
+        do_s = _tile_2d(do_buf.index(slot), BLOCK_M, HEAD_D)
+        st_tok = warpgroup_mma(k_s, q_s.permute((1, 0)), gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout),
+                               use_acc=False, is_async=True)
+        dpt_tok = warpgroup_mma(v_s, do_s.permute((1, 0)), gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout),
+                                use_acc=False, is_async=True)
+        pt, dst = _probs(st_tok, dpt_tok, it, lse2_ptr, delta_ptr, rows, b, hk, Hq, groups, lo, n_m, n_q, off, start_n,
+                         qk_scale, CAUSAL, BLOCK_M, st_layout)
+        dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_s, dv, is_async=True)
+        dk = warpgroup_mma(gl.convert_layout(dst.to(dtype), a_layout), q_s, dk, is_async=True)
+        dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+        # the slot is read: it takes step it + STAGES
+        _load_step(q_desc, do_desc, q_buf, do_buf, bar, slot, it + STAGES, b, hk, groups, lo, n_m, total, BLOCK_M)
+
+    mbarrier.invalidate(kv_bar)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bar.index(i))
+    # (every product that read K and V is done: their buffers take dK and dV)
+    k_s.store((dk * sm_scale).to(dtype))
+    v_s.store(dv.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dk_desc, [b, hk, start_n, 0], k_buf)
+    tma.async_copy_shared_to_global(dv_desc, [b, hk, start_n, 0], v_buf)
+    tma.store_wait(pendings=0)
+
+
+_kernel = FastLaunch(_bwd_dkdv)
+
+
+def dkdv(q, k, v, grad_out, lse2, delta, dk, dv, scale: float, causal: bool, pos_off: int, cfg: dict) -> None:
+    """Writes ``dk`` and ``dv`` (``(B, Hk, Nk, D)``, TMA-writable) of dense attention from the template's
+    preprocessed ``lse2`` and ``delta`` (``(B, Hq, Nq)`` float32, contiguous), causal with query ``i`` at
+    position ``i + pos_off``, under ``cfg`` (``BLOCK_M`` queries per step, ``BLOCK_N`` keys per block,
+    ``STAGES`` ring slots; one warp group per block of 64 keys)."""
+    B, Hq, Nq, D = q.shape
+    Hk, Nk = k.shape[1], k.shape[2]
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    if bn != 64 or cfg.get("num_warps", 4) != 4:
+        raise ValueError(f"the Gluon dK/dV pass runs blocks of 64 keys on one warp group (BLOCK_N=64, num_warps=4), "
+                         f"not BLOCK_N={bn} with {cfg.get('num_warps')} warps")
+    grid = (triton.cdiv(Nk, bn), B * Hk)
+    _kernel[grid](_desc(q, bm), _desc(k, bn), _desc(v, bn), _desc(grad_out, bm), _desc(dk, bn), _desc(dv, bn), lse2,
+                  delta, Hq, Hq // Hk, Nq, Nk, pos_off, scale * LOG2E, scale, CAUSAL=causal, STAGES=cfg["STAGES"],
+                  num_warps=4)
