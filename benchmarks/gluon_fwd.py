@@ -189,17 +189,27 @@ def main(argv=None) -> int:
     checks = [] if args.no_check else check(VARIANTS, args)
     rows, ceiling = run(args)
     gpu = torch.cuda.get_device_name()
-    out = args.out or (os.path.join(os.environ["OUT"], "gluon_fwd.json") if os.environ.get("OUT") else None)
-    if out:
-        with open(out, "w") as fh:
-            json.dump(dict(gpu=gpu, torch=torch.__version__, gemm_tflops=ceiling, checks=checks, rows=rows), fh,
-                      indent=1)
+    write_json(args.out, "gluon_fwd.json", dict(gpu=gpu, torch=torch.__version__, gemm_tflops=ceiling, checks=checks,
+                                                rows=rows))
     print(f"\n{gpu}, B={args.B} H={args.H}, bf16; GEMM ceiling {ceiling:.0f} TFLOP/s")
     print(f"{'policy':<6} {'D':>4} {'N':>6} {'causal':>6} {'variant':<34} {'ms':>8} {'x cuDNN':>8} {'TFLOP/s':>8} "
           f"{'of GEMM':>8}")
     for r in rows:
         print(f"{r['policy']:<6} {r['D']:>4} {r['N']:>6} {int(r['causal']):>6} {r['variant']:<34} {r['ms']:>8.3f} "
               f"{r['vs_cudnn']:>8.2f} {r['tflops']:>8.0f} {r['of_gemm']:>8.2f}")
+    return failed(checks)
+
+
+def write_json(path, default_name: str, payload: dict) -> None:
+    """``payload`` as JSON to ``path``, or to ``$OUT/default_name`` when no path is given and ``$OUT`` is set."""
+    path = path or (os.path.join(os.environ["OUT"], default_name) if os.environ.get("OUT") else None)
+    if path:
+        with open(path, "w") as fh:
+            json.dump(payload, fh, indent=1)
+
+
+def failed(checks: list) -> int:
+    """The exit status of a run whose correctness checks are ``checks``: 1 (said) where one failed."""
     bad = [c for c in checks if not c["ok"]]
     if bad:
         print(f"{len(bad)} checks FAILED")

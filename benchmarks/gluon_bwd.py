@@ -1,0 +1,151 @@
+"""The Gluon dK/dV pass (``attncomp/codegen/triton/hopper_bwd.py``) checked and timed in one run: dense
+backward, the template's dQ pass after it, against the template's whole backward (this GPU's default
+configuration, ``ATTNCOMP_GLUON=0``), what a call runs by default, and cuDNN's backward (SDPA's
+forward+backward less its forward, both cuDNN, timed in the same round), per head dim, mask and
+configuration, in rounds (every contender once per round, medians).
+
+First a correctness pass against the float64 reference (odd ``N``, GQA, causal aligned top-left and
+bottom-right, float16 and bfloat16), then the timings; the table is printed last, JSON goes to ``--out``
+(default ``$OUT/gluon_bwd.json`` when ``$OUT`` is set).
+
+    python benchmarks/gluon_bwd.py                         # D 64/128, causal and not, N 4096/16384
+    python benchmarks/gluon_bwd.py --dims 128 --ns 16384 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from attention import bench_ms, flops, make_inputs, make_spec, sdpa_fn  # noqa: E402
+from gluon_fwd import failed, write_json  # noqa: E402
+
+# dK/dV tiles (queries per step, keys per block, ring slots); the dQ pass is the default's
+VARIANTS = [(64, 64, 2), (32, 64, 3), (64, 64, 3)]
+CASES = [(2, 4, 2, 1000, 64, "full", "bfloat16"), (1, 4, 4, 777, 128, "causal", "float16"),
+         (1, 2, 1, 130, 64, "causal", "bfloat16"), (1, 4, 2, 1000, 128, "full", "bfloat16"),
+         (2, 2, 2, 2048, 128, "causal", "bfloat16"), (1, 8, 2, 300, 64, "bottom_right", "float16")]
+
+
+def gluon_cfg(v, D: int) -> dict:
+    """The backward configuration of variant ``v``: the Gluon dK/dV pass, then the dQ pass of the default's
+    (``configs.GLUON_BWD``)."""
+    from attncomp.codegen.triton import configs
+
+    bm, bn, stages = v
+    return dict(configs.GLUON_BWD[(D, True)], BLOCK_M=bm, BLOCK_N=bn, STAGES=stages)
+
+
+def name(v) -> str:
+    return "gluon dkdv %dx%ds%d" % v
+
+
+def check(args) -> list:
+    import torch
+
+    from attncomp.codegen import reference as R
+    from attncomp.codegen.triton import backend as TB
+    from attncomp.spec import AttentionSpec
+
+    out = []
+    for B, Hq, Hk, N, D, mask, dt in CASES:
+        dtype = getattr(torch, dt)
+        g = torch.Generator().manual_seed(N + D)
+        q = torch.randn(B, Hq, N, D, generator=g).to("cuda", dtype)
+        Nk = N + 37 if mask == "bottom_right" else N
+        k, v = (torch.randn(B, Hk, Nk, D, generator=g).to("cuda", dtype) for _ in range(2))
+        go = torch.randn(B, Hq, N, D, generator=g).to("cuda", dtype)
+        spec = AttentionSpec(dtype=dt, causal=mask != "full", causal_align="bottom_right" if mask == "bottom_right"
+                             else "top_left")
+        o, lse = TB.attention_forward(spec, q, k, v)
+        want = R.attention_backward(q.double(), k.double(), v.double(), None, go.double(), spec=spec)[:3]
+        for var in VARIANTS:
+            got = TB.attention_backward(spec, q, k, v, None, o, lse, go, config=gluon_cfg(var, D))
+            errs = [((a.double() - b).abs().max() / b.abs().max()).item() for a, b in zip(got, want)]
+            ok = all(e < 2e-2 for e in errs)
+            out.append(dict(case=[B, Hq, Hk, N, Nk, D, mask, dt], variant=name(var), rel_err=errs, ok=ok))
+            print(f"check {B}x{Hq}/{Hk}x{N}x{Nk} D={D} {mask} {dt} {name(var)}: dq/dk/dv "
+                  f"{' '.join(f'{e:.1e}' for e in errs)} {'ok' if ok else 'FAIL'}", flush=True)
+    return out
+
+
+def run(args) -> list:
+    import torch
+
+    from attncomp.codegen.triton import backend as TB
+
+    rows, ran = [], []
+    for D, N, causal in itertools.product(args.dims, args.ns, args.causal):
+        q, k, v, do = make_inputs(args.B, args.H, N, D, torch.bfloat16, "cuda")
+        spec = make_spec("dense", causal, q.dtype)
+        out, lse = TB.attention_forward(spec, q, k, v)
+        fl = flops(args.B, args.H, N, D, causal, "fwd+bwd") - flops(args.B, args.H, N, D, causal, "fwd")
+        # the template's own backward (ATTNCOMP_GLUON=0: its default configuration), what a call runs by
+        # default (the Gluon dK/dV pass where configs.GLUON_BWD has the site), each variant
+        contenders = [("template", None, "0"), ("attncomp default", None, "1")] + [
+            (name(x), gluon_cfg(x, D), "1") for x in VARIANTS]
+        runs = {}
+        for _ in range(args.rounds):
+            both = bench_ms(sdpa_fn(causal, q, k, v, do, "fwd+bwd", "cudnn"), False)
+            runs.setdefault("cudnn backward", []).append(both - bench_ms(sdpa_fn(causal, q, k, v, None, "fwd",
+                                                                                  "cudnn"), False))
+            for label, cfg, gluon in contenders:
+                os.environ["ATTNCOMP_GLUON"] = gluon
+                try:
+                    ms = bench_ms(lambda: TB.attention_backward(spec, q, k, v, None, out, lse, do, config=cfg), False)
+                except Exception as e:  # a configuration that does not fit is reported, the others go on
+                    print(f"{label} D={D}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                    continue
+                finally:
+                    os.environ.pop("ATTNCOMP_GLUON")
+                runs.setdefault(label, []).append(ms)
+                if label == "attncomp default":
+                    ran.append(f"D={D} N={N} causal={int(causal)}: {TB.last_configs['bwd']}")
+        base = statistics.median(runs["cudnn backward"])
+        for label, ms in runs.items():
+            med = statistics.median(ms)
+            rows.append(dict(D=D, N=N, causal=causal, B=args.B, H=args.H, variant=label, ms=med, rounds=ms,
+                             vs_cudnn=base / med, tflops=fl / (med * 1e-3) / 1e12))
+            print(f"D={D} N={N} causal={int(causal)} {label}: {med:.3f} ms ({' '.join(f'{x:.3f}' for x in ms)}), "
+                  f"{base / med:.2f}x cuDNN", flush=True)
+    print("what a call ran by default:", *ran[::args.rounds], sep="\n  ")
+    return rows
+
+
+def main(argv=None) -> int:
+    import torch
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dims", default="64,128")
+    ap.add_argument("--ns", default="4096,16384")
+    ap.add_argument("--causal", default="0,1")
+    ap.add_argument("--B", type=int, default=4)
+    ap.add_argument("--H", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    args.dims = [int(x) for x in args.dims.split(",")]
+    args.ns = [int(x) for x in args.ns.split(",")]
+    args.causal = [bool(int(x)) for x in args.causal.split(",")]
+    os.environ.setdefault("ATTNCOMP_TRITON_TUNE", "0")
+    checks = [] if args.no_check else check(args)
+    rows = run(args)
+    gpu = torch.cuda.get_device_name()
+    write_json(args.out, "gluon_bwd.json", dict(gpu=gpu, torch=torch.__version__, checks=checks, rows=rows))
+    print(f"\n{gpu}, B={args.B} H={args.H}, bf16, backward alone, medians of {args.rounds} rounds")
+    print(f"{'D':>4} {'N':>6} {'causal':>6} {'variant':<26} {'ms':>8} {'x cuDNN':>8} {'TFLOP/s':>8}")
+    for r in rows:
+        print(f"{r['D']:>4} {r['N']:>6} {int(r['causal']):>6} {r['variant']:<26} {r['ms']:>8.3f} {r['vs_cudnn']:>8.2f} "
+              f"{r['tflops']:>8.0f}")
+    return failed(checks)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
