@@ -2,7 +2,9 @@
 every configuration of ``configs.GLUON_FWD`` / ``GLUON_FWD_SHORT`` / ``GLUON_FWD_DFSS`` (and more) against the float64
 reference, output and ``lse`` written into poisoned buffers, at odd lengths, GQA, causal aligned top-left and
 bottom-right, float16 and bfloat16, tied logits (DFSS); the template's backward from its ``lse``; and which
-calls the backend hands to it.
+calls the backend hands to it. The backward's Gluon dK/dV pass (``hopper_bwd.py``, then the template's dQ pass)
+under each configuration of ``configs.GLUON_BWD`` (and more) against the float64 reference on the same cases,
+and which backward calls take it by default.
 
 Run in a process of its own (``pytest -m gpu tests/codegen/test_hopper_gpu.py``).
 """
