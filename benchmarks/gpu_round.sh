@@ -9,7 +9,8 @@
 # Parts: env, tests, pytest (the selection in $PYTEST_ARGS), spion (SPION pattern timing), tvm (needs cubins built on a CPU machine: python -m attncomp build-kernels --arch sm_90
 # --head-dim 64 --out build/tvm-cubins), checks (SDPA backend check, host overhead, SPION patterns),
 # models, kernels (dense/dfss/hash/drop table), structured (predicate and SPION rows), tvmbench, hopper
-# (the Hopper variants of benchmarks/hopper.py: TMA, atomic dQ, the DFSS breakdown), breakdown (host time
+# (the Hopper variants of benchmarks/hopper.py: TMA, atomic dQ, the DFSS breakdown), gluon (the Gluon forward and
+# dK/dV pass against cuDNN: gluon_fwd.py, gluon_bwd.py), breakdown (host time
 # per op call, host_breakdown.py), report (BERT's host and kernels per step against torch.compile).
 set -u
 OUT=${OUT:-/tmp/gpu_round}
@@ -37,6 +38,8 @@ run_part() {
         kernels) $PY benchmarks/attention.py --tune --out "$OUT/attention_$GPU.json" ${KERNELS_ARGS:-} ;;
         structured) $PY benchmarks/attention.py --table structured ${STRUCTURED_ARGS:-} ;;
         hopper) $PY benchmarks/hopper.py --out "$OUT/hopper_$GPU.json" ${HOPPER_ARGS:-} ;;
+        gluon) $PY benchmarks/gluon_fwd.py --out "$OUT/gluon_fwd_$GPU.json" ${GLUON_FWD_ARGS:-} &&
+               $PY benchmarks/gluon_bwd.py --out "$OUT/gluon_bwd_$GPU.json" ${GLUON_BWD_ARGS:-} ;;
         breakdown) $PY benchmarks/host_breakdown.py --shapes ${BREAKDOWN_SHAPES:-tiny,gpt2,bert,llama} --policies ${BREAKDOWN_POLICIES:-eager,dense,dfss,hash,drop} --iters 50 \
                        --json "$OUT/host_breakdown_$GPU.json" ;;
         report) $PY benchmarks/model_report.py --model bert --policy dense --host --kernels --no-profile ;;
