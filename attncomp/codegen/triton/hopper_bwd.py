@@ -31,7 +31,6 @@ checked on a Hopper GPU (``tests/codegen/test_hopper_gpu.py``) and compiled for 
 
 from __future__ import annotations
 
-import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
