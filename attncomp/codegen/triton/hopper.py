@@ -60,6 +60,13 @@ HEAD_DIMS = (64, 128)
 _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 
 
+@gluon.constexpr_function
+def _mma_layout(num_warps, n):
+    """The register layout of a warp-group MMA result with ``n`` columns on ``num_warps`` warps (rows split
+    across the warps)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, 16])
+
+
 @gluon.jit
 def _tile_2d(buf, ROWS: gl.constexpr, COLS: gl.constexpr):
     """A ``[1, 1, ROWS, COLS]`` TMA block in shared memory seen as the ``[ROWS, COLS]`` MMA operand."""
@@ -199,10 +206,8 @@ def _attn_fwd(q_desc, k_desc, v_desc, o_desc, lse_ptr, Hq, groups, n_q, n_k, off
     hk = h // groups
     start_m = pid_m * BLOCK_M
 
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, HEAD_D, 16])
+    s_layout: gl.constexpr = _mma_layout(num_warps, BLOCK_N)
+    o_layout: gl.constexpr = _mma_layout(num_warps, HEAD_D)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
@@ -382,10 +387,8 @@ def _ws_consume(o_desc, lse_ptr, smem, bh, b, h, start_m, n_q, n_k, off, qk_scal
     HEAD_D: gl.constexpr = o_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_buf.shape[3] * (4 if NM else 1)
     dtype: gl.constexpr = o_desc.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_D, 16])
+    s_layout: gl.constexpr = _mma_layout(4, BLOCK_N)
+    o_layout: gl.constexpr = _mma_layout(4, HEAD_D)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)

@@ -38,7 +38,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from .common import LOG2E
-from .hopper import _desc, _tile_2d
+from .hopper import _desc, _mma_layout, _tile_2d
 from .launch import FastLaunch
 
 __all__ = ["dkdv"]
@@ -94,10 +94,8 @@ def _bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse2_ptr, delta
     b = bhk // Hk
     hk = bhk % Hk
 
-    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                        instr_shape=[16, BLOCK_M, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                         instr_shape=[16, HEAD_D, 16])
+    st_layout: gl.constexpr = _mma_layout(num_warps, BLOCK_M)
+    acc_layout: gl.constexpr = _mma_layout(num_warps, HEAD_D)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, st_layout)
 
