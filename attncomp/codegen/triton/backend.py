@@ -563,18 +563,26 @@ def _gluon_module(device: torch.device):
     return _GLUON[idx]
 
 
-def _gluon_bwd_default(spec, q, k, v, attn_mask, dropout_p, preds, block_pattern, layout, grad_out) -> Optional[dict]:
-    """The backward configuration of a call whose dK/dV pass the Gluon kernel takes by default
-    (``configs.GLUON_BWD``: dense causal sites on sm_90, with the template's dQ pass it was measured with);
-    ``None`` (the template's tuned or default configuration) elsewhere. ``gluon_skipped["bwd"]`` says why not."""
-    why, causal, off, nm24 = _gluon_why_not(spec, q, k, v, attn_mask, dropout_p, preds, block_pattern, layout, False)
-    cfg = configs.GLUON_BWD.get((q.shape[-1], causal))
-    if why is None:
-        why = ("DFSS" if nm24 else None) or ("no configuration" if cfg is None else None)
-    if why is None and not _tma_aligned(grad_out):
-        why = "a tensor TMA cannot read (16-byte aligned base and strides, unit last stride)"
-    gluon_skipped["bwd"] = why
-    return None if why is not None else cfg
+def _gluon_bwd(spec, q, k, v, attn_mask, dropout_p, preds, block_pattern, layout, grad_out,
+               config: Optional[dict]) -> Optional[tuple]:
+    """``(config, causal, off)`` of a backward whose dK/dV pass runs the Gluon kernel (:mod:`.hopper_bwd`):
+    ``config`` where it asks for it (``KERNEL="gluon"``; ``ValueError`` where the call cannot run it), else by
+    default ``configs.GLUON_BWD``'s for dense causal sites on sm_90 (with the template's dQ pass it was
+    measured with); ``None`` where the template's dK/dV pass runs (``gluon_skipped["bwd"]`` says why)."""
+    forced = config is not None
+    if (config.get("KERNEL") != "gluon") if forced else not q.is_cuda:
+        return None
+    why, causal, off, nm24 = _gluon_why_not(spec, q, k, v, attn_mask, dropout_p, preds, block_pattern, layout, forced)
+    cfg = config if forced else configs.GLUON_BWD.get((q.shape[-1], causal))
+    # (_gluon_why_not asked hopper.applies: the Gluon forward's inputs are the pass's)
+    why = why or ("DFSS" if nm24 else None) or ("no configuration" if cfg is None else None) or (
+        None if _tma_aligned(grad_out) else "a tensor TMA cannot read (16-byte aligned base and strides, unit last "
+                                            "stride)")
+    if forced and why is not None:
+        raise ValueError(f"config {config} asks for the Gluon dK/dV pass, which cannot run this call: {why}")
+    if not forced:
+        gluon_skipped["bwd"] = why
+    return None if why is not None else (cfg, causal, off)
 
 
 def _gluon_bwd_module():
@@ -947,7 +955,8 @@ def attention_backward(spec: AttentionSpec, q, k, v, attn_mask, out, lse, grad_o
                        block_pattern=None, layout: Optional[Layout] = None):
     """``(dq, dk, dv)`` of :func:`attention_forward`'s ``out`` for ``grad_out``.
 
-    Two launches (dK/dV, then dQ), or with a ``DQ_ATOMIC`` configuration one: the dK/dV pass adds dQ
+    Two launches (dK/dV, then dQ; the dK/dV pass in Gluon where :func:`_gluon_bwd` says so: by default
+    dense causal sites on sm_90), or with a ``DQ_ATOMIC`` configuration one: the dK/dV pass adds dQ
     into a float32 buffer with atomics (``DQ_ATOMIC=2``: one TMA bulk reduction per tile where the query
     rows are in order, else per-element atomics). The atomics' order varies, so while PyTorch's deterministic
     algorithms are enabled (``torch.use_deterministic_algorithms``) such configurations are not
@@ -955,8 +964,6 @@ def attention_backward(spec: AttentionSpec, q, k, v, attn_mask, out, lse, grad_o
     """
     q, k, v = _last_contiguous(q), _last_contiguous(k), _last_contiguous(v)
     out, grad_out = _last_contiguous(out), _last_contiguous(grad_out)
-    if config is None and q.is_cuda:
-        config = _gluon_bwd_default(spec, q, k, v, attn_mask, dropout_p, preds, block_pattern, layout, grad_out)
     site = Site(spec, q, k, v, attn_mask, dropout_p, seed, preds, q_aux, k_aux, block_pattern, layout)
     B, Hq, Hk, Nq, Nk = site.B, site.Hq, site.Hk, site.Nq, site.Nk
     dq = _empty(q.shape, q.dtype, q.device)
@@ -964,6 +971,9 @@ def attention_backward(spec: AttentionSpec, q, k, v, attn_mask, out, lse, grad_o
     dv = _empty(v.shape, v.dtype, v.device)
     if Nq == 0 or Nk == 0 or B * Hq == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
+    gluon = _gluon_bwd(spec, q, k, v, attn_mask, dropout_p, preds, block_pattern, layout, grad_out, config)
+    if gluon is not None:
+        config = gluon[0]
     delta = _empty((B, Hq, Nq), torch.float32, q.device)
     lse2 = _empty((B, Hq, Nq), torch.float32, q.device)
     lse = lse.contiguous()
@@ -980,14 +990,8 @@ def attention_backward(spec: AttentionSpec, q, k, v, attn_mask, out, lse, grad_o
 
     def launch(cfg):
         bm, bn, w, st = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"]
-        if cfg.get("KERNEL") == "gluon":  # the dK/dV pass in Gluon (hopper_bwd), then the template's dQ pass
-            why, causal, off, nm24 = _gluon_why_not(spec, q, k, v, attn_mask, dropout_p, preds, block_pattern,
-                                                    layout, True)
-            why = why or ("DFSS" if nm24 else None)  # (_gluon_why_not asked hopper.applies: the same inputs)
-            if why is not None or not all(_tma_aligned(t) for t in (grad_out, dk, dv)):
-                raise ValueError(f"config {cfg} asks for the Gluon dK/dV pass, which cannot run this call: "
-                                 f"{why or 'a tensor TMA cannot read or write'}")
-            _gluon_bwd_module().dkdv(q, k, v, grad_out, lse2, delta, dk, dv, site.scale, causal, off, cfg)
+        if gluon is not None:  # the dK/dV pass in Gluon (hopper_bwd; dk and dv are contiguous), then the template's dQ
+            _gluon_bwd_module().dkdv(q, k, v, grad_out, lse2, delta, dk, dv, site.scale, gluon[1], gluon[2], cfg)
             _dq_pass(cfg, bn, bm, w, st)
             return
         # orientation of the dK/dV tiles: queries by keys for a row-wise selection, else keys by queries

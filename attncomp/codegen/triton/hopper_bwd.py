@@ -1,6 +1,6 @@
 """The dK/dV pass of the backward for Hopper (sm_90) in Gluon: dense attention, causal or not, its matrix
-products issued as asynchronous warp-group MMAs so that the exponentials of one query tile run while the
-tensor cores compute the next products.
+products issued as asynchronous warp-group MMAs so that the exponentials of a query tile run while the
+tensor cores compute that tile's ``dP^T``.
 
 The template's backward (:mod:`.template`, ``MODE_DKDV``) is written in Triton's tile language, whose
 compiler waits for each ``tl.dot`` before the next statement. Here, per block of ``BLOCK_N`` keys (rows of
@@ -13,8 +13,8 @@ tile of ``BLOCK_M`` rows of every query head of the block's key head (grouped he
   computes ``P^T = exp2(S^T * scale * log2(e) - lse2)`` while the second runs (``lse2``: the forward's
   ``lse`` in log2 units, ``+inf`` for rows past ``N`` or without keys, so that their ``P`` is 0);
 * then ``dS^T = P^T (dP^T - delta)``, ``dV += P^T dO`` and ``dK += dS^T Q``, after which the slot takes
-  the tile ``STAGES`` steps on (two blocks per SM overlap one block's exponentials with the other's
-  products);
+  the tile ``STAGES`` steps on (two blocks fit on an SM by registers, so the scheduler can run one
+  block's products while the other computes);
 * causal: query tiles before the block's first visible query are skipped, and the mask is applied only
   to the tiles that cross the diagonal;
 * the epilogue scales ``dK`` by the softmax scale and writes ``dK`` and ``dV`` through TMA from the key
