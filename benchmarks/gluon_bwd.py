@@ -26,8 +26,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from attention import bench_ms, flops, make_inputs, make_spec, sdpa_fn  # noqa: E402
 from gluon_fwd import failed, write_json  # noqa: E402
 
-# dK/dV tiles (queries per step, keys per block, ring slots); the dQ pass is the default's
-VARIANTS = [(64, 64, 2), (32, 64, 3), (64, 64, 3)]
+# dK/dV tiles (queries per step, keys per block, ring slots) and dQ: the default's dQ pass after the dK/dV pass
+# (0), or added in the pass (1: DQ_ATOMIC, TMA reductions)
+VARIANTS = [(64, 64, 2, 0), (64, 64, 3, 0), (64, 64, 2, 1), (64, 64, 3, 1)]
 CASES = [(2, 4, 2, 1000, 64, "full", "bfloat16"), (1, 4, 4, 777, 128, "causal", "float16"),
          (1, 2, 1, 130, 64, "causal", "bfloat16"), (1, 4, 2, 1000, 128, "full", "bfloat16"),
          (2, 2, 2, 2048, 128, "causal", "bfloat16"), (1, 8, 2, 300, 64, "bottom_right", "float16")]
@@ -38,12 +39,13 @@ def gluon_cfg(v, D: int) -> dict:
     (``configs.GLUON_BWD``)."""
     from attncomp.codegen.triton import configs
 
-    bm, bn, stages = v
-    return dict(configs.GLUON_BWD[(D, True)], BLOCK_M=bm, BLOCK_N=bn, STAGES=stages)
+    bm, bn, stages, fused = v
+    base = {x: y for x, y in configs.GLUON_BWD[(D, True)].items() if x != "DQ_ATOMIC"}
+    return dict(base, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, **(dict(DQ_ATOMIC=2) if fused else {}))
 
 
 def name(v) -> str:
-    return "gluon dkdv %dx%ds%d" % v
+    return "gluon dkdv %dx%ds%d" % v[:3] + (" fused dq" if v[3] else "")
 
 
 def check(args) -> list:
@@ -89,7 +91,7 @@ def run(args) -> list:
         # the template's own backward (ATTNCOMP_GLUON=0: its default configuration), what a call runs by
         # default (the Gluon dK/dV pass where configs.GLUON_BWD has the site), each variant
         contenders = [("template", None, "0"), ("attncomp default", None, "1")] + [
-            (name(x), gluon_cfg(x, D), "1") for x in VARIANTS]
+            (name(x), gluon_cfg(x, D), "1") for x in VARIANTS if D in args.fused_dims or not x[3]]
         runs = {}
         for _ in range(args.rounds):
             both = bench_ms(sdpa_fn(causal, q, k, v, do, "fwd+bwd", "cudnn"), False)
@@ -128,11 +130,13 @@ def main(argv=None) -> int:
     ap.add_argument("--B", type=int, default=4)
     ap.add_argument("--H", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--fused-dims", default="64,128", help="head dims at which the fused-dQ variants are timed")
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     args.dims = [int(x) for x in args.dims.split(",")]
     args.ns = [int(x) for x in args.ns.split(",")]
+    args.fused_dims = [int(x) for x in args.fused_dims.split(",")]
     args.causal = [bool(int(x)) for x in args.causal.split(",")]
     os.environ.setdefault("ATTNCOMP_TRITON_TUNE", "0")
     checks = [] if args.no_check else check(args)

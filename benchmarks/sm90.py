@@ -149,8 +149,9 @@ def compile_config(policy: str, causal: bool, D: int, passes: str, cfg: Dict, N:
             from attncomp.codegen.triton import hopper_bwd
 
             z = torch.zeros(1, 2, N)
+            dq32 = torch.zeros(q.shape) if cfg.get("DQ_ATOMIC") else None  # (the pass that adds dQ too)
             hopper_bwd.dkdv(q, k, v, torch.randn_like(q), z, z, torch.empty_like(k), torch.empty_like(v), D ** -0.5,
-                            causal, 0, cfg)
+                            causal, 0, cfg, dq32)
         elif cfg.get("KERNEL") == "gluon":  # the Gluon Hopper forward (dense, DFSS 2:4), as the backend calls it
             from attncomp.codegen.triton import hopper
 

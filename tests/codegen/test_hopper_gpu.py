@@ -247,12 +247,15 @@ def test_the_op_keeps_the_gluon_plan(TB, monkeypatch, policy):
 
 def _bwd_configs():
     """Gluon dK/dV pass configurations (queries per step, ring slots; blocks of 64 keys), each followed by
-    the template's dQ pass: the default's, and more."""
+    the template's dQ pass or adding dQ in the pass: the default's, and more."""
     from attncomp.codegen.triton import configs
 
     own = list(configs.GLUON_BWD.values())
     more = [dict(KERNEL="gluon", BLOCK_M=bm, BLOCK_N=64, STAGES=st, num_warps=4, num_stages=2, DQ=[64, 64, 4, 2])
             for bm, st in ((32, 3), (64, 3))]
+    # dQ added in the pass (TMA reductions)
+    more += [dict(KERNEL="gluon", BLOCK_M=64, BLOCK_N=64, STAGES=st, num_warps=4, num_stages=2, DQ=[64, 64, 4, 2],
+                  DQ_ATOMIC=2) for st in (2, 3)]
     return [c for i, c in enumerate(own + more) if c not in (own + more)[:i]]
 
 
@@ -269,7 +272,51 @@ def test_gluon_dkdv_pass_against_reference(TB, case):
         got = TB.attention_backward(spec, q, k, v, None, out, lse, go, preds=preds, config=cfg)[:3]
         assert TB.last_configs["bwd"].get("KERNEL") == "gluon"
         for name, a, b in zip(("dq", "dk", "dv"), got, want):
-            close(f"{name} {cfg['BLOCK_M']}x{cfg['BLOCK_N']}s{cfg['STAGES']}", a, b, _TOL[q.dtype], True)
+            close(f"{name} {cfg['BLOCK_M']}x{cfg['BLOCK_N']}s{cfg['STAGES']} fused {cfg.get('DQ_ATOMIC', 0)}", a, b,
+                  _TOL[q.dtype], True)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_dense_d64_backward_adds_dq_in_the_gluon_pass(TB, monkeypatch, causal):
+    """By default the backward of a dense site at head dim 64 with enough keys, causal or not, runs the Gluon
+    pass that adds dQ too (one launch) and gives the float64 reference's gradients (grouped heads, an odd
+    length, poisoned outputs)."""
+    from attncomp.codegen.triton import configs, hopper_bwd
+
+    N = configs.GLUON_MIN_KEYS + 67
+    spec, q, k, v, go, preds = _inputs(1, 4, 2, N, N, 64, ("causal",) if causal else (), torch.bfloat16, seed=7)
+    out, lse = TB.attention_forward(spec, q, k, v)
+    fused, real = [], hopper_bwd.dkdv
+    monkeypatch.setattr(hopper_bwd, "dkdv", lambda *a: (fused.append(len(a) > 12 and a[12] is not None), real(*a))[1])
+    got = TB.attention_backward(spec, q, k, v, None, out, lse, go)
+    assert TB.last_configs["bwd"].get("DQ_ATOMIC") and fused == [True] and TB.gluon_skipped["bwd"] is None
+    want = R.attention_backward(q.double(), k.double(), v.double(), None, go.double(), spec=spec)[:3]
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        close(name, a, b, _TOL[q.dtype], True)
+
+
+def test_gluon_fused_dq_keeps_to_deterministic_algorithms(TB, monkeypatch):
+    """A configuration that adds dQ in the Gluon pass (``DQ_ATOMIC``: TMA reductions, whose order varies) runs
+    the pass without it and the template's dQ pass while PyTorch's deterministic algorithms are on, and
+    gives the reference's gradients either way."""
+    from attncomp.codegen.triton import hopper_bwd
+
+    spec, q, k, v, go, preds = _inputs(1, 4, 2, 700, 700, 64, ("causal",), torch.bfloat16, seed=5)
+    out, lse = TB.attention_forward(spec, q, k, v)
+    want = R.attention_backward(q.double(), k.double(), v.double(), None, go.double(), spec=spec)[:3]
+    cfg = next(c for c in _bwd_configs() if c.get("DQ_ATOMIC"))
+    fused, real = [], hopper_bwd.dkdv
+    monkeypatch.setattr(hopper_bwd, "dkdv", lambda *a: (fused.append(len(a) > 12 and a[12] is not None), real(*a))[1])
+    for deterministic in (False, True):
+        was = torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(deterministic, warn_only=True)
+        try:
+            got = TB.attention_backward(spec, q, k, v, None, out, lse, go, config=cfg)
+        finally:
+            torch.use_deterministic_algorithms(was)
+        assert fused[-1] is (not deterministic)
+        for name, a, b in zip(("dq", "dk", "dv"), got, want):
+            close(f"{name} deterministic={deterministic}", a, b, _TOL[q.dtype], True)
 
 
 def test_gluon_dkdv_pass_refuses_what_it_cannot_run(TB):

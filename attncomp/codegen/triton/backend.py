@@ -567,8 +567,9 @@ def _gluon_bwd(spec, q, k, v, attn_mask, dropout_p, preds, block_pattern, layout
                config: Optional[dict]) -> Optional[tuple]:
     """``(config, causal, off)`` of a backward whose dK/dV pass runs the Gluon kernel (:mod:`.hopper_bwd`):
     ``config`` where it asks for it (``KERNEL="gluon"``; ``ValueError`` where the call cannot run it), else by
-    default ``configs.GLUON_BWD``'s for dense causal sites on sm_90 (with the template's dQ pass it was
-    measured with); ``None`` where the template's dK/dV pass runs (``gluon_skipped["bwd"]`` says why)."""
+    default ``configs.GLUON_BWD``'s for the dense sites it has on sm_90 (with dQ added in the pass, or the
+    template's dQ pass it was measured with); ``None`` where the template's dK/dV pass runs
+    (``gluon_skipped["bwd"]`` says why)."""
     forced = config is not None
     if (config.get("KERNEL") != "gluon") if forced else not q.is_cuda:
         return None
@@ -956,11 +957,12 @@ def attention_backward(spec: AttentionSpec, q, k, v, attn_mask, out, lse, grad_o
     """``(dq, dk, dv)`` of :func:`attention_forward`'s ``out`` for ``grad_out``.
 
     Two launches (dK/dV, then dQ; the dK/dV pass in Gluon where :func:`_gluon_bwd` says so: by default
-    dense causal sites on sm_90), or with a ``DQ_ATOMIC`` configuration one: the dK/dV pass adds dQ
-    into a float32 buffer with atomics (``DQ_ATOMIC=2``: one TMA bulk reduction per tile where the query
-    rows are in order, else per-element atomics). The atomics' order varies, so while PyTorch's deterministic
-    algorithms are enabled (``torch.use_deterministic_algorithms``) such configurations are not
-    candidates (:func:`.configs.bwd_candidates`) and a forced one runs the two-pass path.
+    the dense sites of ``configs.GLUON_BWD`` on sm_90), or with a ``DQ_ATOMIC`` configuration one: the dK/dV
+    pass adds dQ into a float32 buffer with atomics (``DQ_ATOMIC=2``: one TMA bulk reduction per tile where
+    the query rows are in order, else per-element atomics; the Gluon pass: TMA reductions). The atomics' order
+    varies, so while PyTorch's deterministic algorithms are enabled (``torch.use_deterministic_algorithms``)
+    such configurations are not candidates (:func:`.configs.bwd_candidates`) and a forced one (the Gluon
+    default's too) runs the two-pass path.
     """
     q, k, v = _last_contiguous(q), _last_contiguous(k), _last_contiguous(v)
     out, grad_out = _last_contiguous(out), _last_contiguous(grad_out)
@@ -991,6 +993,13 @@ def attention_backward(spec: AttentionSpec, q, k, v, attn_mask, out, lse, grad_o
     def launch(cfg):
         bm, bn, w, st = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"]
         if gluon is not None:  # the dK/dV pass in Gluon (hopper_bwd; dk and dv are contiguous), then the template's dQ
+            if cfg.get("DQ_ATOMIC") and not torch.are_deterministic_algorithms_enabled():
+                # (dQ added in the pass: one launch)
+                dq32 = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+                _gluon_bwd_module().dkdv(q, k, v, grad_out, lse2, delta, dk, dv, site.scale, gluon[1], gluon[2], cfg,
+                                         dq32)
+                dq.copy_(dq32)
+                return
             _gluon_bwd_module().dkdv(q, k, v, grad_out, lse2, delta, dk, dv, site.scale, gluon[1], gluon[2], cfg)
             _dq_pass(cfg, bn, bm, w, st)
             return

@@ -195,14 +195,21 @@ GLUON_FWD_SHORT: Dict[tuple, Config] = {
 }
 GLUON_SHORT_QUERIES = 8192
 
-# The Gluon dK/dV pass of the backward (:mod:`.hopper_bwd`; the template's dQ pass after it) of dense sites on
-# sm_90 GPUs, per (head dim, causal): queries per step, keys per block, ring slots. Causal only: from
-# ``benchmarks/gluon_bwd.py`` on an H100 (bf16, B=4, H=16, N 4096 and 16384, medians of 2-3 rounds in
-# turn, three calls), the whole backward took 0.83-0.92x / 0.88-0.90x the template's time (D=64 / D=128, causal);
-# without a mask 0.93-1.02x at D=64 and 0.99-1.06x at D=128 (benchmarks/README.md).
-# ``DQ``: the template's dQ pass as measured with it (queries, keys, warps, stages; K and V by address loads).
+# The Gluon dK/dV pass of the backward (:mod:`.hopper_bwd`) of dense sites on sm_90 GPUs, per (head dim, causal):
+# queries per step, keys per block, ring slots; ``DQ_ATOMIC``: dQ added in the pass (TMA reductions; while
+# PyTorch's deterministic algorithms are on, the pass without it and the template's dQ pass ``DQ``: queries,
+# keys, warps, stages, K and V by address loads). From ``benchmarks/gluon_bwd.py`` on an H100 (bf16, B=4, H=16,
+# N 4096 and 16384, medians of 2-3 rounds in turn; benchmarks/README.md), the whole backward's time against the
+# template's:
+# * D=128, causal: the pass then the dQ pass, 0.88-0.90x (adding dQ in the pass spills and fits one block per SM:
+#   1.2-1.5x the template's time); without a mask as fast or slower, so the template keeps those sites;
+# * D=64, adding dQ in the pass (three ring slots): 0.85-0.89x causal, 0.91-1.00x without a mask (the pass then the
+#   dQ pass: 0.89-0.92x causal, 0.94-0.99x without).
 GLUON_BWD: Dict[tuple, Config] = {
-    (64, True): dict(KERNEL="gluon", BLOCK_M=64, BLOCK_N=64, STAGES=2, num_warps=4, num_stages=3, DQ=[64, 64, 4, 3]),
+    (64, True): dict(KERNEL="gluon", BLOCK_M=64, BLOCK_N=64, STAGES=3, num_warps=4, num_stages=3, DQ=[64, 64, 4, 3],
+                     DQ_ATOMIC=2),
+    (64, False): dict(KERNEL="gluon", BLOCK_M=64, BLOCK_N=64, STAGES=3, num_warps=4, num_stages=3, DQ=[64, 64, 4, 3],
+                      DQ_ATOMIC=2),
     (128, True): dict(KERNEL="gluon", BLOCK_M=64, BLOCK_N=64, STAGES=2, num_warps=4, num_stages=3,
                       DQ=[128, 64, 8, 3]),
 }

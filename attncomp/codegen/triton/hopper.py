@@ -58,6 +58,7 @@ __all__ = ["applies", "forward", "launch_args", "kernel_for", "HEAD_DIMS"]
 #: head dims the kernel is built for (the smem ring and the register budget are sized for them)
 HEAD_DIMS = (64, 128)
 _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
+_DESC_DTYPES = {**_GL_DTYPES, torch.float32: gl.float32}  # (the backward's float32 dQ buffer)
 
 
 @gluon.constexpr_function
@@ -557,10 +558,10 @@ def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos_off: int, nm2
 _LAYOUTS: dict = {}
 
 
-def _desc(t: torch.Tensor, rows: int, groups: bool = False) -> TensorDescriptor:
+def _desc(t: torch.Tensor, rows: int, groups: bool = False, cols: Optional[int] = None) -> TensorDescriptor:
     """A TMA descriptor of a ``(B, H, N, D)`` tensor in ``[1, 1, rows, D]`` blocks, or with ``groups``
     of its ``(B, H, N/4, 4, D)`` view (``N`` a multiple of 4) in ``[1, 1, rows / 4, 1, D]`` blocks (one
-    member of ``rows / 4`` groups of four keys), built without the constructor's checks, which cost
+    member of ``rows / 4`` groups of four keys), or with ``cols`` in ``[1, 1, rows, cols]`` blocks, built without the constructor's checks, which cost
     more host time than the launch: the caller checked the tensor (``backend._tma_aligned``); the
     first descriptor of each block shape and dtype is built checked."""
     B, H, N, D = t.shape
@@ -569,11 +570,11 @@ def _desc(t: torch.Tensor, rows: int, groups: bool = False) -> TensorDescriptor:
         dc = min(D, 128 // t.element_size())
         shape, strides, block = [B, H, N // 4, 4, D], [sb, sh, 4 * sn, sn, sd], [1, 1, rows // 4, 1, dc]
     else:
-        shape, strides, block = [B, H, N, D], [sb, sh, sn, sd], [1, 1, rows, D]
+        shape, strides, block = [B, H, N, D], [sb, sh, sn, sd], [1, 1, rows, cols or D]
     key = (tuple(block), t.dtype)
     layout = _LAYOUTS.get(key)
     if layout is None:
-        layout = _LAYOUTS[key] = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[t.dtype])
+        layout = _LAYOUTS[key] = gl.NVMMASharedLayout.get_default_for(block, _DESC_DTYPES[t.dtype])
         TensorDescriptor(t, shape, strides, block, layout)  # checked once
     d = object.__new__(TensorDescriptor)
     d.base, d.shape, d.strides, d.block_shape, d.layout, d.padding = t, shape, strides, block, layout, "zero"

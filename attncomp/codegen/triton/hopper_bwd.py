@@ -20,20 +20,28 @@ tile of ``BLOCK_M`` rows of every query head of the block's key head (grouped he
 * the epilogue scales ``dK`` by the softmax scale and writes ``dK`` and ``dV`` through TMA from the key
   and value buffers (rows past ``N`` clipped).
 
-``dQ`` stays the template's pass (``MODE_DQ``). The inputs are those of the template's dK/dV pass after
-its preprocessing launch (``delta``, ``lse2``). It runs the inputs the Gluon forward runs (dense:
-:func:`.hopper.applies`); which calls take it is the backend's choice (configuration key
-``KERNEL="gluon"``; by default causal dense sites, ``configs.GLUON_BWD``, where it measured faster than the
-template's pass; without a mask it measured as fast or slower). Gluon kernels have no interpreter: they are
-checked on a Hopper GPU (``tests/codegen/test_hopper_gpu.py``) and compiled for sm_90 on any machine
-(``benchmarks/sm90.py``).
+``dQ`` is the template's pass after this one (``MODE_DQ``), or, with ``DQ`` (configuration key
+``DQ_ATOMIC``), added here: each step stores ``dS^T`` to shared memory, computes ``dQ = dS K``
+(``DQ_COLS`` columns at a time, the left operand the stored tile transposed) and adds it into a zeroed
+float32 buffer with one TMA reduction per tile (``cp.reduce.async.bulk.tensor``; the next tile is written
+once the previous reduction has read its buffer). One launch instead of two, and no second ``Q K^T`` and
+``dO V^T``; the additions' order varies from run to run, so the backend runs the two passes while
+PyTorch's deterministic algorithms are on.
+
+The inputs are those of the template's dK/dV pass after its preprocessing launch (``delta``, ``lse2``). It
+runs the inputs the Gluon forward runs (dense: :func:`.hopper.applies`); which calls take it is the backend's
+choice (configuration key ``KERNEL="gluon"``; by default the sites of ``configs.GLUON_BWD``, where it
+measured faster than the template's pass). Gluon kernels have no interpreter: they are checked on a Hopper
+GPU (``tests/codegen/test_hopper_gpu.py``) and compiled for sm_90 on any machine (``benchmarks/sm90.py``).
 """
 
 from __future__ import annotations
 
 import triton
+from triton._C.libtriton import gluon_ir, ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
@@ -41,7 +49,22 @@ from .common import LOG2E
 from .hopper import _desc, _mma_layout, _tile_2d
 from .launch import FastLaunch
 
-__all__ = ["dkdv"]
+__all__ = ["dkdv", "FUSED_DQ"]
+
+#: whether this Triton's Gluon builds TMA reductions (``cp.reduce.async.bulk.tensor``), which the pass's fused dQ
+#: (``DQ_ATOMIC``) adds its tiles with
+FUSED_DQ = hasattr(gluon_ir.GluonOpBuilder, "create_async_tma_reduce")
+#: columns of ``dQ`` per product and per TMA reduction in the fused pass (a float32 tile of 16 KiB): at D=128 two
+#: in turn, at D=64 one
+DQ_COLS = 64
+
+
+@builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """Adds the shared-memory tile ``src`` into the tensor of ``tensor_desc`` at ``coord`` with one TMA
+    reduction (asynchronous, like a TMA store: ``tma.store_wait`` before ``src`` is written again)."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
 
 
 @gluon.jit
@@ -80,9 +103,27 @@ def _probs(st_tok, dpt_tok, it, lse2_ptr, delta_ptr, rows, b, hk, Hq, groups, lo
     return pt, pt * (dpt - gl.expand_dims(delta, 0))
 
 
+@gluon.constexpr_function
+def _ds_layout(shape, dtype):
+    """The shared layout of the ``dS^T`` tile the fused dQ product reads (transposed) as its left operand."""
+    return gl.NVMMASharedLayout.get_default_for(shape, dtype)
+
+
 @gluon.jit
-def _bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse2_ptr, delta_ptr, Hq, groups, n_q, n_k, off,
-              qk_scale, sm_scale, CAUSAL: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+def _dq_add(dq, dq_buf, dq_desc, b, h, start_m, col, sm_scale):
+    """Adds ``dq * sm_scale`` (a float32 tile of ``dq_desc``'s block) into the dQ buffer at query row ``start_m``,
+    column ``col`` of head ``(b, h)`` through ``dq_buf`` with one TMA reduction (rows past ``N`` clipped),
+    once the previous reduction has read the buffer."""
+    tma.store_wait(pendings=0)
+    _tile_2d(dq_buf, dq.shape[0], dq.shape[1]).store(dq * sm_scale)
+    fence_async_shared()
+    _tma_reduce_add(dq_desc, [b, h, start_m, col], dq_buf)
+
+
+@gluon.jit
+def _bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse2_ptr, delta_ptr, Hq, groups, n_q, n_k,
+              off, qk_scale, sm_scale, CAUSAL: gl.constexpr, STAGES: gl.constexpr, DQ: gl.constexpr,
+              num_warps: gl.constexpr):
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
     HEAD_D: gl.constexpr = k_desc.block_type.shape[3]
@@ -98,6 +139,8 @@ def _bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse2_ptr, delta
     acc_layout: gl.constexpr = _mma_layout(num_warps, HEAD_D)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, st_layout)
+    DQ_COLS: gl.constexpr = dq_desc.block_type.shape[3]  # (the module's DQ_COLS)
+    dq_layout: gl.constexpr = _mma_layout(num_warps, DQ_COLS)
 
     k_buf = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
     v_buf = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
@@ -108,6 +151,9 @@ def _bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse2_ptr, delta
     mbarrier.init(kv_bar, count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(bar.index(i), count=1)
+    if DQ:  # dS^T for the dQ product, and the float32 tile each dQ reduction reads
+        ds_buf = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], _ds_layout([BLOCK_N, BLOCK_M], dtype))
+        dq_buf = gl.allocate_shared_memory(gl.float32, dq_desc.block_type.shape, dq_desc.layout)
     fence_async_shared()
 
     # the query tiles a key of the block can be seen from (causal: from the first query at or past it)
@@ -141,11 +187,28 @@ def _bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse2_ptr, delta
                                 use_acc=False, is_async=True)
         pt, dst = _probs(st_tok, dpt_tok, it, lse2_ptr, delta_ptr, rows, b, hk, Hq, groups, lo, n_m, n_q, off, start_n,
                          qk_scale, CAUSAL, BLOCK_M, st_layout)
+        ds = dst.to(dtype)
         dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_s, dv, is_async=True)
-        dk = warpgroup_mma(gl.convert_layout(dst.to(dtype), a_layout), q_s, dk, is_async=True)
-        dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+        dk = warpgroup_mma(gl.convert_layout(ds, a_layout), q_s, dk, is_async=True)
+        if DQ:  # dQ = dS K, DQ_COLS columns at a time, from dS^T in shared memory
+            ds_buf.store(ds)
+            fence_async_shared()
+            dq = warpgroup_mma(ds_buf.permute((1, 0)), k_s.slice(0, DQ_COLS, dim=1),
+                               gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout), use_acc=False, is_async=True)
+            dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
+        else:
+            dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
         # the slot is read: it takes step it + STAGES
         _load_step(q_desc, do_desc, q_buf, do_buf, bar, slot, it + STAGES, b, hk, groups, lo, n_m, total, BLOCK_M)
+        if DQ:
+            h = hk * groups + it // (n_m - lo)
+            start_m = (lo + it % (n_m - lo)) * BLOCK_M
+            _dq_add(dq, dq_buf, dq_desc, b, h, start_m, 0, sm_scale)
+            for c in gl.static_range(1, HEAD_D // DQ_COLS):
+                dq = warpgroup_mma(ds_buf.permute((1, 0)), k_s.slice(c * DQ_COLS, DQ_COLS, dim=1),
+                                   gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout), use_acc=False, is_async=True)
+                dq = warpgroup_mma_wait(0, deps=(dq, ))
+                _dq_add(dq, dq_buf, dq_desc, b, h, start_m, c * DQ_COLS, sm_scale)
 
     mbarrier.invalidate(kv_bar)
     for i in gl.static_range(STAGES):
@@ -162,18 +225,28 @@ def _bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse2_ptr, delta
 _kernel = FastLaunch(_bwd_dkdv)
 
 
-def dkdv(q, k, v, grad_out, lse2, delta, dk, dv, scale: float, causal: bool, pos_off: int, cfg: dict) -> None:
+def dkdv(q, k, v, grad_out, lse2, delta, dk, dv, scale: float, causal: bool, pos_off: int, cfg: dict,
+         dq32=None) -> None:
     """Writes ``dk`` and ``dv`` (``(B, Hk, Nk, D)``, TMA-writable) of dense attention from the template's
     preprocessed ``lse2`` and ``delta`` (``(B, Hq, Nq)`` float32, contiguous), causal with query ``i`` at
     position ``i + pos_off``, under ``cfg`` (``BLOCK_M`` queries per step, ``BLOCK_N`` keys per block,
-    ``STAGES`` ring slots; one warp group per block of 64 keys)."""
+    ``STAGES`` ring slots; one warp group per block of 64 keys). With ``dq32`` (``q``'s shape, float32,
+    contiguous, zeroed) the pass also adds ``dQ`` into it, ``DQ_COLS`` columns per product and TMA reduction
+    (the order of the additions varies from run to run)."""
     B, Hq, Nq, D = q.shape
     Hk, Nk = k.shape[1], k.shape[2]
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     if bn != 64 or cfg.get("num_warps", 4) != 4:
         raise ValueError(f"the Gluon dK/dV pass runs blocks of 64 keys on one warp group (BLOCK_N=64, num_warps=4), "
                          f"not BLOCK_N={bn} with {cfg.get('num_warps')} warps")
+    if dq32 is not None and not FUSED_DQ:
+        raise ValueError("this Triton's Gluon builds no TMA reductions: the dK/dV pass cannot add dQ")
+    if dq32 is not None and (D % DQ_COLS or bm != 64):
+        raise ValueError(f"the fused dQ takes 64-query steps and a head dim that is a multiple of {DQ_COLS}, "
+                         f"not BLOCK_M={bm}, D={D}")
     grid = (triton.cdiv(Nk, bn), B * Hk)
-    _kernel[grid](_desc(q, bm), _desc(k, bn), _desc(v, bn), _desc(grad_out, bm), _desc(dk, bn), _desc(dv, bn), lse2,
-                  delta, Hq, Hq // Hk, Nq, Nk, pos_off, scale * LOG2E, scale, CAUSAL=causal, STAGES=cfg["STAGES"],
-                  num_warps=4)
+    dk_d, dv_d = _desc(dk, bn), _desc(dv, bn)
+    dq_d = dv_d if dq32 is None else _desc(dq32, bm, cols=DQ_COLS)  # (unread without DQ)
+    _kernel[grid](_desc(q, bm), _desc(k, bn), _desc(v, bn), _desc(grad_out, bm), dk_d, dv_d, dq_d, lse2, delta, Hq,
+                  Hq // Hk, Nq, Nk, pos_off, scale * LOG2E, scale, CAUSAL=causal, STAGES=cfg["STAGES"],
+                  DQ=dq32 is not None, num_warps=4)
