@@ -202,9 +202,9 @@ GLUON_SHORT_QUERIES = 8192
 # N 4096 and 16384, medians of 2-3 rounds in turn; benchmarks/README.md), the whole backward's time against the
 # template's:
 # * D=128, causal: the pass then the dQ pass, 0.88-0.90x (adding dQ in the pass spills and fits one block per SM:
-#   1.2-1.5x the template's time); without a mask as fast or slower, so the template keeps those sites;
-# * D=64, adding dQ in the pass (three ring slots): 0.85-0.89x causal, 0.91-1.00x without a mask (the pass then the
-#   dQ pass: 0.89-0.92x causal, 0.94-0.99x without).
+#   1.2-1.6x the template's time); without a mask as fast or slower, so the template keeps those sites;
+# * D=64, adding dQ in the pass (three ring slots): 0.84-0.89x causal, 0.91-1.00x without a mask (the pass then the
+#   dQ pass: 0.87-0.92x causal, 0.94-1.09x without).
 GLUON_BWD: Dict[tuple, Config] = {
     (64, True): dict(KERNEL="gluon", BLOCK_M=64, BLOCK_N=64, STAGES=3, num_warps=4, num_stages=3, DQ=[64, 64, 4, 3],
                      DQ_ATOMIC=2),
