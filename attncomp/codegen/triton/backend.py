@@ -962,7 +962,7 @@ def attention_backward(spec: AttentionSpec, q, k, v, attn_mask, out, lse, grad_o
     the query rows are in order, else per-element atomics; the Gluon pass: TMA reductions). The atomics' order
     varies, so while PyTorch's deterministic algorithms are enabled (``torch.use_deterministic_algorithms``)
     such configurations are not candidates (:func:`.configs.bwd_candidates`) and a forced one (the Gluon
-    default's too) runs the two-pass path.
+    default's too, and the Gluon pass's wherever Triton lacks TMA reductions) runs the two-pass path.
     """
     q, k, v = _last_contiguous(q), _last_contiguous(k), _last_contiguous(v)
     out, grad_out = _last_contiguous(out), _last_contiguous(grad_out)
@@ -993,8 +993,9 @@ def attention_backward(spec: AttentionSpec, q, k, v, attn_mask, out, lse, grad_o
     def launch(cfg):
         bm, bn, w, st = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"]
         if gluon is not None:  # the dK/dV pass in Gluon (hopper_bwd; dk and dv are contiguous), then the template's dQ
-            if cfg.get("DQ_ATOMIC") and not torch.are_deterministic_algorithms_enabled():
-                # (dQ added in the pass: one launch)
+            fused = cfg.get("DQ_ATOMIC") and _gluon_bwd_module().FUSED_DQ
+            if fused and not torch.are_deterministic_algorithms_enabled():
+                # (dQ added in the pass: one launch; a Triton whose Gluon builds no TMA reductions runs two)
                 dq32 = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
                 _gluon_bwd_module().dkdv(q, k, v, grad_out, lse2, delta, dk, dv, site.scale, gluon[1], gluon[2], cfg,
                                          dq32)

@@ -68,13 +68,19 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
+def _step_tile(it, hk, groups, lo, n_m, BLOCK_M: gl.constexpr):
+    """``(h, start_m)`` of step ``it``: query head ``hk * groups + it // (n_m - lo)``, first row of query tile
+    ``lo + it % (n_m - lo)``."""
+    per_head = n_m - lo
+    return hk * groups + it // per_head, (lo + it % per_head) * BLOCK_M
+
+
+@gluon.jit
 def _load_step(q_desc, do_desc, q_buf, do_buf, bar, slot, it, b, hk, groups, lo, n_m, total,
                BLOCK_M: gl.constexpr):
-    """Requests the query and ``dO`` tiles of step ``it`` (query head ``hk * groups + it // (n_m - lo)``,
-    query tile ``lo + it % (n_m - lo)``) into ring slot ``slot``; nothing past the last step."""
-    per_head = n_m - lo
-    h = hk * groups + it // per_head
-    start_m = (lo + it % per_head) * BLOCK_M
+    """Requests the query and ``dO`` tiles of step ``it`` (:func:`_step_tile`) into ring slot ``slot``; nothing
+    past the last step."""
+    h, start_m = _step_tile(it, hk, groups, lo, n_m, BLOCK_M)
     pred = it < total
     mbarrier.expect(bar.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes, pred=pred)
     tma.async_copy_global_to_shared(q_desc, [b, h, start_m, 0], bar.index(slot), q_buf.index(slot), pred=pred)
@@ -87,9 +93,7 @@ def _probs(st_tok, dpt_tok, it, lse2_ptr, delta_ptr, rows, b, hk, Hq, groups, lo
     """``(P^T, dS^T)`` of step ``it`` from its issued ``S^T`` and ``dP^T`` products: waits for the first,
     exponentiates (masked where the tile crosses the diagonal) while the second runs, then waits for it."""
     BLOCK_N: gl.constexpr = rows.shape[0]
-    per_head = n_m - lo
-    h = hk * groups + it // per_head
-    start_m = (lo + it % per_head) * BLOCK_M
+    h, start_m = _step_tile(it, hk, groups, lo, n_m, BLOCK_M)
     cols = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
     row = (b * Hq + h).to(gl.int64) * n_q + cols
     lse2 = gl.load(lse2_ptr + row, mask=cols < n_q, other=float("inf"))
@@ -201,8 +205,7 @@ def _bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse2_p
         # the slot is read: it takes step it + STAGES
         _load_step(q_desc, do_desc, q_buf, do_buf, bar, slot, it + STAGES, b, hk, groups, lo, n_m, total, BLOCK_M)
         if DQ:
-            h = hk * groups + it // (n_m - lo)
-            start_m = (lo + it % (n_m - lo)) * BLOCK_M
+            h, start_m = _step_tile(it, hk, groups, lo, n_m, BLOCK_M)
             _dq_add(dq, dq_buf, dq_desc, b, h, start_m, 0, sm_scale)
             for c in gl.static_range(1, HEAD_D // DQ_COLS):
                 dq = warpgroup_mma(ds_buf.permute((1, 0)), k_s.slice(c * DQ_COLS, DQ_COLS, dim=1),
