@@ -62,9 +62,13 @@ DQ_COLS = 64
 @builtin
 def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
     """Adds the shared-memory tile ``src`` into the tensor of ``tensor_desc`` at ``coord`` with one TMA
-    reduction (asynchronous, like a TMA store: ``tma.store_wait`` before ``src`` is written again)."""
+    reduction (asynchronous, like a TMA store: ``tma.store_wait`` before ``src`` is written again). Triton 3.8
+    names it ``tma.async_atomic_add``, which is used where it exists."""
     coord = _semantic._convert_to_ir_values(coord, require_i64=False)
     _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
+_tma_reduce_add = getattr(tma, "async_atomic_add", _tma_reduce_add)
 
 
 @gluon.jit
