@@ -316,9 +316,12 @@ def config_name(c: dict) -> str:
     ``+dq...``: the dQ launch's tiles, warps and stages; ``+atomic``/``+tmadq``: dQ added in the dK/dV
     launch by element atomics / TMA bulk reductions; ``gluon 64x128w4s2v1``: the Gluon Hopper forward's
     tiles, warps, key-ring and value-ring depths; `` ws``/`` wsnp``: its warp-specialised kernel with or
-    without turns; ``gluon dkdv 64x64s2+dq...``: the backward's Gluon dK/dV pass, then the template's dQ pass)."""
-    if c.get("KERNEL") == "gluon" and c.get("DQ"):  # the backward's Gluon dK/dV pass, then the template's dQ
-        return f"gluon dkdv {c['BLOCK_M']}x{c['BLOCK_N']}s{c['STAGES']}+dq{'x'.join(map(str, c['DQ']))}"
+    without turns; ``gluon dkdv 64x64s2+dq...``: the backward's Gluon dK/dV pass, then the template's dQ pass,
+    ``+gdq64x64s2`` the Gluon dQ pass, ``+tmadq`` dQ added in the dK/dV pass)."""
+    if c.get("KERNEL") == "gluon" and c.get("DQ"):  # the backward's Gluon dK/dV pass, then a dQ pass
+        dq = ("+gdq%dx%ds%d" % tuple(c["DQ_GLUON"]) if c.get("DQ_GLUON") and not c.get("DQ_ATOMIC") else
+              "+tmadq" if c.get("DQ_ATOMIC") else f"+dq{'x'.join(map(str, c['DQ']))}")
+        return f"gluon dkdv {c['BLOCK_M']}x{c['BLOCK_N']}s{c['STAGES']}{dq}"
     if c.get("KERNEL") == "gluon":
         ws = (" ws" if c.get("PINGPONG", True) else " wsnp") if c.get("WS") else ""
         rings = f"s{c['STAGES']}v{c.get('V_STAGES', c['STAGES'])}"

@@ -27,8 +27,9 @@ from attention import bench_ms, flops, make_inputs, make_spec, sdpa_fn  # noqa: 
 from gluon_fwd import failed, write_json  # noqa: E402
 
 # dK/dV tiles (queries per step, keys per block, ring slots) and dQ: the default's dQ pass after the dK/dV pass
-# (0), or added in the pass (1: DQ_ATOMIC, TMA reductions)
-VARIANTS = [(64, 64, 2, 0), (64, 64, 3, 0), (64, 64, 2, 1), (64, 64, 3, 1)]
+# (0), or added in the pass (1: DQ_ATOMIC, TMA reductions), or a Gluon dQ pass after it ((queries, keys, slots))
+VARIANTS = [(64, 64, 2, 0), (64, 64, 3, 0), (64, 64, 2, 1), (64, 64, 3, 1), (64, 64, 2, (64, 64, 2)),
+            (64, 64, 2, (64, 128, 2)), (64, 64, 2, (64, 64, 3))]
 CASES = [(2, 4, 2, 1000, 64, "full", "bfloat16"), (1, 4, 4, 777, 128, "causal", "float16"),
          (1, 2, 1, 130, 64, "causal", "bfloat16"), (1, 4, 2, 1000, 128, "full", "bfloat16"),
          (2, 2, 2, 2048, 128, "causal", "bfloat16"), (1, 8, 2, 300, 64, "bottom_right", "float16")]
@@ -39,13 +40,16 @@ def gluon_cfg(v, D: int) -> dict:
     (``configs.GLUON_BWD``)."""
     from attncomp.codegen.triton import configs
 
-    bm, bn, stages, fused = v
-    base = {x: y for x, y in configs.GLUON_BWD[(D, True)].items() if x != "DQ_ATOMIC"}
-    return dict(base, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, **(dict(DQ_ATOMIC=2) if fused else {}))
+    bm, bn, stages, dq = v
+    base = {x: y for x, y in configs.GLUON_BWD[(D, True)].items() if x not in ("DQ_ATOMIC", "DQ_GLUON")}
+    extra = dict(DQ_GLUON=list(dq)) if isinstance(dq, tuple) else dict(DQ_ATOMIC=2) if dq else {}
+    return dict(base, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, **extra)
 
 
 def name(v) -> str:
-    return "gluon dkdv %dx%ds%d" % v[:3] + (" fused dq" if v[3] else "")
+    dq = v[3]
+    return "gluon dkdv %dx%ds%d" % v[:3] + (" + gluon dq %dx%ds%d" % dq if isinstance(dq, tuple) else
+                                             " fused dq" if dq else "")
 
 
 def check(args) -> list:
@@ -91,7 +95,8 @@ def run(args) -> list:
         # the template's own backward (ATTNCOMP_GLUON=0: its default configuration), what a call runs by
         # default (the Gluon dK/dV pass where configs.GLUON_BWD has the site), each variant
         contenders = [("template", None, "0"), ("attncomp default", None, "1")] + [
-            (name(x), gluon_cfg(x, D), "1") for x in VARIANTS if D in args.fused_dims or not x[3]]
+            (name(x), gluon_cfg(x, D), "1") for x in VARIANTS if D in args.fused_dims or x[3] in (0, ) or
+            isinstance(x[3], tuple)]
         runs = {}
         for _ in range(args.rounds):
             both = bench_ms(sdpa_fn(causal, q, k, v, do, "fwd+bwd", "cudnn"), False)

@@ -152,6 +152,9 @@ def compile_config(policy: str, causal: bool, D: int, passes: str, cfg: Dict, N:
             dq32 = torch.zeros(q.shape) if cfg.get("DQ_ATOMIC") else None  # (the pass that adds dQ too)
             hopper_bwd.dkdv(q, k, v, torch.randn_like(q), z, z, torch.empty_like(k), torch.empty_like(v), D ** -0.5,
                             causal, 0, cfg, dq32)
+            if cfg.get("DQ_GLUON") and dq32 is None:  # (its dQ pass in Gluon too)
+                hopper_bwd.dq_pass(q, k, v, torch.randn_like(q), z, z, torch.empty_like(q), D ** -0.5, causal, 0,
+                                   cfg["DQ_GLUON"])
         elif cfg.get("KERNEL") == "gluon":  # the Gluon Hopper forward (dense, DFSS 2:4), as the backend calls it
             from attncomp.codegen.triton import hopper
 
@@ -165,7 +168,7 @@ def compile_config(policy: str, causal: bool, D: int, passes: str, cfg: Dict, N:
     rows = []
     for kern in got:
         name = kern.name if hasattr(kern, "name") else kern.metadata.name
-        if "_attention_kernel" not in name and "_attn_fwd" not in name and "_bwd_dkdv" not in name:
+        if not any(x in name for x in ("_attention_kernel", "_attn_fwd", "_bwd_dkdv", "_bwd_dq")):
             continue
         rows.append(dict(kernel=name, **kernel_stats(kern, kern.metadata.num_warps)))
     return rows

@@ -256,6 +256,9 @@ def _bwd_configs():
     # dQ added in the pass (TMA reductions)
     more += [dict(KERNEL="gluon", BLOCK_M=64, BLOCK_N=64, STAGES=st, num_warps=4, num_stages=2, DQ=[64, 64, 4, 2],
                   DQ_ATOMIC=2) for st in (2, 3)]
+    # the dQ pass in Gluon too ([queries, keys, ring slots])
+    more += [dict(KERNEL="gluon", BLOCK_M=64, BLOCK_N=64, STAGES=2, num_warps=4, num_stages=2, DQ_GLUON=dq)
+             for dq in ([64, 64, 2], [64, 128, 2])]
     return [c for i, c in enumerate(own + more) if c not in (own + more)[:i]]
 
 
@@ -272,24 +275,26 @@ def test_gluon_dkdv_pass_against_reference(TB, case):
         got = TB.attention_backward(spec, q, k, v, None, out, lse, go, preds=preds, config=cfg)[:3]
         assert TB.last_configs["bwd"].get("KERNEL") == "gluon"
         for name, a, b in zip(("dq", "dk", "dv"), got, want):
-            close(f"{name} {cfg['BLOCK_M']}x{cfg['BLOCK_N']}s{cfg['STAGES']} fused {cfg.get('DQ_ATOMIC', 0)}", a, b,
-                  _TOL[q.dtype], True)
+            close(f"{name} {cfg['BLOCK_M']}x{cfg['BLOCK_N']}s{cfg['STAGES']} fused {cfg.get('DQ_ATOMIC', 0)} "
+                  f"dq {cfg.get('DQ_GLUON')}", a, b, _TOL[q.dtype], True)
 
 
+@pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_dense_d64_backward_adds_dq_in_the_gluon_pass(TB, monkeypatch, causal):
-    """By default the backward of a dense site at head dim 64 with enough keys, causal or not, runs the Gluon
-    pass that adds dQ too (one launch) and gives the float64 reference's gradients (grouped heads, an odd
-    length, poisoned outputs)."""
+def test_dense_backward_runs_both_gluon_passes_by_default(TB, monkeypatch, causal, D):
+    """By default the backward of a dense site at head dim 64 or 128 with enough keys, causal or not, runs the
+    Gluon dK/dV pass and then the Gluon dQ pass, and gives the float64 reference's gradients (grouped heads, an
+    odd length, poisoned outputs)."""
     from attncomp.codegen.triton import configs, hopper_bwd
 
     N = configs.GLUON_MIN_KEYS + 67
-    spec, q, k, v, go, preds = _inputs(1, 4, 2, N, N, 64, ("causal",) if causal else (), torch.bfloat16, seed=7)
+    spec, q, k, v, go, preds = _inputs(1, 4, 2, N, N, D, ("causal",) if causal else (), torch.bfloat16, seed=7)
     out, lse = TB.attention_forward(spec, q, k, v)
-    fused, real = [], hopper_bwd.dkdv
-    monkeypatch.setattr(hopper_bwd, "dkdv", lambda *a: (fused.append(len(a) > 12 and a[12] is not None), real(*a))[1])
+    ran, real = [], hopper_bwd.dq_pass
+    monkeypatch.setattr(hopper_bwd, "dq_pass", lambda *a: (ran.append(a[-1]), real(*a))[1])
     got = TB.attention_backward(spec, q, k, v, None, out, lse, go)
-    assert TB.last_configs["bwd"].get("DQ_ATOMIC") and fused == [True] and TB.gluon_skipped["bwd"] is None
+    assert TB.last_configs["bwd"].get("KERNEL") == "gluon" and TB.gluon_skipped["bwd"] is None
+    assert ran == [TB.last_configs["bwd"]["DQ_GLUON"]]
     want = R.attention_backward(q.double(), k.double(), v.double(), None, go.double(), spec=spec)[:3]
     for name, a, b in zip(("dq", "dk", "dv"), got, want):
         close(name, a, b, _TOL[q.dtype], True)
@@ -337,8 +342,8 @@ def test_gluon_dkdv_pass_refuses_what_it_cannot_run(TB):
 
 def test_causal_dense_backward_takes_the_gluon_dkdv_pass(TB, monkeypatch):
     """By default the backward of a causal dense site with enough keys runs the Gluon dK/dV pass
-    (``configs.GLUON_BWD``) and gives the template's gradients; a site without a mask, DFSS, few keys or
-    ``ATTNCOMP_GLUON=0`` keep the template's dK/dV pass."""
+    (``configs.GLUON_BWD``) and gives the template's gradients; a head dim without a configuration, DFSS, few
+    keys or ``ATTNCOMP_GLUON=0`` keep the template's dK/dV pass."""
     from attncomp.codegen.triton import configs
     from attncomp.policy import get_policy
 
@@ -354,10 +359,10 @@ def test_causal_dense_backward_takes_the_gluon_dkdv_pass(TB, monkeypatch):
     for name, a, b in zip(("dq", "dk", "dv"), got, want):
         close(f"{name} vs template", a, b, _TOL[torch.bfloat16], True)
 
-    full = spec.replace(causal=False)
     dfss = spec.replace(policy=get_policy("dfss").resolved(torch.bfloat16))
     short = k[:, :, :N // 2]
-    for why, (sp, kk) in {"no configuration": (full, k), "DFSS": (dfss, k), "keys <": (spec, short)}.items():
+    monkeypatch.delitem(configs.GLUON_BWD, (128, True))
+    for why, (sp, kk) in {"no configuration": (spec, k), "DFSS": (dfss, k), "keys <": (spec, short)}.items():
         o, l = TB.attention_forward(sp, q, kk, kk)
         TB.attention_backward(sp, q, kk, kk, None, o, l, go)
         assert "KERNEL" not in TB.last_configs["bwd"], why

@@ -101,15 +101,20 @@ def test_warp_specialised_config_is_checked(bad):
 
 
 def test_gluon_dkdv_pass_compiles_for_hopper(tmp_path):
-    """The backward's Gluon dK/dV pass under each configuration of ``configs.GLUON_BWD`` (dense, D 64/128,
-    causal) compiles for sm_90 to warp-group MMAs, within a block's shared memory, without spill stores."""
+    """The backward's Gluon passes under each configuration of ``configs.GLUON_BWD`` (dense, D 64/128, causal
+    and not: the dK/dV pass and the dQ pass) compile for sm_90 to warp-group MMAs, within a block's shared
+    memory, without spill stores."""
     rows, res = _sm90(tmp_path, "--policies", "dense", "--dims", "64,128", "--passes", "bwd", "--first", "1",
                       "--gluon")
     assert res.returncode == 0, res.stdout[-3000:]
     gluon = [r for r in rows if r["config"].startswith("gluon dkdv")]
     from attncomp.codegen.triton import configs
 
-    assert sorted((r["D"], r["causal"]) for r in gluon) == sorted(configs.GLUON_BWD), rows
+    assert {(r["D"], r["causal"]) for r in gluon} == set(configs.GLUON_BWD), rows
     for r in gluon:
         assert "error" not in r, r
-        assert r["kernel"].startswith("_bwd_dkdv") and r["fits"] and r["spill"] == 0 and r["wgmma"] > 0, r
+        assert r["kernel"].startswith(("_bwd_dkdv", "_bwd_dq")) and r["fits"] and r["spill"] == 0 and r["wgmma"] > 0, r
+    # the dK/dV pass, and the Gluon dQ pass where a configuration names it
+    want = sorted((d, c, k) for (d, c), cfg in configs.GLUON_BWD.items()
+                  for k in ["_bwd_dkdv"] + (["_bwd_dq"] if cfg.get("DQ_GLUON") else []))
+    assert sorted((r["D"], r["causal"], r["kernel"]) for r in gluon) == want, rows

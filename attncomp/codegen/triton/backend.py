@@ -1002,6 +1002,10 @@ def attention_backward(spec: AttentionSpec, q, k, v, attn_mask, out, lse, grad_o
                 dq.copy_(dq32)
                 return
             _gluon_bwd_module().dkdv(q, k, v, grad_out, lse2, delta, dk, dv, site.scale, gluon[1], gluon[2], cfg)
+            if cfg.get("DQ_GLUON"):  # (the dQ pass in Gluon too: [queries, keys, ring slots])
+                _gluon_bwd_module().dq_pass(q, k, v, grad_out, lse2, delta, dq, site.scale, gluon[1], gluon[2],
+                                            cfg["DQ_GLUON"])
+                return
             _dq_pass(cfg, bn, bm, w, st)
             return
         # orientation of the dK/dV tiles: queries by keys for a row-wise selection, else keys by queries

@@ -195,23 +195,21 @@ GLUON_FWD_SHORT: Dict[tuple, Config] = {
 }
 GLUON_SHORT_QUERIES = 8192
 
-# The Gluon dK/dV pass of the backward (:mod:`.hopper_bwd`) of dense sites on sm_90 GPUs, per (head dim, causal):
-# queries per step, keys per block, ring slots; ``DQ_ATOMIC``: dQ added in the pass (TMA reductions; while
-# PyTorch's deterministic algorithms are on, the pass without it and the template's dQ pass ``DQ``: queries,
-# keys, warps, stages, K and V by address loads). From ``benchmarks/gluon_bwd.py`` on an H100 (bf16, B=4, H=16,
-# N 4096 and 16384, medians of 2-3 rounds in turn; benchmarks/README.md), the whole backward's time against the
-# template's:
-# * D=128, causal: the pass then the dQ pass, 0.88-0.90x (adding dQ in the pass spills and fits one block per SM:
-#   1.2-1.6x the template's time); without a mask as fast or slower, so the template keeps those sites;
-# * D=64, adding dQ in the pass (three ring slots): 0.84-0.89x causal, 0.91-1.00x without a mask (the pass then the
-#   dQ pass: 0.87-0.92x causal, 0.94-1.09x without).
+# The Gluon backward of dense sites on sm_90 GPUs (:mod:`.hopper_bwd`), per (head dim, causal): the dK/dV pass (queries
+# per step, keys per block, ring slots), then the Gluon dQ pass ``DQ_GLUON`` (queries per block, keys per step, ring
+# slots; no atomics). ``DQ``: the template's dQ pass where a configuration names neither (queries, keys, warps,
+# stages). ``DQ_ATOMIC`` (dQ added in the dK/dV pass by TMA reductions) is an option, not a default. From
+# ``benchmarks/gluon_bwd.py`` on an H100 (bf16, B=4, H=16, N 4096 and 16384, medians of 2-3 rounds in turn;
+# benchmarks/README.md), the whole backward against cuDNN's:
+# * the two Gluon passes: D=64 0.84-0.88x (full) and 0.84-0.95x (causal); D=128 0.83-0.86x and 0.83-0.88x;
+# * the Gluon dK/dV pass then the template's dQ pass: D=64 0.75-0.84x / 0.81-0.90x, D=128 0.79-0.85x / 0.75-0.84x;
+# * dQ added in the dK/dV pass (three slots): D=64 0.81-0.83x / 0.83-0.94x; at D=128 it spills and fits one block
+#   per SM (0.51-0.73x);
+# * the template's backward: D=64 0.74-0.83x / 0.70-0.81x, D=128 0.80-0.85x / 0.68-0.76x.
 GLUON_BWD: Dict[tuple, Config] = {
-    (64, True): dict(KERNEL="gluon", BLOCK_M=64, BLOCK_N=64, STAGES=3, num_warps=4, num_stages=3, DQ=[64, 64, 4, 3],
-                     DQ_ATOMIC=2),
-    (64, False): dict(KERNEL="gluon", BLOCK_M=64, BLOCK_N=64, STAGES=3, num_warps=4, num_stages=3, DQ=[64, 64, 4, 3],
-                      DQ_ATOMIC=2),
-    (128, True): dict(KERNEL="gluon", BLOCK_M=64, BLOCK_N=64, STAGES=2, num_warps=4, num_stages=3,
-                      DQ=[128, 64, 8, 3]),
+    (d, causal): dict(KERNEL="gluon", BLOCK_M=64, BLOCK_N=64, STAGES=2, num_warps=4, num_stages=3,
+                      DQ=[64, 64, 4, 3] if d == 64 else [128, 64, 8, 3], DQ_GLUON=[64, 64, 2])
+    for d in (64, 128) for causal in (False, True)
 }
 
 

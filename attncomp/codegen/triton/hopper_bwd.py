@@ -257,3 +257,113 @@ def dkdv(q, k, v, grad_out, lse2, delta, dk, dv, scale: float, causal: bool, pos
     _kernel[grid](_desc(q, bm), _desc(k, bn), _desc(v, bn), _desc(grad_out, bm), dk_d, dv_d, dq_d, lse2, delta, Hq,
                   Hq // Hk, Nq, Nk, pos_off, scale * LOG2E, scale, CAUSAL=causal, STAGES=cfg["STAGES"],
                   DQ=dq32 is not None, num_warps=4)
+
+
+@gluon.jit
+def _load_kv_step(k_desc, v_desc, k_buf, v_buf, bar, slot, j, b, hk, n_steps, BLOCK_N: gl.constexpr):
+    """Requests key and value tile ``j`` into ring slot ``slot``; nothing past the last step."""
+    pred = j < n_steps
+    mbarrier.expect(bar.index(slot), k_desc.block_type.nbytes + v_desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(k_desc, [b, hk, j * BLOCK_N, 0], bar.index(slot), k_buf.index(slot), pred=pred)
+    tma.async_copy_global_to_shared(v_desc, [b, hk, j * BLOCK_N, 0], bar.index(slot), v_buf.index(slot), pred=pred)
+
+
+@gluon.jit
+def _bwd_dq(q_desc, k_desc, v_desc, do_desc, dq_desc, lse2_ptr, delta_ptr, Hq, groups, n_q, n_k, off, qk_scale,
+            sm_scale, CAUSAL: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+    HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
+    dtype: gl.constexpr = q_desc.dtype
+
+    start_m = gl.program_id(0) * BLOCK_M
+    bh = gl.program_id(1)
+    b = bh // Hq
+    h = bh % Hq
+    hk = h // groups
+
+    s_layout: gl.constexpr = _mma_layout(num_warps, BLOCK_N)
+    acc_layout: gl.constexpr = _mma_layout(num_warps, HEAD_D)
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+
+    q_buf = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
+    do_buf = gl.allocate_shared_memory(dtype, do_desc.block_type.shape, do_desc.layout)
+    k_buf = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_buf = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bar.index(i), count=1)
+    fence_async_shared()
+
+    # the key tiles the block's queries see (causal: up to the last query's position)
+    hi = n_k
+    if CAUSAL:
+        hi = gl.minimum(gl.maximum(start_m + BLOCK_M + off, 0), n_k)
+    n_steps = gl.cdiv(hi, BLOCK_N)
+
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [b, h, start_m, 0], q_bar, q_buf)
+    tma.async_copy_global_to_shared(do_desc, [b, h, start_m, 0], q_bar, do_buf)
+    for i in gl.static_range(STAGES):
+        _load_kv_step(k_desc, v_desc, k_buf, v_buf, bar, i, i, b, hk, n_steps, BLOCK_N)
+
+    rows = start_m + gl.arange(0, BLOCK_M, layout=row_s)
+    row = (b * Hq + h).to(gl.int64) * n_q + rows
+    lse2 = gl.expand_dims(gl.load(lse2_ptr + row, mask=rows < n_q, other=float("inf")), 1)
+    delta = gl.expand_dims(gl.load(delta_ptr + row, mask=rows < n_q, other=0.0), 1)
+    q_s = _tile_2d(q_buf, BLOCK_M, HEAD_D)
+    do_s = _tile_2d(do_buf, BLOCK_M, HEAD_D)
+    dq = gl.zeros([BLOCK_M, HEAD_D], gl.float32, acc_layout)
+    mbarrier.wait(q_bar, 0)
+
+    for j in range(n_steps):
+        slot = j % STAGES
+        mbarrier.wait(bar.index(slot), (j // STAGES) & 1)
+        k_s = _tile_2d(k_buf.index(slot), BLOCK_N, HEAD_D)
+        v_s = _tile_2d(v_buf.index(slot), BLOCK_N, HEAD_D)
+        s_tok = warpgroup_mma(q_s, k_s.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout),
+                              use_acc=False, is_async=True)
+        dp_tok = warpgroup_mma(do_s, v_s.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout),
+                               use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(1, deps=(s_tok, ))
+        p = gl.exp2(s * qk_scale - lse2)
+        if CAUSAL:
+            if (j + 1) * BLOCK_N - 1 > start_m + off:  # the tile crosses the diagonal
+                cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_s)
+                p = gl.where(gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1) + off, p, 0.0)
+        dp = warpgroup_mma_wait(0, deps=(dp_tok, ))
+        ds = p * (dp - delta)
+        # (key rows past N read as zeros: their dS adds nothing)
+        dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), a_layout), k_s, dq, is_async=True)
+        dq = warpgroup_mma_wait(0, deps=(dq, ))
+        _load_kv_step(k_desc, v_desc, k_buf, v_buf, bar, slot, j + STAGES, b, hk, n_steps, BLOCK_N)
+
+    mbarrier.invalidate(q_bar)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bar.index(i))
+    q_s.store((dq * sm_scale).to(dtype))  # (every product that read Q is done)
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dq_desc, [b, h, start_m, 0], q_buf)
+    tma.store_wait(pendings=0)
+
+
+_dq_kernel = FastLaunch(_bwd_dq)
+
+
+def dq_pass(q, k, v, grad_out, lse2, delta, dq, scale: float, causal: bool, pos_off: int, cfg) -> None:
+    """Writes ``dq`` (``q``'s shape, TMA-writable) of dense attention from the preprocessed ``lse2`` and
+    ``delta``, as the template's dQ pass does: per block of ``cfg[0]`` queries (one warp group), key and value
+    tiles of ``cfg[1]`` rows through a ring of ``cfg[2]`` slots, ``S`` and ``dP`` issued together and the
+    exponentials computed while ``dP`` runs, then ``dQ += dS K``."""
+    B, Hq, Nq, D = q.shape
+    Hk, Nk = k.shape[1], k.shape[2]
+    bm, bn, stages = cfg
+    if bm != 64:
+        raise ValueError(f"the Gluon dQ pass runs blocks of 64 queries on one warp group, not {bm}")
+    grid = (triton.cdiv(Nq, bm), B * Hq)
+    _dq_kernel[grid](_desc(q, bm), _desc(k, bn), _desc(v, bn), _desc(grad_out, bm), _desc(dq, bm), lse2, delta, Hq,
+                     Hq // Hk, Nq, Nk, pos_off, scale * LOG2E, scale, CAUSAL=causal, STAGES=stages, num_warps=4)
