@@ -201,7 +201,7 @@ GLUON_SHORT_QUERIES = 8192
 # stages). ``DQ_ATOMIC`` (dQ added in the dK/dV pass by TMA reductions) is an option, not a default. From
 # ``benchmarks/gluon_bwd.py`` on an H100 (bf16, B=4, H=16, N 4096 and 16384, medians of 2-3 rounds in turn;
 # benchmarks/README.md), the whole backward against cuDNN's:
-# * the two Gluon passes: D=64 0.84-0.88x (full) and 0.84-0.95x (causal); D=128 0.83-0.86x and 0.83-0.88x;
+# * the two Gluon passes: D=64 0.84-0.88x (full) and 0.83-0.95x (causal); D=128 0.82-0.87x and 0.83-0.88x;
 # * the Gluon dK/dV pass then the template's dQ pass: D=64 0.75-0.84x / 0.81-0.90x, D=128 0.79-0.85x / 0.75-0.84x;
 # * dQ added in the dK/dV pass (three slots): D=64 0.81-0.83x / 0.83-0.94x; at D=128 it spills and fits one block
 #   per SM (0.51-0.73x);

@@ -561,9 +561,10 @@ _LAYOUTS: dict = {}
 def _desc(t: torch.Tensor, rows: int, groups: bool = False, cols: Optional[int] = None) -> TensorDescriptor:
     """A TMA descriptor of a ``(B, H, N, D)`` tensor in ``[1, 1, rows, D]`` blocks, or with ``groups``
     of its ``(B, H, N/4, 4, D)`` view (``N`` a multiple of 4) in ``[1, 1, rows / 4, 1, D]`` blocks (one
-    member of ``rows / 4`` groups of four keys), or with ``cols`` in ``[1, 1, rows, cols]`` blocks, built without the constructor's checks, which cost
-    more host time than the launch: the caller checked the tensor (``backend._tma_aligned``); the
-    first descriptor of each block shape and dtype is built checked."""
+    member of ``rows / 4`` groups of four keys), or with ``cols`` in ``[1, 1, rows, cols]`` blocks, built
+    without the constructor's checks, which cost more host time than the launch: the caller checked the
+    tensor (``backend._tma_aligned``); the first descriptor of each block shape and dtype is built
+    checked."""
     B, H, N, D = t.shape
     sb, sh, sn, sd = t.stride()
     if groups:  # boxes one 128-byte swizzle row wide (hopper._load_kv)

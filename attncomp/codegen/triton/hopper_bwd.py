@@ -20,8 +20,11 @@ tile of ``BLOCK_M`` rows of every query head of the block's key head (grouped he
 * the epilogue scales ``dK`` by the softmax scale and writes ``dK`` and ``dV`` through TMA from the key
   and value buffers (rows past ``N`` clipped).
 
-``dQ`` is the template's pass after this one (``MODE_DQ``), or, with ``DQ`` (configuration key
-``DQ_ATOMIC``), added here: each step stores ``dS^T`` to shared memory, computes ``dQ = dS K``
+``dQ`` comes from a second pass after this one: :func:`dq_pass` (configuration key ``DQ_GLUON``: per block
+of 64 query rows of one head, one warp group, key and value tiles through a TMA ring, ``S = Q K^T`` and
+``dP = dO V^T`` issued together and the exponentials computed while the second runs, ``dQ += dS K``; no
+atomics, so deterministic), or the template's (``MODE_DQ``). Or, with ``DQ`` (configuration key
+``DQ_ATOMIC``), it is added here: each step stores ``dS^T`` to shared memory, computes ``dQ = dS K``
 (``DQ_COLS`` columns at a time, the left operand the stored tile transposed) and adds it into a zeroed
 float32 buffer with one TMA reduction per tile (``cp.reduce.async.bulk.tensor``; the next tile is written
 once the previous reduction has read its buffer). One launch instead of two, and no second ``Q K^T`` and
@@ -30,9 +33,10 @@ PyTorch's deterministic algorithms are on.
 
 The inputs are those of the template's dK/dV pass after its preprocessing launch (``delta``, ``lse2``). It
 runs the inputs the Gluon forward runs (dense: :func:`.hopper.applies`); which calls take it is the backend's
-choice (configuration key ``KERNEL="gluon"``; by default the sites of ``configs.GLUON_BWD``, where it
-measured faster than the template's pass). Gluon kernels have no interpreter: they are checked on a Hopper
-GPU (``tests/codegen/test_hopper_gpu.py``) and compiled for sm_90 on any machine (``benchmarks/sm90.py``).
+choice (configuration key ``KERNEL="gluon"``; by default the sites of ``configs.GLUON_BWD``, with the Gluon dQ
+pass, where both measured faster than the template's backward). Gluon kernels have no interpreter: they are
+checked on a Hopper GPU (``tests/codegen/test_hopper_gpu.py``) and compiled for sm_90 on any machine
+(``benchmarks/sm90.py``).
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ from .common import LOG2E
 from .hopper import _desc, _mma_layout, _tile_2d
 from .launch import FastLaunch
 
-__all__ = ["dkdv", "FUSED_DQ"]
+__all__ = ["dkdv", "dq_pass", "FUSED_DQ"]
 
 #: whether this Triton's Gluon builds TMA reductions (``cp.reduce.async.bulk.tensor``), which the pass's fused dQ
 #: (``DQ_ATOMIC``) adds its tiles with
