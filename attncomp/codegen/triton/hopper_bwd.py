@@ -96,6 +96,24 @@ def _load_step(q_desc, do_desc, q_buf, do_buf, bar, slot, it, b, hk, groups, lo,
 
 
 @gluon.jit
+def _ring_products(a1, a2, buf1, buf2, bar, j, STAGES: gl.constexpr, layout: gl.constexpr):
+    """Waits for ring slot ``j % STAGES`` to hold tile ``j``, then issues ``a1 t1^T`` and ``a2 t2^T``
+    (asynchronous, results in ``layout``), ``t1`` and ``t2`` the slot's tiles of ``buf1`` and ``buf2``.
+    Returns ``(t1, t2, token1, token2)``: the dK/dV pass streams queries and ``dO`` against its keys and
+    values, the dQ pass keys and values against its queries and ``dO``."""
+    ROWS: gl.constexpr = buf1.shape[3]
+    M: gl.constexpr = a1.shape[0]
+    D: gl.constexpr = a1.shape[1]
+    slot = j % STAGES
+    mbarrier.wait(bar.index(slot), (j // STAGES) & 1)
+    t1 = _tile_2d(buf1.index(slot), ROWS, D)
+    t2 = _tile_2d(buf2.index(slot), ROWS, D)
+    tok1 = warpgroup_mma(a1, t1.permute((1, 0)), gl.zeros([M, ROWS], gl.float32, layout), use_acc=False, is_async=True)
+    tok2 = warpgroup_mma(a2, t2.permute((1, 0)), gl.zeros([M, ROWS], gl.float32, layout), use_acc=False, is_async=True)
+    return t1, t2, tok1, tok2
+
+
+@gluon.jit
 def _probs(st_tok, dpt_tok, it, lse2_ptr, delta_ptr, rows, b, hk, Hq, groups, lo, n_m, n_q, off, start_n, qk_scale,
            CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, st_layout: gl.constexpr):
     """``(P^T, dS^T)`` of step ``it`` from its issued ``S^T`` and ``dP^T`` products: waits for the first,
@@ -190,13 +208,7 @@ def _bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse2_p
 
     for it in range(total):
         slot = it % STAGES
-        mbarrier.wait(bar.index(slot), (it // STAGES) & 1)
-        q_s = _tile_2d(q_buf.index(slot), BLOCK_M, HEAD_D)
-        do_s = _tile_2d(do_buf.index(slot), BLOCK_M, HEAD_D)
-        st_tok = warpgroup_mma(k_s, q_s.permute((1, 0)), gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout),
-                               use_acc=False, is_async=True)
-        dpt_tok = warpgroup_mma(v_s, do_s.permute((1, 0)), gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout),
-                                use_acc=False, is_async=True)
+        q_s, do_s, st_tok, dpt_tok = _ring_products(k_s, v_s, q_buf, do_buf, bar, it, STAGES, st_layout)
         pt, dst = _probs(st_tok, dpt_tok, it, lse2_ptr, delta_ptr, rows, b, hk, Hq, groups, lo, n_m, n_q, off, start_n,
                          qk_scale, CAUSAL, BLOCK_M, st_layout)
         ds = dst.to(dtype)
@@ -326,13 +338,7 @@ def _bwd_dq(q_desc, k_desc, v_desc, do_desc, dq_desc, lse2_ptr, delta_ptr, Hq, g
 
     for j in range(n_steps):
         slot = j % STAGES
-        mbarrier.wait(bar.index(slot), (j // STAGES) & 1)
-        k_s = _tile_2d(k_buf.index(slot), BLOCK_N, HEAD_D)
-        v_s = _tile_2d(v_buf.index(slot), BLOCK_N, HEAD_D)
-        s_tok = warpgroup_mma(q_s, k_s.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout),
-                              use_acc=False, is_async=True)
-        dp_tok = warpgroup_mma(do_s, v_s.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout),
-                               use_acc=False, is_async=True)
+        k_s, v_s, s_tok, dp_tok = _ring_products(q_s, do_s, k_buf, v_buf, bar, j, STAGES, s_layout)
         s = warpgroup_mma_wait(1, deps=(s_tok, ))
         p = gl.exp2(s * qk_scale - lse2)
         if CAUSAL:
