@@ -96,6 +96,23 @@ def _load_step(q_desc, do_desc, q_buf, do_buf, bar, slot, it, b, hk, groups, lo,
 
 
 @gluon.jit
+def _pass_buffers(fixed1, fixed2, ring1, ring2, STAGES: gl.constexpr):
+    """Shared memory of a pass: one tile each of descriptors ``fixed1`` and ``fixed2`` (read once), ``STAGES``
+    ring slots of ``ring1`` and ``ring2`` tiles, a barrier for the fixed pair and one per slot (initialised)."""
+    dtype: gl.constexpr = fixed1.dtype
+    f1 = gl.allocate_shared_memory(dtype, fixed1.block_type.shape, fixed1.layout)
+    f2 = gl.allocate_shared_memory(dtype, fixed2.block_type.shape, fixed2.layout)
+    r1 = gl.allocate_shared_memory(dtype, [STAGES] + ring1.block_type.shape, ring1.layout)
+    r2 = gl.allocate_shared_memory(dtype, [STAGES] + ring2.block_type.shape, ring2.layout)
+    fixed_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(fixed_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bar.index(i), count=1)
+    return f1, f2, r1, r2, fixed_bar, bar
+
+
+@gluon.jit
 def _ring_products(a1, a2, buf1, buf2, bar, j, STAGES: gl.constexpr, layout: gl.constexpr):
     """Waits for ring slot ``j % STAGES`` to hold tile ``j``, then issues ``a1 t1^T`` and ``a2 t2^T``
     (asynchronous, results in ``layout``), ``t1`` and ``t2`` the slot's tiles of ``buf1`` and ``buf2``.
@@ -172,15 +189,7 @@ def _bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse2_p
     DQ_COLS: gl.constexpr = dq_desc.block_type.shape[3]  # (the module's DQ_COLS)
     dq_layout: gl.constexpr = _mma_layout(num_warps, DQ_COLS)
 
-    k_buf = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
-    v_buf = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
-    q_buf = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
-    do_buf = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(bar.index(i), count=1)
+    k_buf, v_buf, q_buf, do_buf, kv_bar, bar = _pass_buffers(k_desc, v_desc, q_desc, do_desc, STAGES)
     if DQ:  # dS^T for the dQ product, and the float32 tile each dQ reduction reads
         ds_buf = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], _ds_layout([BLOCK_N, BLOCK_M], dtype))
         dq_buf = gl.allocate_shared_memory(gl.float32, dq_desc.block_type.shape, dq_desc.layout)
@@ -304,15 +313,7 @@ def _bwd_dq(q_desc, k_desc, v_desc, do_desc, dq_desc, lse2_ptr, delta_ptr, Hq, g
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
 
-    q_buf = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
-    do_buf = gl.allocate_shared_memory(dtype, do_desc.block_type.shape, do_desc.layout)
-    k_buf = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
-    v_buf = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(bar.index(i), count=1)
+    q_buf, do_buf, k_buf, v_buf, q_bar, bar = _pass_buffers(q_desc, do_desc, k_desc, v_desc, STAGES)
     fence_async_shared()
 
     # the key tiles the block's queries see (causal: up to the last query's position)
