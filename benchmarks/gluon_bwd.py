@@ -1,5 +1,6 @@
-"""The Gluon dK/dV pass (``attncomp/codegen/triton/hopper_bwd.py``) checked and timed in one run: dense
-backward, the template's dQ pass after it, against the template's whole backward (this GPU's default
+"""The Gluon backward passes (``attncomp/codegen/triton/hopper_bwd.py``) checked and timed in one run: dense
+backward, the Gluon dK/dV pass followed by the template's or the Gluon dQ pass, or adding dQ itself (TMA
+reductions), against the template's whole backward (this GPU's default
 configuration, ``ATTNCOMP_GLUON=0``), what a call runs by default, and cuDNN's backward (SDPA's
 forward+backward less its forward, both cuDNN, timed in the same round), per head dim, mask and
 configuration, in rounds (every contender once per round, medians).
@@ -95,8 +96,7 @@ def run(args) -> list:
         # the template's own backward (ATTNCOMP_GLUON=0: its default configuration), what a call runs by
         # default (the Gluon dK/dV pass where configs.GLUON_BWD has the site), each variant
         contenders = [("template", None, "0"), ("attncomp default", None, "1")] + [
-            (name(x), gluon_cfg(x, D), "1") for x in VARIANTS if D in args.fused_dims or x[3] in (0, ) or
-            isinstance(x[3], tuple)]
+            (name(x), gluon_cfg(x, D), "1") for x in VARIANTS if D in args.fused_dims or x[3] != 1]
         runs = {}
         for _ in range(args.rounds):
             both = bench_ms(sdpa_fn(causal, q, k, v, do, "fwd+bwd", "cudnn"), False)

@@ -992,21 +992,19 @@ def attention_backward(spec: AttentionSpec, q, k, v, attn_mask, out, lse, grad_o
 
     def launch(cfg):
         bm, bn, w, st = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"]
-        if gluon is not None:  # the dK/dV pass in Gluon (hopper_bwd; dk and dv are contiguous), then the template's dQ
-            fused = cfg.get("DQ_ATOMIC") and _gluon_bwd_module().FUSED_DQ
-            if fused and not torch.are_deterministic_algorithms_enabled():
+        if gluon is not None:  # the dK/dV pass in Gluon (hopper_bwd; dk and dv are contiguous), then a dQ pass
+            hb, causal, off = _gluon_bwd_module(), gluon[1], gluon[2]
+            if cfg.get("DQ_ATOMIC") and hb.FUSED_DQ and not torch.are_deterministic_algorithms_enabled():
                 # (dQ added in the pass: one launch; a Triton whose Gluon builds no TMA reductions runs two)
                 dq32 = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-                _gluon_bwd_module().dkdv(q, k, v, grad_out, lse2, delta, dk, dv, site.scale, gluon[1], gluon[2], cfg,
-                                         dq32)
+                hb.dkdv(q, k, v, grad_out, lse2, delta, dk, dv, site.scale, causal, off, cfg, dq32)
                 dq.copy_(dq32)
                 return
-            _gluon_bwd_module().dkdv(q, k, v, grad_out, lse2, delta, dk, dv, site.scale, gluon[1], gluon[2], cfg)
+            hb.dkdv(q, k, v, grad_out, lse2, delta, dk, dv, site.scale, causal, off, cfg)
             if cfg.get("DQ_GLUON"):  # (the dQ pass in Gluon too: [queries, keys, ring slots])
-                _gluon_bwd_module().dq_pass(q, k, v, grad_out, lse2, delta, dq, site.scale, gluon[1], gluon[2],
-                                            cfg["DQ_GLUON"])
-                return
-            _dq_pass(cfg, bn, bm, w, st)
+                hb.dq_pass(q, k, v, grad_out, lse2, delta, dq, site.scale, causal, off, cfg["DQ_GLUON"])
+            else:
+                _dq_pass(cfg, bn, bm, w, st)
             return
         # orientation of the dK/dV tiles: queries by keys for a row-wise selection, else keys by queries
         natural = bool(cfg.get("NATURAL", site.policy == POLICY_DFSS))

@@ -201,11 +201,11 @@ GLUON_SHORT_QUERIES = 8192
 # stages). ``DQ_ATOMIC`` (dQ added in the dK/dV pass by TMA reductions) is an option, not a default. From
 # ``benchmarks/gluon_bwd.py`` on an H100 (bf16, B=4, H=16, N 4096 and 16384, medians of 2-3 rounds in turn;
 # benchmarks/README.md), the whole backward against cuDNN's:
-# * the two Gluon passes: D=64 0.84-0.88x (full) and 0.83-0.95x (causal); D=128 0.82-0.87x and 0.83-0.88x;
+# * the two Gluon passes: D=64 0.82-0.88x (full) and 0.83-0.95x (causal); D=128 0.82-0.87x and 0.83-0.88x;
 # * the Gluon dK/dV pass then the template's dQ pass: D=64 0.75-0.84x / 0.81-0.90x, D=128 0.79-0.85x / 0.75-0.84x;
 # * dQ added in the dK/dV pass (three slots): D=64 0.81-0.83x / 0.83-0.94x; at D=128 it spills and fits one block
 #   per SM (0.51-0.73x);
-# * the template's backward: D=64 0.74-0.83x / 0.70-0.81x, D=128 0.80-0.85x / 0.68-0.76x.
+# * the template's backward: D=64 0.73-0.83x / 0.70-0.81x, D=128 0.80-0.85x / 0.68-0.76x.
 GLUON_BWD: Dict[tuple, Config] = {
     (d, causal): dict(KERNEL="gluon", BLOCK_M=64, BLOCK_N=64, STAGES=2, num_warps=4, num_stages=3,
                       DQ=[64, 64, 4, 3] if d == 64 else [128, 64, 8, 3], DQ_GLUON=[64, 64, 2])

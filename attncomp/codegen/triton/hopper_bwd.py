@@ -1,6 +1,6 @@
-"""The dK/dV pass of the backward for Hopper (sm_90) in Gluon: dense attention, causal or not, its matrix
-products issued as asynchronous warp-group MMAs so that the exponentials of a query tile run while the
-tensor cores compute that tile's ``dP^T``.
+"""The backward for Hopper (sm_90) in Gluon, a dK/dV pass and a dQ pass: dense attention, causal or not, the
+matrix products issued as asynchronous warp-group MMAs so that the exponentials of a tile run while the
+tensor cores compute that tile's ``dP`` (``dP^T`` in the dK/dV pass).
 
 The template's backward (:mod:`.template`, ``MODE_DKDV``) is written in Triton's tile language, whose
 compiler waits for each ``tl.dot`` before the next statement. Here, per block of ``BLOCK_N`` keys (rows of
@@ -84,15 +84,21 @@ def _step_tile(it, hk, groups, lo, n_m, BLOCK_M: gl.constexpr):
 
 
 @gluon.jit
+def _ring_load(desc1, desc2, buf1, buf2, bar, slot, b, h, row, pred):
+    """Requests the tiles of ``desc1`` and ``desc2`` at row ``row`` of head ``(b, h)`` into ring slot ``slot``
+    (one barrier for both); nothing where ``pred`` is false (past the last step)."""
+    mbarrier.expect(bar.index(slot), desc1.block_type.nbytes + desc2.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(desc1, [b, h, row, 0], bar.index(slot), buf1.index(slot), pred=pred)
+    tma.async_copy_global_to_shared(desc2, [b, h, row, 0], bar.index(slot), buf2.index(slot), pred=pred)
+
+
+@gluon.jit
 def _load_step(q_desc, do_desc, q_buf, do_buf, bar, slot, it, b, hk, groups, lo, n_m, total,
                BLOCK_M: gl.constexpr):
-    """Requests the query and ``dO`` tiles of step ``it`` (:func:`_step_tile`) into ring slot ``slot``; nothing
-    past the last step."""
+    """Requests the query and ``dO`` tiles of the dK/dV pass's step ``it`` (:func:`_step_tile`) into ring slot
+    ``slot``; nothing past the last step."""
     h, start_m = _step_tile(it, hk, groups, lo, n_m, BLOCK_M)
-    pred = it < total
-    mbarrier.expect(bar.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes, pred=pred)
-    tma.async_copy_global_to_shared(q_desc, [b, h, start_m, 0], bar.index(slot), q_buf.index(slot), pred=pred)
-    tma.async_copy_global_to_shared(do_desc, [b, h, start_m, 0], bar.index(slot), do_buf.index(slot), pred=pred)
+    _ring_load(q_desc, do_desc, q_buf, do_buf, bar, slot, b, h, start_m, it < total)
 
 
 @gluon.jit
@@ -285,15 +291,6 @@ def dkdv(q, k, v, grad_out, lse2, delta, dk, dv, scale: float, causal: bool, pos
 
 
 @gluon.jit
-def _load_kv_step(k_desc, v_desc, k_buf, v_buf, bar, slot, j, b, hk, n_steps, BLOCK_N: gl.constexpr):
-    """Requests key and value tile ``j`` into ring slot ``slot``; nothing past the last step."""
-    pred = j < n_steps
-    mbarrier.expect(bar.index(slot), k_desc.block_type.nbytes + v_desc.block_type.nbytes, pred=pred)
-    tma.async_copy_global_to_shared(k_desc, [b, hk, j * BLOCK_N, 0], bar.index(slot), k_buf.index(slot), pred=pred)
-    tma.async_copy_global_to_shared(v_desc, [b, hk, j * BLOCK_N, 0], bar.index(slot), v_buf.index(slot), pred=pred)
-
-
-@gluon.jit
 def _bwd_dq(q_desc, k_desc, v_desc, do_desc, dq_desc, lse2_ptr, delta_ptr, Hq, groups, n_q, n_k, off, qk_scale,
             sm_scale, CAUSAL: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
@@ -326,7 +323,7 @@ def _bwd_dq(q_desc, k_desc, v_desc, do_desc, dq_desc, lse2_ptr, delta_ptr, Hq, g
     tma.async_copy_global_to_shared(q_desc, [b, h, start_m, 0], q_bar, q_buf)
     tma.async_copy_global_to_shared(do_desc, [b, h, start_m, 0], q_bar, do_buf)
     for i in gl.static_range(STAGES):
-        _load_kv_step(k_desc, v_desc, k_buf, v_buf, bar, i, i, b, hk, n_steps, BLOCK_N)
+        _ring_load(k_desc, v_desc, k_buf, v_buf, bar, i, b, hk, i * BLOCK_N, i < n_steps)
 
     rows = start_m + gl.arange(0, BLOCK_M, layout=row_s)
     row = (b * Hq + h).to(gl.int64) * n_q + rows
@@ -351,7 +348,7 @@ def _bwd_dq(q_desc, k_desc, v_desc, do_desc, dq_desc, lse2_ptr, delta_ptr, Hq, g
         # (key rows past N read as zeros: their dS adds nothing)
         dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), a_layout), k_s, dq, is_async=True)
         dq = warpgroup_mma_wait(0, deps=(dq, ))
-        _load_kv_step(k_desc, v_desc, k_buf, v_buf, bar, slot, j + STAGES, b, hk, n_steps, BLOCK_N)
+        _ring_load(k_desc, v_desc, k_buf, v_buf, bar, slot, b, hk, (j + STAGES) * BLOCK_N, j + STAGES < n_steps)
 
     mbarrier.invalidate(q_bar)
     for i in gl.static_range(STAGES):
