@@ -30,7 +30,7 @@ from gluon_fwd import failed, write_json  # noqa: E402
 # dK/dV tiles (queries per step, keys per block, ring slots) and dQ: the default's dQ pass after the dK/dV pass
 # (0), or added in the pass (1: DQ_ATOMIC, TMA reductions), or a Gluon dQ pass after it ((queries, keys, slots))
 VARIANTS = [(64, 64, 2, 0), (64, 64, 3, 0), (64, 64, 2, 1), (64, 64, 3, 1), (64, 64, 2, (64, 64, 2)),
-            (64, 64, 2, (64, 128, 2)), (64, 64, 2, (64, 64, 3))]
+            (64, 64, 2, (64, 128, 2)), (64, 64, 2, (64, 64, 3)), (64, 128, 2, "ws"), (64, 128, 3, "ws")]
 CASES = [(2, 4, 2, 1000, 64, "full", "bfloat16"), (1, 4, 4, 777, 128, "causal", "float16"),
          (1, 2, 1, 130, 64, "causal", "bfloat16"), (1, 4, 2, 1000, 128, "full", "bfloat16"),
          (2, 2, 2, 2048, 128, "causal", "bfloat16"), (1, 8, 2, 300, 64, "bottom_right", "float16")]
@@ -42,13 +42,17 @@ def gluon_cfg(v, D: int) -> dict:
     from attncomp.codegen.triton import configs
 
     bm, bn, stages, dq = v
-    base = {x: y for x, y in configs.GLUON_BWD[(D, True)].items() if x not in ("DQ_ATOMIC", "DQ_GLUON")}
+    base = {x: y for x, y in configs.GLUON_BWD[(D, True)].items() if x not in ("DQ_ATOMIC", "DQ_GLUON", "WS")}
+    if dq == "ws":  # the warp-specialised one-launch kernel (128 keys per block, ``stages`` ring slots)
+        return dict(base, WS=stages, DQ_GLUON=[64, 64, 2])
     extra = dict(DQ_GLUON=list(dq)) if isinstance(dq, tuple) else dict(DQ_ATOMIC=2) if dq else {}
     return dict(base, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, **extra)
 
 
 def name(v) -> str:
     dq = v[3]
+    if dq == "ws":
+        return "gluon ws %dx%ds%d" % v[:3]
     return "gluon dkdv %dx%ds%d" % v[:3] + (" + gluon dq %dx%ds%d" % dq if isinstance(dq, tuple) else
                                              " fused dq" if dq else "")
 
@@ -73,6 +77,8 @@ def check(args) -> list:
         o, lse = TB.attention_forward(spec, q, k, v)
         want = R.attention_backward(q.double(), k.double(), v.double(), None, go.double(), spec=spec)[:3]
         for var in VARIANTS:
+            if args.match and not any(m in name(var) for m in args.match):
+                continue
             got = TB.attention_backward(spec, q, k, v, None, o, lse, go, config=gluon_cfg(var, D))
             errs = [((a.double() - b).abs().max() / b.abs().max()).item() for a, b in zip(got, want)]
             ok = all(e < 2e-2 for e in errs)
@@ -96,7 +102,8 @@ def run(args) -> list:
         # the template's own backward (ATTNCOMP_GLUON=0: its default configuration), what a call runs by
         # default (the Gluon dK/dV pass where configs.GLUON_BWD has the site), each variant
         contenders = [("template", None, "0"), ("attncomp default", None, "1")] + [
-            (name(x), gluon_cfg(x, D), "1") for x in VARIANTS if D in args.fused_dims or x[3] != 1]
+            (name(x), gluon_cfg(x, D), "1") for x in VARIANTS
+            if (D in args.fused_dims or x[3] != 1) and (not args.match or any(m in name(x) for m in args.match))]
         runs = {}
         for _ in range(args.rounds):
             both = bench_ms(sdpa_fn(causal, q, k, v, do, "fwd+bwd", "cudnn"), False)
@@ -136,6 +143,8 @@ def main(argv=None) -> int:
     ap.add_argument("--H", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--fused-dims", default="64,128", help="head dims at which the fused-dQ variants are timed")
+    ap.add_argument("--match", default="", help="comma-separated parts of variant names: only the variants that "
+                    "contain one are timed (e.g. 'ws,gluon dq 64x64s2')")
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -143,6 +152,7 @@ def main(argv=None) -> int:
     args.ns = [int(x) for x in args.ns.split(",")]
     args.fused_dims = [int(x) for x in args.fused_dims.split(",")]
     args.causal = [bool(int(x)) for x in args.causal.split(",")]
+    args.match = [m for m in args.match.split(",") if m]
     os.environ.setdefault("ATTNCOMP_TRITON_TUNE", "0")
     checks = [] if args.no_check else check(args)
     rows = run(args)

@@ -259,6 +259,9 @@ def _bwd_configs():
     # the dQ pass in Gluon too ([queries, keys, ring slots])
     more += [dict(KERNEL="gluon", BLOCK_M=64, BLOCK_N=64, STAGES=2, num_warps=4, num_stages=2, DQ_GLUON=dq)
              for dq in ([64, 64, 2], [64, 128, 2])]
+    # the warp-specialised one-launch kernel (ring slots; the two passes above where it cannot run)
+    more += [dict(KERNEL="gluon", BLOCK_M=64, BLOCK_N=64, STAGES=2, num_warps=4, num_stages=2, DQ_GLUON=[64, 64, 2],
+                  WS=st) for st in (2, 3)]
     return [c for i, c in enumerate(own + more) if c not in (own + more)[:i]]
 
 
@@ -276,7 +279,7 @@ def test_gluon_dkdv_pass_against_reference(TB, case):
         assert TB.last_configs["bwd"].get("KERNEL") == "gluon"
         for name, a, b in zip(("dq", "dk", "dv"), got, want):
             close(f"{name} {cfg['BLOCK_M']}x{cfg['BLOCK_N']}s{cfg['STAGES']} fused {cfg.get('DQ_ATOMIC', 0)} "
-                  f"dq {cfg.get('DQ_GLUON')}", a, b, _TOL[q.dtype], True)
+                  f"dq {cfg.get('DQ_GLUON')} ws {cfg.get('WS')}", a, b, _TOL[q.dtype], True)
 
 
 @pytest.mark.parametrize("D", [64, 128])

@@ -994,7 +994,13 @@ def attention_backward(spec: AttentionSpec, q, k, v, attn_mask, out, lse, grad_o
         bm, bn, w, st = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"]
         if gluon is not None:  # the dK/dV pass in Gluon (hopper_bwd; dk and dv are contiguous), then a dQ pass
             hb, causal, off = _gluon_bwd_module(), gluon[1], gluon[2]
-            if cfg.get("DQ_ATOMIC") and hb.FUSED_DQ and not torch.are_deterministic_algorithms_enabled():
+            one_launch = hb.FUSED_DQ and not torch.are_deterministic_algorithms_enabled()
+            if cfg.get("WS") and one_launch:  # (the warp-specialised kernel: dK, dV and dQ in one launch)
+                dq32 = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+                hb.backward_ws(q, k, v, grad_out, lse2, delta, dk, dv, dq32, site.scale, causal, off, cfg["WS"])
+                dq.copy_(dq32)
+                return
+            if cfg.get("DQ_ATOMIC") and one_launch:
                 # (dQ added in the pass: one launch; a Triton whose Gluon builds no TMA reductions runs two)
                 dq32 = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
                 hb.dkdv(q, k, v, grad_out, lse2, delta, dk, dv, site.scale, causal, off, cfg, dq32)

@@ -53,7 +53,7 @@ from .common import LOG2E
 from .hopper import _desc, _mma_layout, _tile_2d
 from .launch import FastLaunch
 
-__all__ = ["dkdv", "dq_pass", "FUSED_DQ"]
+__all__ = ["dkdv", "dq_pass", "backward_ws", "FUSED_DQ"]
 
 #: whether this Triton's Gluon builds TMA reductions (``cp.reduce.async.bulk.tensor``), which the pass's fused dQ
 #: (``DQ_ATOMIC``) adds its tiles with
@@ -375,3 +375,204 @@ def dq_pass(q, k, v, grad_out, lse2, delta, dq, scale: float, causal: bool, pos_
     grid = (triton.cdiv(Nq, bm), B * Hq)
     _dq_kernel[grid](_desc(q, bm), _desc(k, bn), _desc(v, bn), _desc(grad_out, bm), _desc(dq, bm), lse2, delta, Hq,
                      Hq // Hk, Nq, Nk, pos_off, scale * LOG2E, scale, CAUSAL=causal, STAGES=stages, num_warps=4)
+
+
+# -- the warp-specialised backward (configuration key ``WS``) ---------------------------------------------------
+# Per block of ``2 * M_WG`` keys (``M_WG`` = 64) of one key head: a producer warp loads the block's key and value
+# rows once and streams the query and ``dO`` tiles of every step (as :func:`_bwd_dkdv` orders them) through a ring;
+# two consumer warp groups, one per 64 keys, each run the dK/dV pass's step on their rows, store their ``dS^T`` in
+# shared memory and, once both have, compute their share of the step's ``dQ = dS K`` over all ``2 * M_WG`` keys
+# (D=128: one 64-column half each; D=64: the whole tile, the groups taking turns by step) and add it into the
+# float32 dQ buffer with one TMA reduction. One launch, ``dQ`` added once per 128 keys, registers where the work is
+# (``setmaxnreg``: 240 per consumer thread, 24 per producer thread).
+
+
+@gluon.jit
+def _ws_arrive(bar):
+    """One arrival of a warp group at ``bar``, after every warp of the group got there."""
+    gl.thread_barrier()
+    mbarrier.arrive(bar, count=1)
+
+
+@gluon.jit
+def _ws_dq(ds_all, k_buf, col, COLS: gl.constexpr, layout: gl.constexpr):
+    """Issues ``dQ[:, col:col + COLS] = dS K[:, col:col + COLS]`` of a step over both groups' keys: ``ds_all`` is
+    ``dS^T`` (keys by queries), ``k_buf`` the two groups' key tiles; one product per group's 64 keys
+    (asynchronous, two commit groups)."""
+    M_WG: gl.constexpr = k_buf.shape[3]
+    HEAD_D: gl.constexpr = k_buf.shape[4]
+    BLOCK_M: gl.constexpr = ds_all.shape[1]
+    dq = warpgroup_mma(ds_all.slice(0, M_WG, dim=0).permute((1, 0)),
+                       _tile_2d(k_buf.index(0), M_WG, HEAD_D).slice(col, COLS, dim=1),
+                       gl.zeros([BLOCK_M, COLS], gl.float32, layout), use_acc=False, is_async=True)
+    return warpgroup_mma(ds_all.slice(M_WG, M_WG, dim=0).permute((1, 0)),
+                         _tile_2d(k_buf.index(1), M_WG, HEAD_D).slice(col, COLS, dim=1), dq, is_async=True)
+
+
+@gluon.jit
+def _ws_bwd_load(q_desc, k_desc, v_desc, do_desc, smem, b, hk, start_n, groups, lo, n_m, total):
+    """The producer: both consumers' key and value rows, then the query and ``dO`` tiles of step ``it`` into ring
+    slot ``it % STAGES`` once both consumers released what the slot held."""
+    k_buf, v_buf, q_buf, do_buf, ds_buf, dq_buf, kv_bar, ready, empty, ds_bar, fin_bar = smem
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+    M_WG: gl.constexpr = k_desc.block_type.shape[2]
+    STAGES: gl.constexpr = q_buf.shape[0]
+    mbarrier.expect(kv_bar, 2 * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
+    for w in gl.static_range(2):
+        tma.async_copy_global_to_shared(k_desc, [b, hk, start_n + w * M_WG, 0], kv_bar, k_buf.index(w))
+        tma.async_copy_global_to_shared(v_desc, [b, hk, start_n + w * M_WG, 0], kv_bar, v_buf.index(w))
+    for it in range(total):
+        slot = it % STAGES
+        mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
+        _load_step(q_desc, do_desc, q_buf, do_buf, ready, slot, it, b, hk, groups, lo, n_m, total, BLOCK_M)
+
+
+@gluon.jit
+def _ws_bwd_consume(dk_desc, dv_desc, dq_desc, lse2_ptr, delta_ptr, smem, b, hk, Hq, groups, lo, n_m, n_q, total, off,
+                    start_n, qk_scale, sm_scale, WG: gl.constexpr, CAUSAL: gl.constexpr):
+    """Consumer ``WG``: keys ``[start_n + WG * M_WG, start_n + (WG + 1) * M_WG)`` of the block; ``smem``: the
+    buffers and barriers the partitions share."""
+    k_buf, v_buf, q_buf, do_buf, ds_buf, dq_buf, kv_bar, ready, empty, ds_bar, fin_bar = smem
+    M_WG: gl.constexpr = dk_desc.block_type.shape[2]
+    HEAD_D: gl.constexpr = dk_desc.block_type.shape[3]
+    BLOCK_M: gl.constexpr = q_buf.shape[3]
+    STAGES: gl.constexpr = q_buf.shape[0]
+    DQ_COLS: gl.constexpr = dq_desc.block_type.shape[3]
+    dtype: gl.constexpr = dk_desc.dtype
+    st_layout: gl.constexpr = _mma_layout(4, BLOCK_M)
+    acc_layout: gl.constexpr = _mma_layout(4, HEAD_D)
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    dq_layout: gl.constexpr = _mma_layout(4, DQ_COLS)
+    row_s: gl.constexpr = gl.SliceLayout(1, st_layout)
+
+    k_s = _tile_2d(k_buf.index(WG), M_WG, HEAD_D)
+    v_s = _tile_2d(v_buf.index(WG), M_WG, HEAD_D)
+    start_w = start_n + WG * M_WG
+    rows = start_w + gl.arange(0, M_WG, layout=row_s)
+    dk = gl.zeros([M_WG, HEAD_D], gl.float32, acc_layout)
+    dv = gl.zeros([M_WG, HEAD_D], gl.float32, acc_layout)
+    mbarrier.wait(kv_bar, 0)
+
+    for it in range(total):
+        slot = it % STAGES
+        q_s, do_s, st_tok, dpt_tok = _ring_products(k_s, v_s, q_buf, do_buf, ready, it, STAGES, st_layout)
+        pt, dst = _probs(st_tok, dpt_tok, it, lse2_ptr, delta_ptr, rows, b, hk, Hq, groups, lo, n_m, n_q, off, start_w,
+                         qk_scale, CAUSAL, BLOCK_M, st_layout)
+        ds = dst.to(dtype)
+        dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_s, dv, is_async=True)
+        dk = warpgroup_mma(gl.convert_layout(ds, a_layout), q_s, dk, is_async=True)
+        # this group's dS^T into the step's half of the shared tile (two tiles in turn: the other group may
+        # still read the previous step's), then wait for the other group's
+        d = it % 2
+        ds_all = ds_buf.index(d)
+        ds_all.slice(WG * M_WG, M_WG, dim=0).store(ds)
+        fence_async_shared()
+        _ws_arrive(ds_bar.index(d))
+        mbarrier.wait(ds_bar.index(d), (it // 2) & 1)
+        h, start_m = _step_tile(it, hk, groups, lo, n_m, BLOCK_M)
+        if HEAD_D == DQ_COLS:  # the whole dQ tile, the two groups in turn
+            dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+            _ws_arrive(empty.index(slot))
+            if it % 2 == WG:
+                dq = _ws_dq(ds_all, k_buf, 0, DQ_COLS, dq_layout)
+                dq = warpgroup_mma_wait(0, deps=(dq, ))
+                _dq_add(dq, dq_buf.index(WG), dq_desc, b, h, start_m, 0, sm_scale)
+        else:  # this group's DQ_COLS columns of it
+            dq = _ws_dq(ds_all, k_buf, WG * DQ_COLS, DQ_COLS, dq_layout)
+            dv, dk = warpgroup_mma_wait(2, deps=(dv, dk))
+            _ws_arrive(empty.index(slot))
+            dq = warpgroup_mma_wait(0, deps=(dq, ))
+            _dq_add(dq, dq_buf.index(WG), dq_desc, b, h, start_m, WG * DQ_COLS, sm_scale)
+
+    # both groups are past their last dQ product (which reads every key row): the key and value buffers take
+    # dK and dV
+    _ws_arrive(fin_bar)
+    mbarrier.wait(fin_bar, 0)
+    k_s.store((dk * sm_scale).to(dtype))
+    v_s.store(dv.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dk_desc, [b, hk, start_w, 0], k_buf.index(WG))
+    tma.async_copy_shared_to_global(dv_desc, [b, hk, start_w, 0], v_buf.index(WG))
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _bwd_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse2_ptr, delta_ptr, Hq, groups, n_q, n_k,
+            off, qk_scale, sm_scale, CAUSAL: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+            num_warps: gl.constexpr):
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+    M_WG: gl.constexpr = k_desc.block_type.shape[2]
+    HEAD_D: gl.constexpr = k_desc.block_type.shape[3]
+    dtype: gl.constexpr = k_desc.dtype
+
+    start_n = gl.program_id(0) * (2 * M_WG)
+    bhk = gl.program_id(1)
+    Hk = Hq // groups
+    b = bhk // Hk
+    hk = bhk % Hk
+
+    k_buf = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
+    v_buf = gl.allocate_shared_memory(dtype, [2] + v_desc.block_type.shape, v_desc.layout)
+    q_buf = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_buf = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+    ds_buf = gl.allocate_shared_memory(dtype, [2, 2 * M_WG, BLOCK_M], _ds_layout([2 * M_WG, BLOCK_M], dtype))
+    dq_buf = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    fin_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    mbarrier.init(fin_bar, count=2)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+    for i in gl.static_range(2):
+        mbarrier.init(ds_bar.index(i), count=2)
+    fence_async_shared()
+
+    # the query tiles a key of the block can be seen from (causal: from the first query at or past its first key)
+    n_m = gl.cdiv(n_q, BLOCK_M)
+    lo = 0
+    if CAUSAL:
+        lo = gl.minimum(gl.maximum(start_n - off, 0) // BLOCK_M, n_m)
+    total = groups * (n_m - lo)
+
+    smem = (k_buf, v_buf, q_buf, do_buf, ds_buf, dq_buf, kv_bar, ready, empty, ds_bar, fin_bar)
+    gl.warp_specialize([
+        (_ws_bwd_consume, (dk_desc, dv_desc, dq_desc, lse2_ptr, delta_ptr, smem, b, hk, Hq, groups, lo, n_m, n_q, total,
+                           off, start_n, qk_scale, sm_scale, 0, CAUSAL)),
+        (_ws_bwd_consume, (dk_desc, dv_desc, dq_desc, lse2_ptr, delta_ptr, smem, b, hk, Hq, groups, lo, n_m, n_q, total,
+                           off, start_n, qk_scale, sm_scale, 1, CAUSAL)),
+        (_ws_bwd_load, (q_desc, k_desc, v_desc, do_desc, smem, b, hk, start_n, groups, lo, n_m, total)),
+    ], [4, 1], [CONSUMER_REGS, 24])
+
+
+_ws_kernel = FastLaunch(_bwd_ws)
+#: registers per thread at entry (two consumer warp groups and the producer warp, padded to a group) and per
+#: consumer thread after ``setmaxnreg`` (the producer's keeps 24)
+WS_REGS = (168, 240)
+#: keys per consumer warp group of the warp-specialised backward
+WS_KEYS = 64
+
+
+def backward_ws(q, k, v, grad_out, lse2, delta, dk, dv, dq32, scale: float, causal: bool, pos_off: int,
+                stages: int = 2) -> None:
+    """Writes ``dk`` and ``dv`` (``(B, Hk, Nk, D)``, TMA-writable) and adds ``dQ`` into ``dq32`` (``q``'s shape,
+    float32, contiguous, zeroed) of dense attention in one launch, from the preprocessed ``lse2`` and ``delta``:
+    the warp-specialised kernel (per block of 128 keys, two consumer warp groups and a producer warp; query and
+    ``dO`` tiles of 64 rows through a ring of ``stages`` slots). The order of the additions into ``dq32`` varies
+    from run to run. D 64 or 128."""
+    B, Hq, Nq, D = q.shape
+    Hk, Nk = k.shape[1], k.shape[2]
+    if D not in (DQ_COLS, 2 * DQ_COLS):
+        raise ValueError(f"the warp-specialised Gluon backward runs head dims {DQ_COLS} and {2 * DQ_COLS}, not {D}")
+    if not FUSED_DQ:
+        raise ValueError("this Triton's Gluon builds no TMA reductions: the warp-specialised backward cannot add dQ")
+    bm = 64
+    grid = (triton.cdiv(Nk, 2 * WS_KEYS), B * Hk)
+    maxnreg, regs = WS_REGS
+    _ws_kernel[grid](_desc(q, bm), _desc(k, WS_KEYS), _desc(v, WS_KEYS), _desc(grad_out, bm), _desc(dk, WS_KEYS),
+                     _desc(dv, WS_KEYS), _desc(dq32, bm, cols=DQ_COLS), lse2, delta, Hq, Hq // Hk, Nq, Nk, pos_off,
+                     scale * LOG2E, scale, CAUSAL=causal, STAGES=stages, CONSUMER_REGS=regs, num_warps=4,
+                     maxnreg=maxnreg)
