@@ -155,6 +155,9 @@ def compile_config(policy: str, causal: bool, D: int, passes: str, cfg: Dict, N:
             if cfg.get("DQ_GLUON") and dq32 is None:  # (its dQ pass in Gluon too)
                 hopper_bwd.dq_pass(q, k, v, torch.randn_like(q), z, z, torch.empty_like(q), D ** -0.5, causal, 0,
                                    cfg["DQ_GLUON"])
+            if cfg.get("WS"):  # (the warp-specialised one-launch kernel; the passes above where it cannot run)
+                hopper_bwd.backward_ws(q, k, v, torch.randn_like(q), z, z, torch.empty_like(k), torch.empty_like(v),
+                                       torch.zeros(q.shape), D ** -0.5, causal, 0, cfg["WS"])
         elif cfg.get("KERNEL") == "gluon":  # the Gluon Hopper forward (dense, DFSS 2:4), as the backend calls it
             from attncomp.codegen.triton import hopper
 
@@ -168,7 +171,7 @@ def compile_config(policy: str, causal: bool, D: int, passes: str, cfg: Dict, N:
     rows = []
     for kern in got:
         name = kern.name if hasattr(kern, "name") else kern.metadata.name
-        if not any(x in name for x in ("_attention_kernel", "_attn_fwd", "_bwd_dkdv", "_bwd_dq")):
+        if not any(x in name for x in ("_attention_kernel", "_attn_fwd", "_bwd_dkdv", "_bwd_dq", "_bwd_ws")):
             continue
         rows.append(dict(kernel=name, **kernel_stats(kern, kern.metadata.num_warps)))
     return rows

@@ -2,9 +2,10 @@
 every configuration of ``configs.GLUON_FWD`` / ``GLUON_FWD_SHORT`` / ``GLUON_FWD_DFSS`` (and more) against the float64
 reference, output and ``lse`` written into poisoned buffers, at odd lengths, GQA, causal aligned top-left and
 bottom-right, float16 and bfloat16, tied logits (DFSS); the template's backward from its ``lse``; and which
-calls the backend hands to it. The backward's Gluon dK/dV pass (``hopper_bwd.py``, then the template's dQ pass)
-under each configuration of ``configs.GLUON_BWD`` (and more) against the float64 reference on the same cases,
-and which backward calls take it by default.
+calls the backend hands to it. The backward's Gluon kernels (``hopper_bwd.py``: the warp-specialised one-launch
+kernel, the dK/dV pass followed by the template's or the Gluon dQ pass, or adding dQ itself) under each
+configuration of ``configs.GLUON_BWD`` (and more) against the float64 reference on the same cases, and which
+backward calls take them by default.
 
 Run in a process of its own (``pytest -m gpu tests/codegen/test_hopper_gpu.py``).
 """
@@ -246,8 +247,9 @@ def test_the_op_keeps_the_gluon_plan(TB, monkeypatch, policy):
 
 
 def _bwd_configs():
-    """Gluon dK/dV pass configurations (queries per step, ring slots; blocks of 64 keys), each followed by
-    the template's dQ pass or adding dQ in the pass: the default's, and more."""
+    """Gluon backward configurations: the dK/dV pass (queries per step, ring slots; blocks of 64 keys) followed by
+    the template's or the Gluon dQ pass, or adding dQ in the pass, and the warp-specialised kernel: the
+    default's, and more."""
     from attncomp.codegen.triton import configs
 
     own = list(configs.GLUON_BWD.values())
@@ -268,7 +270,7 @@ def _bwd_configs():
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}x{c[1]}/{c[2]}x{c[3]}x{c[4]}-D{c[5]}-"
                          f"{'+'.join(c[6]) or 'full'}-{dtype_name(c[7])}")
 def test_gluon_dkdv_pass_against_reference(TB, case):
-    """The Gluon dK/dV pass (``hopper_bwd``) and the template's dQ pass after it give the float64
+    """The Gluon backward kernels (``hopper_bwd``, :func:`_bwd_configs`) give the float64
     reference's gradients (poisoned outputs, odd lengths, grouped heads, both causal alignments, more keys
     than queries), from the forward's ``out`` and ``lse``."""
     spec, q, k, v, go, preds = _inputs(*case)
@@ -284,45 +286,51 @@ def test_gluon_dkdv_pass_against_reference(TB, case):
 
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_dense_backward_runs_both_gluon_passes_by_default(TB, monkeypatch, causal, D):
+def test_dense_backward_runs_the_warp_specialised_kernel_by_default(TB, monkeypatch, causal, D):
     """By default the backward of a dense site at head dim 64 or 128 with enough keys, causal or not, runs the
-    Gluon dK/dV pass and then the Gluon dQ pass, and gives the float64 reference's gradients (grouped heads, an
-    odd length, poisoned outputs)."""
+    warp-specialised Gluon kernel (one launch, ``WS`` ring slots) and no second pass, and gives the float64
+    reference's gradients (grouped heads, an odd length, poisoned outputs)."""
     from attncomp.codegen.triton import configs, hopper_bwd
 
     N = configs.GLUON_MIN_KEYS + 67
     spec, q, k, v, go, preds = _inputs(1, 4, 2, N, N, D, ("causal",) if causal else (), torch.bfloat16, seed=7)
     out, lse = TB.attention_forward(spec, q, k, v)
-    ran, real = [], hopper_bwd.dq_pass
-    monkeypatch.setattr(hopper_bwd, "dq_pass", lambda *a: (ran.append(a[-1]), real(*a))[1])
+    ran, real_ws, real_dq = [], hopper_bwd.backward_ws, hopper_bwd.dq_pass
+    monkeypatch.setattr(hopper_bwd, "backward_ws", lambda *a: (ran.append(("ws", a[-1])), real_ws(*a))[1])
+    monkeypatch.setattr(hopper_bwd, "dq_pass", lambda *a: (ran.append(("dq", a[-1])), real_dq(*a))[1])
     got = TB.attention_backward(spec, q, k, v, None, out, lse, go)
     assert TB.last_configs["bwd"].get("KERNEL") == "gluon" and TB.gluon_skipped["bwd"] is None
-    assert ran == [TB.last_configs["bwd"]["DQ_GLUON"]]
+    assert ran == [("ws", TB.last_configs["bwd"]["WS"])]
     want = R.attention_backward(q.double(), k.double(), v.double(), None, go.double(), spec=spec)[:3]
     for name, a, b in zip(("dq", "dk", "dv"), got, want):
         close(name, a, b, _TOL[q.dtype], True)
 
 
-def test_gluon_fused_dq_keeps_to_deterministic_algorithms(TB, monkeypatch):
-    """A configuration that adds dQ in the Gluon pass (``DQ_ATOMIC``: TMA reductions, whose order varies) runs
-    the pass without it and the template's dQ pass while PyTorch's deterministic algorithms are on, and
-    gives the reference's gradients either way."""
+@pytest.mark.parametrize("kind", ["DQ_ATOMIC", "WS"])
+def test_gluon_one_launch_backwards_keep_to_deterministic_algorithms(TB, monkeypatch, kind):
+    """A configuration that adds dQ by TMA reductions (whose order varies: ``DQ_ATOMIC`` in the dK/dV pass, or the
+    warp-specialised kernel ``WS``) runs two passes instead while PyTorch's deterministic algorithms are on
+    (the dK/dV pass without dQ, then a dQ pass), and gives the reference's gradients either way."""
     from attncomp.codegen.triton import hopper_bwd
 
     spec, q, k, v, go, preds = _inputs(1, 4, 2, 700, 700, 64, ("causal",), torch.bfloat16, seed=5)
     out, lse = TB.attention_forward(spec, q, k, v)
     want = R.attention_backward(q.double(), k.double(), v.double(), None, go.double(), spec=spec)[:3]
-    cfg = next(c for c in _bwd_configs() if c.get("DQ_ATOMIC"))
-    fused, real = [], hopper_bwd.dkdv
-    monkeypatch.setattr(hopper_bwd, "dkdv", lambda *a: (fused.append(len(a) > 12 and a[12] is not None), real(*a))[1])
+    cfg = next(c for c in _bwd_configs() if c.get(kind))
+    ran, real_dkdv, real_ws = [], hopper_bwd.dkdv, hopper_bwd.backward_ws
+    monkeypatch.setattr(hopper_bwd, "dkdv", lambda *a: (ran.append("dkdv+dq" if len(a) > 12 and a[12] is not None
+                                                                   else "dkdv"), real_dkdv(*a))[1])
+    monkeypatch.setattr(hopper_bwd, "backward_ws", lambda *a: (ran.append("ws"), real_ws(*a))[1])
+    one = {"DQ_ATOMIC": "dkdv+dq", "WS": "ws"}[kind]
     for deterministic in (False, True):
         was = torch.are_deterministic_algorithms_enabled()
         torch.use_deterministic_algorithms(deterministic, warn_only=True)
+        ran.clear()
         try:
             got = TB.attention_backward(spec, q, k, v, None, out, lse, go, config=cfg)
         finally:
             torch.use_deterministic_algorithms(was)
-        assert fused[-1] is (not deterministic)
+        assert ran == (["dkdv"] if deterministic else [one])
         for name, a, b in zip(("dq", "dk", "dv"), got, want):
             close(f"{name} deterministic={deterministic}", a, b, _TOL[q.dtype], True)
 

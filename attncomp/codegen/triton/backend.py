@@ -567,8 +567,9 @@ def _gluon_bwd(spec, q, k, v, attn_mask, dropout_p, preds, block_pattern, layout
                config: Optional[dict]) -> Optional[tuple]:
     """``(config, causal, off)`` of a backward whose dK/dV pass runs the Gluon kernel (:mod:`.hopper_bwd`):
     ``config`` where it asks for it (``KERNEL="gluon"``; ``ValueError`` where the call cannot run it), else by
-    default ``configs.GLUON_BWD``'s for the dense sites it has on sm_90 (with the dQ pass it names: Gluon's,
-    ``DQ_GLUON``, or the template's); ``None`` where the template's dK/dV pass runs
+    default ``configs.GLUON_BWD``'s for the dense sites it has on sm_90 (the warp-specialised kernel ``WS``, and
+    for the two passes where it cannot run the dQ pass it names: Gluon's, ``DQ_GLUON``, or the template's);
+    ``None`` where the template's dK/dV pass runs
     (``gluon_skipped["bwd"]`` says why)."""
     forced = config is not None
     if (config.get("KERNEL") != "gluon") if forced else not q.is_cuda:
@@ -956,13 +957,14 @@ def attention_backward(spec: AttentionSpec, q, k, v, attn_mask, out, lse, grad_o
                        block_pattern=None, layout: Optional[Layout] = None):
     """``(dq, dk, dv)`` of :func:`attention_forward`'s ``out`` for ``grad_out``.
 
-    Two launches (dK/dV, then dQ; both in Gluon where :func:`_gluon_bwd` says so: by default the dense sites
-    of ``configs.GLUON_BWD`` on sm_90), or with a ``DQ_ATOMIC`` configuration one: the dK/dV
+    By default the dense sites of ``configs.GLUON_BWD`` on sm_90 (:func:`_gluon_bwd`) run one launch of the
+    warp-specialised Gluon kernel (``WS``: dK, dV, and dQ added by TMA reductions). Otherwise two launches
+    (dK/dV, then dQ; in Gluon or the template's), or with a ``DQ_ATOMIC`` configuration one: the dK/dV
     pass adds dQ into a float32 buffer with atomics (``DQ_ATOMIC=2``: one TMA bulk reduction per tile where
     the query rows are in order, else per-element atomics; the Gluon pass: TMA reductions). The atomics' order
     varies, so while PyTorch's deterministic algorithms are enabled (``torch.use_deterministic_algorithms``)
     such configurations are not candidates (:func:`.configs.bwd_candidates`) and a forced one (the Gluon
-    default's too, and the Gluon pass's wherever Triton lacks TMA reductions) runs the two-pass path.
+    default's too, and the Gluon kernels' wherever Triton lacks TMA reductions) runs the two-pass path.
     """
     q, k, v = _last_contiguous(q), _last_contiguous(k), _last_contiguous(v)
     out, grad_out = _last_contiguous(out), _last_contiguous(grad_out)

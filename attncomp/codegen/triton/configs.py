@@ -195,20 +195,25 @@ GLUON_FWD_SHORT: Dict[tuple, Config] = {
 }
 GLUON_SHORT_QUERIES = 8192
 
-# The Gluon backward of dense sites on sm_90 GPUs (:mod:`.hopper_bwd`), per (head dim, causal): the dK/dV pass (queries
-# per step, keys per block, ring slots), then the Gluon dQ pass ``DQ_GLUON`` (queries per block, keys per step, ring
-# slots; no atomics). ``DQ``: the template's dQ pass where a configuration names neither (queries, keys, warps,
-# stages). ``DQ_ATOMIC`` (dQ added in the dK/dV pass by TMA reductions) is an option, not a default. From
-# ``benchmarks/gluon_bwd.py`` on an H100 (bf16, B=4, H=16, N 4096 and 16384, medians of 2-3 rounds in turn;
-# benchmarks/README.md), the whole backward against cuDNN's:
-# * the two Gluon passes: D=64 0.82-0.88x (full) and 0.83-0.95x (causal); D=128 0.82-0.87x and 0.83-0.88x;
+# The Gluon backward of dense sites on sm_90 GPUs (:mod:`.hopper_bwd`), per (head dim, causal): ``WS``, the
+# warp-specialised kernel (one launch: blocks of 128 keys on two consumer warp groups and a producer warp, ``WS``
+# ring slots of 64-query tiles, dQ summed over the block's keys and added by TMA reductions). Where it cannot run
+# (PyTorch's deterministic algorithms on: the additions' order varies; a Triton without TMA reductions) the two
+# passes run: the dK/dV pass (queries per step, keys per block, ring slots), then the Gluon dQ pass ``DQ_GLUON``
+# (queries per block, keys per step, ring slots; no atomics). ``DQ``: the template's dQ pass where a configuration
+# names neither (queries, keys, warps, stages). ``DQ_ATOMIC`` (dQ added in the dK/dV pass by TMA reductions) is an
+# option, not a default. From ``benchmarks/gluon_bwd.py`` on an H100 (bf16, B=4, H=16, N 4096 and 16384, medians
+# of 2 rounds in turn; benchmarks/README.md), the whole backward against cuDNN's:
+# * the warp-specialised kernel, two slots: D=64 0.89-0.95x (full) and 0.92-1.00x (causal); D=128 0.88-0.99x and
+#   0.89-0.96x; three slots 0.80-0.94x;
+# * the two Gluon passes: D=64 0.82-0.88x (full) and 0.83-0.95x (causal); D=128 0.82-0.87x and 0.82-0.92x;
 # * the Gluon dK/dV pass then the template's dQ pass: D=64 0.75-0.84x / 0.81-0.90x, D=128 0.79-0.85x / 0.75-0.84x;
 # * dQ added in the dK/dV pass (three slots): D=64 0.81-0.83x / 0.83-0.94x; at D=128 it spills and fits one block
 #   per SM (0.51-0.73x);
 # * the template's backward: D=64 0.73-0.83x / 0.70-0.81x, D=128 0.80-0.85x / 0.68-0.76x.
 GLUON_BWD: Dict[tuple, Config] = {
     (d, causal): dict(KERNEL="gluon", BLOCK_M=64, BLOCK_N=64, STAGES=2, num_warps=4, num_stages=3,
-                      DQ=[64, 64, 4, 3] if d == 64 else [128, 64, 8, 3], DQ_GLUON=[64, 64, 2])
+                      DQ=[64, 64, 4, 3] if d == 64 else [128, 64, 8, 3], DQ_GLUON=[64, 64, 2], WS=2)
     for d in (64, 128) for causal in (False, True)
 }
 
