@@ -57,6 +57,13 @@ def name(v) -> str:
                                              " fused dq" if dq else "")
 
 
+def _variants(args) -> list:
+    """The variants ``--match`` names (all by default; DFSS: the warp-specialised kernel's only, the passes have no
+    selection)."""
+    return [v for v in VARIANTS if (not args.match or any(m in name(v) for m in args.match))
+            and (args.policy == "dense" or v[3] == "ws")]
+
+
 def check(args) -> list:
     import torch
 
@@ -68,17 +75,17 @@ def check(args) -> list:
     for B, Hq, Hk, N, D, mask, dt in CASES:
         dtype = getattr(torch, dt)
         g = torch.Generator().manual_seed(N + D)
+        if args.policy == "dfss":  # (whole groups of four keys)
+            N = -(-N // 4) * 4
         q = torch.randn(B, Hq, N, D, generator=g).to("cuda", dtype)
-        Nk = N + 37 if mask == "bottom_right" else N
+        Nk = (N + 40 if args.policy == "dfss" else N + 37) if mask == "bottom_right" else N
         k, v = (torch.randn(B, Hk, Nk, D, generator=g).to("cuda", dtype) for _ in range(2))
         go = torch.randn(B, Hq, N, D, generator=g).to("cuda", dtype)
         spec = AttentionSpec(dtype=dt, causal=mask != "full", causal_align="bottom_right" if mask == "bottom_right"
-                             else "top_left")
+                             else "top_left", policy=make_spec(args.policy, False, dtype).policy)
         o, lse = TB.attention_forward(spec, q, k, v)
         want = R.attention_backward(q.double(), k.double(), v.double(), None, go.double(), spec=spec)[:3]
-        for var in VARIANTS:
-            if args.match and not any(m in name(var) for m in args.match):
-                continue
+        for var in _variants(args):
             got = TB.attention_backward(spec, q, k, v, None, o, lse, go, config=gluon_cfg(var, D))
             errs = [((a.double() - b).abs().max() / b.abs().max()).item() for a, b in zip(got, want)]
             ok = all(e < 2e-2 for e in errs)
@@ -96,14 +103,13 @@ def run(args) -> list:
     rows, ran = [], []
     for D, N, causal in itertools.product(args.dims, args.ns, args.causal):
         q, k, v, do = make_inputs(args.B, args.H, N, D, torch.bfloat16, "cuda")
-        spec = make_spec("dense", causal, q.dtype)
+        spec = make_spec(args.policy, causal, q.dtype)
         out, lse = TB.attention_forward(spec, q, k, v)
         fl = flops(args.B, args.H, N, D, causal, "fwd+bwd") - flops(args.B, args.H, N, D, causal, "fwd")
         # the template's own backward (ATTNCOMP_GLUON=0: its default configuration), what a call runs by
         # default (the Gluon dK/dV pass where configs.GLUON_BWD has the site), each variant
         contenders = [("template", None, "0"), ("attncomp default", None, "1")] + [
-            (name(x), gluon_cfg(x, D), "1") for x in VARIANTS
-            if (D in args.fused_dims or x[3] != 1) and (not args.match or any(m in name(x) for m in args.match))]
+            (name(x), gluon_cfg(x, D), "1") for x in _variants(args) if D in args.fused_dims or x[3] != 1]
         runs = {}
         for _ in range(args.rounds):
             both = bench_ms(sdpa_fn(causal, q, k, v, do, "fwd+bwd", "cudnn"), False)
@@ -145,6 +151,8 @@ def main(argv=None) -> int:
     ap.add_argument("--fused-dims", default="64,128", help="head dims at which the fused-dQ variants are timed")
     ap.add_argument("--match", default="", help="comma-separated parts of variant names: only the variants that "
                     "contain one are timed (e.g. 'ws,gluon dq 64x64s2')")
+    ap.add_argument("--policy", default="dense", choices=["dense", "dfss"], help="dfss: DFSS 2:4 (the template's "
+                    "backward, the default and the warp-specialised variants, against cuDNN's dense backward)")
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -157,8 +165,9 @@ def main(argv=None) -> int:
     checks = [] if args.no_check else check(args)
     rows = run(args)
     gpu = torch.cuda.get_device_name()
-    write_json(args.out, "gluon_bwd.json", dict(gpu=gpu, torch=torch.__version__, checks=checks, rows=rows))
-    print(f"\n{gpu}, B={args.B} H={args.H}, bf16, backward alone, medians of {args.rounds} rounds")
+    write_json(args.out, "gluon_bwd.json", dict(gpu=gpu, torch=torch.__version__, policy=args.policy, checks=checks,
+                                                rows=rows))
+    print(f"\n{gpu}, {args.policy}, B={args.B} H={args.H}, bf16, backward alone, medians of {args.rounds} rounds")
     print(f"{'D':>4} {'N':>6} {'causal':>6} {'variant':<26} {'ms':>8} {'x cuDNN':>8} {'TFLOP/s':>8}")
     for r in rows:
         print(f"{r['D']:>4} {r['N']:>6} {int(r['causal']):>6} {r['variant']:<26} {r['ms']:>8.3f} {r['vs_cudnn']:>8.2f} "

@@ -145,7 +145,13 @@ def compile_config(policy: str, causal: bool, D: int, passes: str, cfg: Dict, N:
     q, k, v = (torch.randn(1, 2, N, D, dtype=torch.bfloat16) for _ in range(3))
     spec = make_spec(policy, causal, torch.bfloat16)
     with sm90_compiles(options) as got:
-        if cfg.get("KERNEL") == "gluon" and passes == "bwd":  # the backward's Gluon dK/dV pass (dense)
+        if cfg.get("KERNEL") == "gluon" and passes == "bwd" and policy == "dfss":  # (the warp-specialised only)
+            from attncomp.codegen.triton import hopper_bwd
+
+            z = torch.zeros(1, 2, N)
+            hopper_bwd.backward_ws(q, k, v, torch.randn_like(q), z, z, torch.empty_like(k), torch.empty_like(v),
+                                   torch.zeros(q.shape), D ** -0.5, causal, 0, cfg["WS"], True)
+        elif cfg.get("KERNEL") == "gluon" and passes == "bwd":  # the backward's Gluon dK/dV pass (dense)
             from attncomp.codegen.triton import hopper_bwd
 
             z = torch.zeros(1, 2, N)
@@ -194,8 +200,8 @@ def run(args) -> List[Dict]:
                     gluon = None
                     if args.gluon and passes == "fwd" and policy in ("dense", "dfss"):
                         gluon = configs.gluon_config(D, causal, policy == "dfss")
-                    elif args.gluon and policy == "dense":  # (the backward: its Gluon dK/dV pass)
-                        gluon = configs.GLUON_BWD.get((D, causal))
+                    elif args.gluon and policy in ("dense", "dfss"):  # (the backward's Gluon kernels)
+                        gluon = (configs.GLUON_BWD_DFSS if policy == "dfss" else configs.GLUON_BWD).get((D, causal))
                     for cfg in cands + ([dict(gluon, KERNEL="gluon")] if gluon else []):
                         try:
                             got = compile_config(policy, causal, D, passes, cfg)
@@ -227,7 +233,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--first", type=int, default=0, help="only the first N candidates of each list (1: the default)")
     ap.add_argument("--gluon", action="store_true", help="also the Gluon Hopper forward's configurations "
                     "(dense and DFSS 2:4: configs.GLUON_FWD, GLUON_FWD_DFSS) and, with --passes bwd, the Gluon "
-                    "dK/dV pass's (dense: configs.GLUON_BWD)")
+                    "backward's (dense: configs.GLUON_BWD; DFSS 2:4, the warp-specialised kernel: "
+                    "configs.GLUON_BWD_DFSS)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     rows = run(args)

@@ -116,13 +116,9 @@ def _check_against_reference(TB, spec, q, k, v, go, preds):
 DFSS_CASES = [(B, Hq, Hk, -(-Nq // 4) * 4, -(-Nk // 4) * 4, *rest) for B, Hq, Hk, Nq, Nk, *rest in CASES]
 
 
-@pytest.mark.parametrize("ties", [False, True], ids=["random", "ties"])
-@pytest.mark.parametrize("case", DFSS_CASES, ids=lambda c: f"{c[0]}x{c[1]}/{c[2]}x{c[3]}x{c[4]}-D{c[5]}-"
-                         f"{'+'.join(c[6]) or 'full'}-{dtype_name(c[7])}")
-def test_gluon_dfss_forward_against_reference(TB, case, ties):
-    """The 2:4 selection inside the Gluon kernel keeps what the reference keeps; with ``ties`` members 1
-    and 2 of every group hold member 0's key (equal logits: the lower key index wins) and member 3 is
-    a zero key."""
+def _dfss_inputs(case, ties: bool):
+    """:func:`_inputs` of a DFSS 2:4 case; with ``ties`` members 1 and 2 of every group hold member 0's key
+    (equal logits: the lower key index wins) and member 3 is a zero key."""
     from attncomp.policy import DFSS
 
     spec, q, k, v, go, preds = _inputs(*case, policy=DFSS(2, 4))
@@ -131,7 +127,17 @@ def test_gluon_dfss_forward_against_reference(TB, case, ties):
         k[:, :, 1::4] = k[:, :, 0::4]
         k[:, :, 2::4] = k[:, :, 0::4]
         k[:, :, 3::4] = 0
-    _check_against_reference(TB, spec, q, k, v, go, preds)
+    return spec, q, k, v, go, preds
+
+
+@pytest.mark.parametrize("ties", [False, True], ids=["random", "ties"])
+@pytest.mark.parametrize("case", DFSS_CASES, ids=lambda c: f"{c[0]}x{c[1]}/{c[2]}x{c[3]}x{c[4]}-D{c[5]}-"
+                         f"{'+'.join(c[6]) or 'full'}-{dtype_name(c[7])}")
+def test_gluon_dfss_forward_against_reference(TB, case, ties):
+    """The 2:4 selection inside the Gluon kernel keeps what the reference keeps; with ``ties`` members 1
+    and 2 of every group hold member 0's key (equal logits: the lower key index wins) and member 3 is
+    a zero key."""
+    _check_against_reference(TB, *_dfss_inputs(case, ties))
 
 
 def test_dense_calls_that_take_it(TB, monkeypatch):
@@ -284,6 +290,64 @@ def test_gluon_dkdv_pass_against_reference(TB, case):
                   f"dq {cfg.get('DQ_GLUON')} ws {cfg.get('WS')}", a, b, _TOL[q.dtype], True)
 
 
+@pytest.mark.parametrize("ties", [False, True], ids=["random", "ties"])
+@pytest.mark.parametrize("case", DFSS_CASES, ids=lambda c: f"{c[0]}x{c[1]}/{c[2]}x{c[3]}x{c[4]}-D{c[5]}-"
+                         f"{'+'.join(c[6]) or 'full'}-{dtype_name(c[7])}")
+def test_gluon_dfss_backward_against_reference(TB, case, ties):
+    """The warp-specialised backward of DFSS 2:4 (key rows read in the selection's order, logits swapped between
+    partner threads) gives the float64 reference's gradients under each DFSS configuration (two and three ring
+    slots; poisoned outputs, odd lengths, grouped heads, both causal alignments, more keys than queries); with
+    ``ties`` members 1 and 2 of every group hold member 0's key (equal logits: the lower key index wins) and
+    member 3 is a zero key."""
+    from attncomp.codegen.triton import configs
+
+    spec, q, k, v, go, preds = _dfss_inputs(case, ties)
+    out, lse = TB.attention_forward(spec, q, k, v, preds=preds)
+    want = R.attention_backward(q.double(), k.double(), v.double(), None, go.double(), spec=spec, preds=preds)[:3]
+    D = q.shape[-1]
+    for cfg in [dict(configs.GLUON_BWD[(D, "causal" in case[6] or "bottom_right" in case[6])])] + [
+            dict(KERNEL="gluon", BLOCK_M=64, BLOCK_N=64, STAGES=2, num_warps=4, num_stages=2, WS=3)]:
+        got = TB.attention_backward(spec, q, k, v, None, out, lse, go, preds=preds, config=cfg)[:3]
+        assert TB.last_configs["bwd"].get("WS") == cfg["WS"]
+        for name, a, b in zip(("dq", "dk", "dv"), got, want):
+            close(f"{name} ws {cfg['WS']}", a, b, _TOL[q.dtype], True)
+
+
+def test_dfss_backward_runs_the_warp_specialised_kernel_by_default(TB, monkeypatch):
+    """By default the backward of a DFSS 2:4 site of ``configs.GLUON_BWD_DFSS`` (D=128, no mask) with enough keys
+    runs the warp-specialised kernel, and the template's backward while PyTorch's deterministic algorithms are on;
+    both give the reference's gradients. Causal and D=64 DFSS sites keep the template's backward."""
+    from attncomp.codegen.triton import configs, hopper_bwd
+    from attncomp.policy import DFSS
+
+    N = configs.GLUON_MIN_KEYS + 68
+    for D, kinds in ((64, ()), (128, ("causal",))):
+        spec, q, k, v, go, preds = _inputs(1, 2, 1, N, N, D, kinds, torch.bfloat16, seed=3, policy=DFSS(2, 4))
+        out, lse = TB.attention_forward(spec, q, k, v)
+        TB.attention_backward(spec, q, k, v, None, out, lse, go)
+        assert "KERNEL" not in TB.last_configs["bwd"] and "no configuration" in TB.gluon_skipped["bwd"], (D, kinds)
+    spec, q, k, v, go, preds = _inputs(1, 4, 2, N, N, 128, (), torch.bfloat16, seed=9, policy=DFSS(2, 4))
+    out, lse = TB.attention_forward(spec, q, k, v)
+    want = R.attention_backward(q.double(), k.double(), v.double(), None, go.double(), spec=spec)[:3]
+    ran, real = [], hopper_bwd.backward_ws
+    monkeypatch.setattr(hopper_bwd, "backward_ws", lambda *a: (ran.append(a[-1]), real(*a))[1])
+    for deterministic in (False, True):
+        was = torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(deterministic, warn_only=True)
+        ran.clear()
+        try:
+            got = TB.attention_backward(spec, q, k, v, None, out, lse, go)
+        finally:
+            torch.use_deterministic_algorithms(was)
+        if deterministic:
+            assert ran == [] and "KERNEL" not in TB.last_configs["bwd"]
+            assert "deterministic" in TB.gluon_skipped["bwd"]
+        else:
+            assert ran == [True] and TB.gluon_skipped["bwd"] is None  # (nm24)
+        for name, a, b in zip(("dq", "dk", "dv"), got, want):
+            close(f"{name} deterministic={deterministic}", a, b, _TOL[q.dtype], True)
+
+
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_dense_backward_runs_the_warp_specialised_kernel_by_default(TB, monkeypatch, causal, D):
@@ -296,7 +360,7 @@ def test_dense_backward_runs_the_warp_specialised_kernel_by_default(TB, monkeypa
     spec, q, k, v, go, preds = _inputs(1, 4, 2, N, N, D, ("causal",) if causal else (), torch.bfloat16, seed=7)
     out, lse = TB.attention_forward(spec, q, k, v)
     ran, real_ws, real_dq = [], hopper_bwd.backward_ws, hopper_bwd.dq_pass
-    monkeypatch.setattr(hopper_bwd, "backward_ws", lambda *a: (ran.append(("ws", a[-1])), real_ws(*a))[1])
+    monkeypatch.setattr(hopper_bwd, "backward_ws", lambda *a: (ran.append(("ws", a[12])), real_ws(*a))[1])
     monkeypatch.setattr(hopper_bwd, "dq_pass", lambda *a: (ran.append(("dq", a[-1])), real_dq(*a))[1])
     got = TB.attention_backward(spec, q, k, v, None, out, lse, go)
     assert TB.last_configs["bwd"].get("KERNEL") == "gluon" and TB.gluon_skipped["bwd"] is None
@@ -343,17 +407,26 @@ def test_gluon_dkdv_pass_refuses_what_it_cannot_run(TB):
     spec, q, k, v, go, preds = _inputs(1, 2, 2, 256, 256, 64, (), torch.bfloat16)
     out, lse = TB.attention_forward(spec, q, k, v)
     mask = torch.rand(256, 256, device="cuda") > 0.2
-    with pytest.raises(ValueError, match="Gluon dK/dV"):
+    with pytest.raises(ValueError, match="Gluon backward"):
         TB.attention_backward(AttentionSpec(dtype="bfloat16", mask_kind="bool"), q, k, v, mask, out, lse, go,
                               config=_bwd_configs()[0])
     dfss = AttentionSpec(dtype="bfloat16", policy=get_policy("dfss").resolved(torch.bfloat16))
-    with pytest.raises(ValueError, match="DFSS"):
-        TB.attention_backward(dfss, q, k, v, None, out, lse, go, config=_bwd_configs()[0])
+    two_passes = next(c for c in _bwd_configs() if not c.get("WS"))
+    with pytest.raises(ValueError, match="DFSS without the warp-specialised kernel"):
+        TB.attention_backward(dfss, q, k, v, None, out, lse, go, config=two_passes)
+    # (DFSS's one launch adds dQ in a varying order)
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        with pytest.raises(ValueError, match="deterministic"):
+            TB.attention_backward(dfss, q, k, v, None, out, lse, go, config=_bwd_configs()[0])
+    finally:
+        torch.use_deterministic_algorithms(was)
 
 
 def test_causal_dense_backward_takes_the_gluon_dkdv_pass(TB, monkeypatch):
     """By default the backward of a causal dense site with enough keys runs the Gluon dK/dV pass
-    (``configs.GLUON_BWD``) and gives the template's gradients; a head dim without a configuration, DFSS, few
+    (``configs.GLUON_BWD``) and gives the template's gradients; a head dim without a configuration (dense or DFSS), few
     keys or ``ATTNCOMP_GLUON=0`` keep the template's dK/dV pass."""
     from attncomp.codegen.triton import configs
     from attncomp.policy import get_policy
@@ -371,9 +444,10 @@ def test_causal_dense_backward_takes_the_gluon_dkdv_pass(TB, monkeypatch):
         close(f"{name} vs template", a, b, _TOL[torch.bfloat16], True)
 
     dfss = spec.replace(policy=get_policy("dfss").resolved(torch.bfloat16))
-    short = k[:, :, :N // 2]
+    short, whole_groups = k[:, :, :N // 2], k[:, :, :N // 4 * 4]  # (DFSS: a multiple of 4 keys)
     monkeypatch.delitem(configs.GLUON_BWD, (128, True))
-    for why, (sp, kk) in {"no configuration": (spec, k), "DFSS": (dfss, k), "keys <": (spec, short)}.items():
+    for why, sp, kk in (("no configuration", spec, k), ("no configuration", dfss, whole_groups),
+                        ("keys <", spec, short)):
         o, l = TB.attention_forward(sp, q, kk, kk)
         TB.attention_backward(sp, q, kk, kk, None, o, l, go)
         assert "KERNEL" not in TB.last_configs["bwd"], why

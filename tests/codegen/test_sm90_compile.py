@@ -102,15 +102,24 @@ def test_warp_specialised_config_is_checked(bad):
 
 def test_gluon_backward_compiles_for_hopper(tmp_path):
     """The backward's Gluon kernels under each configuration of ``configs.GLUON_BWD`` (dense, D 64/128, causal and
-    not: the warp-specialised one-launch kernel, and the dK/dV and dQ passes that run where it cannot) compile for
+    not: the warp-specialised one-launch kernel, and the dK/dV and dQ passes that run where it cannot) and of
+    ``configs.GLUON_BWD_DFSS`` (DFSS 2:4: the warp-specialised kernel) compile for
     sm_90 to warp-group MMAs, within a block's shared memory; the passes without spill stores, the
     warp-specialised kernel with at most a few loop-invariant words (D=128: 36-84 bytes in this Triton, stored
     before its step loop and read after it, per its SASS)."""
-    rows, res = _sm90(tmp_path, "--policies", "dense", "--dims", "64,128", "--passes", "bwd", "--first", "1",
+    rows, res = _sm90(tmp_path, "--policies", "dense,dfss", "--dims", "64,128", "--passes", "bwd", "--first", "1",
                       "--gluon")
     assert res.returncode == 0, res.stdout[-3000:]
-    gluon = [r for r in rows if r["config"].startswith(("gluon dkdv", "gluon bwd"))]
     from attncomp.codegen.triton import configs
+
+    # DFSS 2:4 (configs.GLUON_BWD_DFSS): the warp-specialised kernel alone, its key rows read in the selection's
+    # order (within the same few spilled words)
+    nm = [r for r in rows if r["policy"] == "dfss" and r["config"].startswith("gluon bwd")]
+    assert sorted((r["D"], r["causal"], r["kernel"]) for r in nm) == sorted(
+        (d, c, "_bwd_ws") for d, c in configs.GLUON_BWD_DFSS), rows
+    for r in nm:
+        assert "error" not in r and r["fits"] and r["wgmma"] > 0 and r["spill"] <= 128, r
+    gluon = [r for r in rows if r["policy"] == "dense" and r["config"].startswith(("gluon dkdv", "gluon bwd"))]
 
     assert {(r["D"], r["causal"]) for r in gluon} == set(configs.GLUON_BWD), rows
     for r in gluon:

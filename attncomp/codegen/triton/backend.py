@@ -565,26 +565,32 @@ def _gluon_module(device: torch.device):
 
 def _gluon_bwd(spec, q, k, v, attn_mask, dropout_p, preds, block_pattern, layout, grad_out,
                config: Optional[dict]) -> Optional[tuple]:
-    """``(config, causal, off)`` of a backward whose dK/dV pass runs the Gluon kernel (:mod:`.hopper_bwd`):
+    """``(config, causal, off, nm24)`` of a backward that runs a Gluon kernel (:mod:`.hopper_bwd`):
     ``config`` where it asks for it (``KERNEL="gluon"``; ``ValueError`` where the call cannot run it), else by
     default ``configs.GLUON_BWD``'s for the dense sites it has on sm_90 (the warp-specialised kernel ``WS``, and
-    for the two passes where it cannot run the dQ pass it names: Gluon's, ``DQ_GLUON``, or the template's);
-    ``None`` where the template's dK/dV pass runs
+    for the two passes where it cannot run the dQ pass it names: Gluon's, ``DQ_GLUON``, or the template's) and
+    ``configs.GLUON_BWD_DFSS``'s for DFSS 2:4 sites (the warp-specialised kernel only: not under PyTorch's
+    deterministic algorithms); ``None`` where the template's dK/dV pass runs
     (``gluon_skipped["bwd"]`` says why)."""
     forced = config is not None
     if (config.get("KERNEL") != "gluon") if forced else not q.is_cuda:
         return None
     why, causal, off, nm24 = _gluon_why_not(spec, q, k, v, attn_mask, dropout_p, preds, block_pattern, layout, forced)
-    cfg = config if forced else configs.GLUON_BWD.get((q.shape[-1], causal))
-    # (_gluon_why_not asked hopper.applies: the Gluon forward's inputs are the pass's)
-    why = why or ("DFSS" if nm24 else None) or ("no configuration" if cfg is None else None) or (
+    cfg = config if forced else (configs.GLUON_BWD_DFSS if nm24 else configs.GLUON_BWD).get((q.shape[-1], causal))
+    # (_gluon_why_not asked hopper.applies: the Gluon forward's inputs are the backward's)
+    why = why or ("no configuration" if cfg is None else None) or (
         None if _tma_aligned(grad_out) else "a tensor TMA cannot read (16-byte aligned base and strides, unit last "
                                             "stride)")
+    if nm24 and why is None:  # DFSS: the warp-specialised kernel only (its dQ added by TMA reductions)
+        why = ("DFSS without the warp-specialised kernel (configuration key WS)" if not cfg.get("WS") else
+               "DFSS under PyTorch's deterministic algorithms (the warp-specialised kernel adds dQ in a varying "
+               "order)" if torch.are_deterministic_algorithms_enabled() else
+               "DFSS: this Triton's Gluon builds no TMA reductions" if not _gluon_bwd_module().FUSED_DQ else None)
     if forced and why is not None:
-        raise ValueError(f"config {config} asks for the Gluon dK/dV pass, which cannot run this call: {why}")
+        raise ValueError(f"config {config} asks for the Gluon backward, which cannot run this call: {why}")
     if not forced:
         gluon_skipped["bwd"] = why
-    return None if why is not None else (cfg, causal, off)
+    return None if why is not None else (cfg, causal, off, nm24)
 
 
 def _gluon_bwd_module():
@@ -957,8 +963,9 @@ def attention_backward(spec: AttentionSpec, q, k, v, attn_mask, out, lse, grad_o
                        block_pattern=None, layout: Optional[Layout] = None):
     """``(dq, dk, dv)`` of :func:`attention_forward`'s ``out`` for ``grad_out``.
 
-    By default the dense sites of ``configs.GLUON_BWD`` on sm_90 (:func:`_gluon_bwd`) run one launch of the
-    warp-specialised Gluon kernel (``WS``: dK, dV, and dQ added by TMA reductions). Otherwise two launches
+    By default the dense sites of ``configs.GLUON_BWD`` and the DFSS 2:4 sites of ``configs.GLUON_BWD_DFSS`` on
+    sm_90 (:func:`_gluon_bwd`) run one launch of the warp-specialised Gluon kernel (``WS``: dK, dV, and dQ added
+    by TMA reductions; DFSS: only where its one launch may run, else the template's backward). Otherwise two launches
     (dK/dV, then dQ; in Gluon or the template's), or with a ``DQ_ATOMIC`` configuration one: the dK/dV
     pass adds dQ into a float32 buffer with atomics (``DQ_ATOMIC=2``: one TMA bulk reduction per tile where
     the query rows are in order, else per-element atomics; the Gluon pass: TMA reductions). The atomics' order
@@ -994,14 +1001,16 @@ def attention_backward(spec: AttentionSpec, q, k, v, attn_mask, out, lse, grad_o
 
     def launch(cfg):
         bm, bn, w, st = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"]
-        if gluon is not None:  # the dK/dV pass in Gluon (hopper_bwd; dk and dv are contiguous), then a dQ pass
-            hb, causal, off = _gluon_bwd_module(), gluon[1], gluon[2]
+        if gluon is not None:  # a Gluon backward (hopper_bwd; dk and dv are contiguous)
+            hb, (causal, off, nm24) = _gluon_bwd_module(), gluon[1:]
             one_launch = hb.FUSED_DQ and not torch.are_deterministic_algorithms_enabled()
-            if cfg.get("WS") and one_launch:  # (the warp-specialised kernel: dK, dV and dQ in one launch)
+            if cfg.get("WS") and one_launch:  # (the warp-specialised kernel: dK, dV and dQ in one launch; DFSS too)
                 dq32 = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-                hb.backward_ws(q, k, v, grad_out, lse2, delta, dk, dv, dq32, site.scale, causal, off, cfg["WS"])
+                hb.backward_ws(q, k, v, grad_out, lse2, delta, dk, dv, dq32, site.scale, causal, off, cfg["WS"], nm24)
                 dq.copy_(dq32)
                 return
+            if nm24:  # (_gluon_bwd hands DFSS over only where the one launch runs: the passes have no selection)
+                raise RuntimeError("the Gluon backward passes cannot run DFSS")
             if cfg.get("DQ_ATOMIC") and one_launch:
                 # (dQ added in the pass: one launch; a Triton whose Gluon builds no TMA reductions runs two)
                 dq32 = torch.zeros(q.shape, dtype=torch.float32, device=q.device)

@@ -558,10 +558,11 @@ def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos_off: int, nm2
 _LAYOUTS: dict = {}
 
 
-def _desc(t: torch.Tensor, rows: int, groups: bool = False, cols: Optional[int] = None) -> TensorDescriptor:
+def _desc(t: torch.Tensor, rows: int, groups: bool = False, cols: Optional[int] = None,
+          members: int = 1) -> TensorDescriptor:
     """A TMA descriptor of a ``(B, H, N, D)`` tensor in ``[1, 1, rows, D]`` blocks, or with ``groups``
-    of its ``(B, H, N/4, 4, D)`` view (``N`` a multiple of 4) in ``[1, 1, rows / 4, 1, D]`` blocks (one
-    member of ``rows / 4`` groups of four keys), or with ``cols`` in ``[1, 1, rows, cols]`` blocks, built
+    of its ``(B, H, N/4, 4, D)`` view (``N`` a multiple of 4) in ``[1, 1, rows / 4, members, D]`` blocks
+    (``members`` members of ``rows / 4`` groups of four keys), or with ``cols`` in ``[1, 1, rows, cols]`` blocks, built
     without the constructor's checks, which cost more host time than the launch: the caller checked the
     tensor (``backend._tma_aligned``); the first descriptor of each block shape and dtype is built
     checked."""
@@ -569,7 +570,7 @@ def _desc(t: torch.Tensor, rows: int, groups: bool = False, cols: Optional[int] 
     sb, sh, sn, sd = t.stride()
     if groups:  # boxes one 128-byte swizzle row wide (hopper._load_kv)
         dc = min(D, 128 // t.element_size())
-        shape, strides, block = [B, H, N // 4, 4, D], [sb, sh, 4 * sn, sn, sd], [1, 1, rows // 4, 1, dc]
+        shape, strides, block = [B, H, N // 4, 4, D], [sb, sh, 4 * sn, sn, sd], [1, 1, rows // 4, members, dc]
     else:
         shape, strides, block = [B, H, N, D], [sb, sh, sn, sd], [1, 1, rows, cols or D]
     key = (tuple(block), t.dtype)

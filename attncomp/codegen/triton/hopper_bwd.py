@@ -44,6 +44,7 @@ checked on a Hopper GPU (``tests/codegen/test_hopper_gpu.py``) and compiled for 
 
 from __future__ import annotations
 
+
 import triton
 from triton._C.libtriton import gluon_ir, ir
 from triton.experimental import gluon
@@ -52,7 +53,7 @@ from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .common import LOG2E
+from .common import LOG2E, _keep4
 from .hopper import _desc, _mma_layout, _tile_2d
 from .launch import FastLaunch
 
@@ -141,9 +142,11 @@ def _ring_products(a1, a2, buf1, buf2, bar, j, STAGES: gl.constexpr, layout: gl.
 
 @gluon.jit
 def _probs(st_tok, dpt_tok, it, lse2_ptr, delta_ptr, rows, b, hk, Hq, groups, lo, n_m, n_q, off, start_n, qk_scale,
-           CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, st_layout: gl.constexpr):
+           CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, st_layout: gl.constexpr, NM: gl.constexpr = False):
     """``(P^T, dS^T)`` of step ``it`` from its issued ``S^T`` and ``dP^T`` products: waits for the first,
-    exponentiates (masked where the tile crosses the diagonal) while the second runs, then waits for it."""
+    exponentiates (masked where the tile crosses the diagonal) while the second runs, then waits for it.
+    DFSS 2:4 (``NM``; rows in :func:`_nm_keys` order): the logits masked first, then the members each group keeps
+    (:func:`_nm24_rows`) exponentiated, the others 0."""
     BLOCK_N: gl.constexpr = rows.shape[0]
     h, start_m = _step_tile(it, hk, groups, lo, n_m, BLOCK_M)
     cols = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
@@ -151,10 +154,16 @@ def _probs(st_tok, dpt_tok, it, lse2_ptr, delta_ptr, rows, b, hk, Hq, groups, lo
     lse2 = gl.load(lse2_ptr + row, mask=cols < n_q, other=float("inf"))
     delta = gl.load(delta_ptr + row, mask=cols < n_q, other=0.0)
     st = warpgroup_mma_wait(1, deps=(st_tok, ))
-    pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
-    if CAUSAL:
-        if start_m + off < start_n + BLOCK_N - 1:  # the tile crosses the diagonal
-            pt = gl.where(gl.expand_dims(cols, 0) + off >= gl.expand_dims(rows, 1), pt, 0.0)
+    if NM:
+        if CAUSAL:
+            if start_m + off < start_n + BLOCK_N - 1:  # the tile crosses the diagonal
+                st = gl.where(gl.expand_dims(cols, 0) + off >= _nm_keys(st, start_n, st_layout), st, float("-inf"))
+        pt = gl.exp2(_nm24_rows(st, st_layout) * qk_scale - gl.expand_dims(lse2, 0))
+    else:
+        pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
+        if CAUSAL:
+            if start_m + off < start_n + BLOCK_N - 1:  # the tile crosses the diagonal
+                pt = gl.where(gl.expand_dims(cols, 0) + off >= gl.expand_dims(rows, 1), pt, 0.0)
     dpt = warpgroup_mma_wait(0, deps=(dpt_tok, ))
     return pt, pt * (dpt - gl.expand_dims(delta, 0))
 
@@ -388,6 +397,14 @@ def dq_pass(q, k, v, grad_out, lse2, delta, dq, scale: float, causal: bool, pos_
 # (D=128: one 64-column half each; D=64: the whole tile, the groups taking turns by step) and add it into the
 # float32 dQ buffer with one TMA reduction. One launch, ``dQ`` added once per 128 keys, registers where the work is
 # (``setmaxnreg``: 240 per consumer thread, 24 per producer thread).
+#
+# DFSS 2:4 (``NM``): a group's four keys must be ranked within a column of ``S^T``, whose rows (keys) the MMA
+# layout spreads over threads: a thread holds rows ``q`` and ``q + 8`` of its warp's 16, the thread ``lane ^ 4``
+# rows ``q ^ 1`` and ``q ^ 1 + 8``. Key and value rows are therefore read in the order of :func:`_nm_keys` (TMA
+# boxes of two members of four groups, ``(B, H, N/4, 4, D)`` view), which puts each group's four members on those
+# four rows; each thread swaps its two logits per column with its partner (one ``shfl.bfly`` each) and keeps
+# what :func:`.common._keep4` keeps. dK and dV rows go back through the same boxes; dQ sums over the keys in any
+# order.
 
 
 @gluon.jit
@@ -398,32 +415,109 @@ def _ws_arrive(bar):
 
 
 @gluon.jit
-def _ws_dq(ds_all, k_buf, col, COLS: gl.constexpr, layout: gl.constexpr):
-    """Issues ``dQ[:, col:col + COLS] = dS K[:, col:col + COLS]`` of a step over both groups' keys: ``ds_all`` is
-    ``dS^T`` (keys by queries), ``k_buf`` the two groups' key tiles; one product per group's 64 keys
-    (asynchronous, two commit groups)."""
-    M_WG: gl.constexpr = k_buf.shape[3]
-    HEAD_D: gl.constexpr = k_buf.shape[4]
-    BLOCK_M: gl.constexpr = ds_all.shape[1]
-    dq = warpgroup_mma(ds_all.slice(0, M_WG, dim=0).permute((1, 0)),
-                       _tile_2d(k_buf.index(0), M_WG, HEAD_D).slice(col, COLS, dim=1),
-                       gl.zeros([BLOCK_M, COLS], gl.float32, layout), use_acc=False, is_async=True)
-    return warpgroup_mma(ds_all.slice(M_WG, M_WG, dim=0).permute((1, 0)),
-                         _tile_2d(k_buf.index(1), M_WG, HEAD_D).slice(col, COLS, dim=1), dq, is_async=True)
+def _nm_keys(st, start, layout: gl.constexpr):
+    """The key that each logit of a DFSS ``S^T`` tile (``st``: a warp group's rows from key ``start``, in
+    ``layout``) belongs to, as a tile of ``st``'s shape: in each slab of 16 rows, row ``8 p + 2 a + m`` holds
+    member ``2 p + m`` of the slab's group ``a`` (key ``4 a + 2 p + m``), so that the members of a group sit in
+    rows ``q``, ``q + 8`` (one thread) and ``q ^ 1``, ``q ^ 1 + 8`` (its partner ``lane ^ 4``). Computed per
+    element of the whole tile: the same arithmetic on a vector of rows broadcast over the queries gave odd
+    queries their even neighbour's keys (H100 and H200, Triton 3.6)."""
+    M: gl.constexpr = st.shape[0]
+    BM: gl.constexpr = st.shape[1]
+    r = gl.expand_dims(gl.arange(0, M, layout=gl.SliceLayout(1, layout)), 1) + gl.zeros([M, BM], gl.int32, layout)
+    w = r % 16
+    return start + r - w + 4 * ((w % 8) // 2) + 2 * (w // 8) + w % 2
 
 
 @gluon.jit
-def _ws_bwd_load(q_desc, k_desc, v_desc, do_desc, smem, b, hk, start_n, groups, lo, n_m, total):
+def _swap_lane4(x):
+    """The value the thread ``lane ^ 4`` holds in the same register (``S^T`` row ``q ^ 1``, same column)."""
+    return gl.inline_asm_elementwise("shfl.sync.bfly.b32 $0, $1, 4, 31, -1;", "=f,f", [x], dtype=gl.float32,
+                                     is_pure=True, pack=1)
+
+
+@gluon.jit
+def _nm24_rows(st, layout: gl.constexpr):
+    """DFSS 2:4 on a tile of raw (masked) logits ``st`` (``S^T`` in ``layout``: keys in :func:`_nm_keys` order by
+    queries): the members each group keeps, ``-inf`` for the others (the forward's selection: a member is kept
+    when at most one member beats it, ``j`` beating ``r`` when ``x_j > x_r`` or equal with ``j < r``)."""
+    M: gl.constexpr = st.shape[0]
+    BM: gl.constexpr = st.shape[1]
+    ri = gl.expand_dims(gl.arange(0, M, layout=gl.SliceLayout(1, layout)), 1) + gl.zeros([M, BM], gl.int32, layout)
+    # rows q and q + 8 of each slab (one thread's): members m and m + 2 of its group, m = q % 2
+    a, b = gl.split(gl.permute(gl.reshape(st, [M // 16, 2, 8, BM]), [0, 2, 3, 1]))
+    ra, rb = gl.split(gl.permute(gl.reshape(ri, [M // 16, 2, 8, BM]), [0, 2, 3, 1]))
+    c = _swap_lane4(a)  # member 1 - m
+    d = _swap_lane4(b)  # member 3 - m
+    odd = (ra % 2) == 1
+    k0, k1, k2, k3 = _keep4(gl.where(odd, c, a), gl.where(odd, a, c), gl.where(odd, d, b), gl.where(odd, b, d), 2)
+    NEG: gl.constexpr = float("-inf")
+    ya = gl.where(gl.where(odd, k1, k0), a, NEG)
+    yb = gl.where(gl.where(odd, k3, k2), b, NEG)
+    y = gl.reshape(gl.permute(gl.join(ya, yb), [0, 3, 1, 2]), [M, BM])
+    return gl.convert_layout(y, layout)
+
+
+@gluon.jit
+def _kv_boxes(desc, b, hk, start, bar, buf, w, HEAD_D: gl.constexpr, NM: gl.constexpr, STORE: gl.constexpr):
+    """Reads (``STORE``: writes) warp group ``w``'s 64 key or value rows from key ``start`` into (from) its tile of
+    ``buf``: one TMA box, or for DFSS (``NM``) the boxes of :func:`_nm_keys`'s order (two members of four groups
+    and one 128-byte feature chunk each, placed as the tile's layout places them: column chunk, then row)."""
+    if NM:
+        DC: gl.constexpr = desc.block_type.shape[4]
+        NB: gl.constexpr = 8 * (HEAD_D // DC)
+        for c in gl.static_range(HEAD_D // DC):
+            for s in gl.static_range(4):
+                for p in gl.static_range(2):
+                    box = buf.index(w * NB + (c * 4 + s) * 2 + p)
+                    coord = [b, hk, start // 4 + 4 * s, 2 * p, c * DC]
+                    if STORE:
+                        tma.async_copy_shared_to_global(desc, coord, box)
+                    else:
+                        tma.async_copy_global_to_shared(desc, coord, bar, box)
+    else:
+        if STORE:
+            tma.async_copy_shared_to_global(desc, [b, hk, start, 0], buf.index(w))
+        else:
+            tma.async_copy_global_to_shared(desc, [b, hk, start, 0], bar, buf.index(w))
+
+
+@gluon.jit
+def _ws_tile(buf, w, M_WG: gl.constexpr, HEAD_D: gl.constexpr, NM: gl.constexpr):
+    """Warp group ``w``'s ``[M_WG, HEAD_D]`` key or value tile of ``buf`` (DFSS: its boxes seen as one tile)."""
+    if NM:
+        layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([M_WG, HEAD_D], buf.dtype)
+        return buf._reinterpret(buf.dtype, [2, M_WG, HEAD_D], layout).index(w)
+    else:
+        return _tile_2d(buf.index(w), M_WG, HEAD_D)
+
+
+@gluon.jit
+def _ws_dq(ds_all, k0, k1, col, COLS: gl.constexpr, layout: gl.constexpr):
+    """Issues ``dQ[:, col:col + COLS] = dS K[:, col:col + COLS]`` of a step over both groups' keys: ``ds_all`` is
+    ``dS^T`` (keys by queries), ``k0`` and ``k1`` the two groups' key tiles; one product per group's keys
+    (asynchronous, two commit groups)."""
+    M_WG: gl.constexpr = k0.shape[0]
+    BLOCK_M: gl.constexpr = ds_all.shape[1]
+    dq = warpgroup_mma(ds_all.slice(0, M_WG, dim=0).permute((1, 0)), k0.slice(col, COLS, dim=1),
+                       gl.zeros([BLOCK_M, COLS], gl.float32, layout), use_acc=False, is_async=True)
+    return warpgroup_mma(ds_all.slice(M_WG, M_WG, dim=0).permute((1, 0)), k1.slice(col, COLS, dim=1), dq,
+                         is_async=True)
+
+
+@gluon.jit
+def _ws_bwd_load(q_desc, k_desc, v_desc, do_desc, smem, b, hk, start_n, groups, lo, n_m, total, HEAD_D: gl.constexpr,
+                 NM: gl.constexpr):
     """The producer: both consumers' key and value rows, then the query and ``dO`` tiles of step ``it`` into ring
     slot ``it % STAGES`` once both consumers released what the slot held."""
     k_buf, v_buf, q_buf, do_buf, ds_buf, dq_buf, kv_bar, ready, empty, ds_bar, fin_bar = smem
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
-    M_WG: gl.constexpr = k_desc.block_type.shape[2]
     STAGES: gl.constexpr = q_buf.shape[0]
-    mbarrier.expect(kv_bar, 2 * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
+    M_WG: gl.constexpr = 64
+    mbarrier.expect(kv_bar, 2 * M_WG * HEAD_D * 2 * k_desc.dtype.primitive_bitwidth // 8)
     for w in gl.static_range(2):
-        tma.async_copy_global_to_shared(k_desc, [b, hk, start_n + w * M_WG, 0], kv_bar, k_buf.index(w))
-        tma.async_copy_global_to_shared(v_desc, [b, hk, start_n + w * M_WG, 0], kv_bar, v_buf.index(w))
+        _kv_boxes(k_desc, b, hk, start_n + w * M_WG, kv_bar, k_buf, w, HEAD_D, NM, False)
+        _kv_boxes(v_desc, b, hk, start_n + w * M_WG, kv_bar, v_buf, w, HEAD_D, NM, False)
     for it in range(total):
         slot = it % STAGES
         mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
@@ -432,26 +526,28 @@ def _ws_bwd_load(q_desc, k_desc, v_desc, do_desc, smem, b, hk, start_n, groups, 
 
 @gluon.jit
 def _ws_bwd_consume(dk_desc, dv_desc, dq_desc, lse2_ptr, delta_ptr, smem, b, hk, Hq, groups, lo, n_m, n_q, total, off,
-                    start_n, qk_scale, sm_scale, WG: gl.constexpr, CAUSAL: gl.constexpr):
+                    start_n, qk_scale, sm_scale, WG: gl.constexpr, CAUSAL: gl.constexpr, HEAD_D: gl.constexpr,
+                    NM: gl.constexpr):
     """Consumer ``WG``: keys ``[start_n + WG * M_WG, start_n + (WG + 1) * M_WG)`` of the block; ``smem``: the
     buffers and barriers the partitions share."""
     k_buf, v_buf, q_buf, do_buf, ds_buf, dq_buf, kv_bar, ready, empty, ds_bar, fin_bar = smem
-    M_WG: gl.constexpr = dk_desc.block_type.shape[2]
-    HEAD_D: gl.constexpr = dk_desc.block_type.shape[3]
+    M_WG: gl.constexpr = 64
     BLOCK_M: gl.constexpr = q_buf.shape[3]
     STAGES: gl.constexpr = q_buf.shape[0]
     DQ_COLS: gl.constexpr = dq_desc.block_type.shape[3]
-    dtype: gl.constexpr = dk_desc.dtype
+    dtype: gl.constexpr = k_buf.dtype
     st_layout: gl.constexpr = _mma_layout(4, BLOCK_M)
     acc_layout: gl.constexpr = _mma_layout(4, HEAD_D)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     dq_layout: gl.constexpr = _mma_layout(4, DQ_COLS)
     row_s: gl.constexpr = gl.SliceLayout(1, st_layout)
 
-    k_s = _tile_2d(k_buf.index(WG), M_WG, HEAD_D)
-    v_s = _tile_2d(v_buf.index(WG), M_WG, HEAD_D)
+    k_s = _ws_tile(k_buf, WG, M_WG, HEAD_D, NM)
+    v_s = _ws_tile(v_buf, WG, M_WG, HEAD_D, NM)
+    k0 = _ws_tile(k_buf, 0, M_WG, HEAD_D, NM)
+    k1 = _ws_tile(k_buf, 1, M_WG, HEAD_D, NM)
     start_w = start_n + WG * M_WG
-    rows = start_w + gl.arange(0, M_WG, layout=row_s)
+    rows = start_w + gl.arange(0, M_WG, layout=row_s)  # (DFSS: the rows hold keys in _nm_keys order)
     dk = gl.zeros([M_WG, HEAD_D], gl.float32, acc_layout)
     dv = gl.zeros([M_WG, HEAD_D], gl.float32, acc_layout)
     mbarrier.wait(kv_bar, 0)
@@ -460,7 +556,7 @@ def _ws_bwd_consume(dk_desc, dv_desc, dq_desc, lse2_ptr, delta_ptr, smem, b, hk,
         slot = it % STAGES
         q_s, do_s, st_tok, dpt_tok = _ring_products(k_s, v_s, q_buf, do_buf, ready, it, STAGES, st_layout)
         pt, dst = _probs(st_tok, dpt_tok, it, lse2_ptr, delta_ptr, rows, b, hk, Hq, groups, lo, n_m, n_q, off, start_w,
-                         qk_scale, CAUSAL, BLOCK_M, st_layout)
+                         qk_scale, CAUSAL, BLOCK_M, st_layout, NM)
         ds = dst.to(dtype)
         dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_s, dv, is_async=True)
         dk = warpgroup_mma(gl.convert_layout(ds, a_layout), q_s, dk, is_async=True)
@@ -477,11 +573,11 @@ def _ws_bwd_consume(dk_desc, dv_desc, dq_desc, lse2_ptr, delta_ptr, smem, b, hk,
             dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
             _ws_arrive(empty.index(slot))
             if it % 2 == WG:
-                dq = _ws_dq(ds_all, k_buf, 0, DQ_COLS, dq_layout)
+                dq = _ws_dq(ds_all, k0, k1, 0, DQ_COLS, dq_layout)
                 dq = warpgroup_mma_wait(0, deps=(dq, ))
                 _dq_add(dq, dq_buf.index(WG), dq_desc, b, h, start_m, 0, sm_scale)
         else:  # this group's DQ_COLS columns of it
-            dq = _ws_dq(ds_all, k_buf, WG * DQ_COLS, DQ_COLS, dq_layout)
+            dq = _ws_dq(ds_all, k0, k1, WG * DQ_COLS, DQ_COLS, dq_layout)
             dv, dk = warpgroup_mma_wait(2, deps=(dv, dk))
             _ws_arrive(empty.index(slot))
             dq = warpgroup_mma_wait(0, deps=(dq, ))
@@ -494,19 +590,21 @@ def _ws_bwd_consume(dk_desc, dv_desc, dq_desc, lse2_ptr, delta_ptr, smem, b, hk,
     k_s.store((dk * sm_scale).to(dtype))
     v_s.store(dv.to(dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(dk_desc, [b, hk, start_w, 0], k_buf.index(WG))
-    tma.async_copy_shared_to_global(dv_desc, [b, hk, start_w, 0], v_buf.index(WG))
+    _kv_boxes(dk_desc, b, hk, start_w, fin_bar, k_buf, WG, HEAD_D, NM, True)
+    _kv_boxes(dv_desc, b, hk, start_w, fin_bar, v_buf, WG, HEAD_D, NM, True)
     tma.store_wait(pendings=0)
 
 
 @gluon.jit
 def _bwd_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse2_ptr, delta_ptr, Hq, groups, n_q, n_k,
-            off, qk_scale, sm_scale, CAUSAL: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-            num_warps: gl.constexpr):
+            off, qk_scale, sm_scale, CAUSAL: gl.constexpr, STAGES: gl.constexpr, NM: gl.constexpr,
+            CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
-    M_WG: gl.constexpr = k_desc.block_type.shape[2]
-    HEAD_D: gl.constexpr = k_desc.block_type.shape[3]
-    dtype: gl.constexpr = k_desc.dtype
+    HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
+    M_WG: gl.constexpr = 64
+    # per warp group's key tile: one box, or (DFSS) two members of four groups per 128-byte feature chunk
+    BOXES: gl.constexpr = 8 * (HEAD_D // k_desc.block_type.shape[4]) if NM else 1
+    dtype: gl.constexpr = q_desc.dtype
 
     # (the blocks of one head in turn, so that the blocks running together share their query and dO tiles in
     # L2: every head's first blocks first measured 1.2-1.3x slower, causal, H100)
@@ -516,8 +614,8 @@ def _bwd_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse2_ptr
     b = bhk // Hk
     hk = bhk % Hk
 
-    k_buf = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
-    v_buf = gl.allocate_shared_memory(dtype, [2] + v_desc.block_type.shape, v_desc.layout)
+    k_buf = gl.allocate_shared_memory(dtype, [2 * BOXES] + k_desc.block_type.shape, k_desc.layout)
+    v_buf = gl.allocate_shared_memory(dtype, [2 * BOXES] + v_desc.block_type.shape, v_desc.layout)
     q_buf = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_buf = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
     ds_buf = gl.allocate_shared_memory(dtype, [2, 2 * M_WG, BLOCK_M], _ds_layout([2 * M_WG, BLOCK_M], dtype))
@@ -546,10 +644,10 @@ def _bwd_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse2_ptr
     smem = (k_buf, v_buf, q_buf, do_buf, ds_buf, dq_buf, kv_bar, ready, empty, ds_bar, fin_bar)
     gl.warp_specialize([
         (_ws_bwd_consume, (dk_desc, dv_desc, dq_desc, lse2_ptr, delta_ptr, smem, b, hk, Hq, groups, lo, n_m, n_q, total,
-                           off, start_n, qk_scale, sm_scale, 0, CAUSAL)),
+                           off, start_n, qk_scale, sm_scale, 0, CAUSAL, HEAD_D, NM)),
         (_ws_bwd_consume, (dk_desc, dv_desc, dq_desc, lse2_ptr, delta_ptr, smem, b, hk, Hq, groups, lo, n_m, n_q, total,
-                           off, start_n, qk_scale, sm_scale, 1, CAUSAL)),
-        (_ws_bwd_load, (q_desc, k_desc, v_desc, do_desc, smem, b, hk, start_n, groups, lo, n_m, total)),
+                           off, start_n, qk_scale, sm_scale, 1, CAUSAL, HEAD_D, NM)),
+        (_ws_bwd_load, (q_desc, k_desc, v_desc, do_desc, smem, b, hk, start_n, groups, lo, n_m, total, HEAD_D, NM)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -562,10 +660,11 @@ WS_KEYS = 64
 
 
 def backward_ws(q, k, v, grad_out, lse2, delta, dk, dv, dq32, scale: float, causal: bool, pos_off: int,
-                stages: int = 2) -> None:
+                stages: int = 2, nm24: bool = False) -> None:
     """Writes ``dk`` and ``dv`` (``(B, Hk, Nk, D)``, TMA-writable) and adds ``dQ`` into ``dq32`` (``q``'s shape,
-    float32, contiguous, zeroed) of dense attention in one launch, from the preprocessed ``lse2`` and ``delta``:
-    the warp-specialised kernel (per block of 128 keys, two consumer warp groups and a producer warp; query and
+    float32, contiguous, zeroed) of dense attention, or of DFSS 2:4 with ``nm24`` (``Nk`` a multiple of 4,
+    ``scale > 0``: :func:`.hopper.applies`), in one launch, from the preprocessed ``lse2`` and ``delta``: the
+    warp-specialised kernel (per block of 128 keys, two consumer warp groups and a producer warp; query and
     ``dO`` tiles of 64 rows through a ring of ``stages`` slots). The order of the additions into ``dq32`` varies
     from run to run. D 64 or 128."""
     B, Hq, Nq, D = q.shape
@@ -574,10 +673,14 @@ def backward_ws(q, k, v, grad_out, lse2, delta, dk, dv, dq32, scale: float, caus
         raise ValueError(f"the warp-specialised Gluon backward runs head dims {DQ_COLS} and {2 * DQ_COLS}, not {D}")
     if not FUSED_DQ:
         raise ValueError("this Triton's Gluon builds no TMA reductions: the warp-specialised backward cannot add dQ")
+    if nm24 and Nk % 4:
+        raise ValueError(f"DFSS with {Nk} keys (a multiple of 4: groups read as a (N/4, 4) view)")
     bm = 64
     grid = (triton.cdiv(Nk, 2 * WS_KEYS), B * Hk)
     maxnreg, regs = WS_REGS
-    _ws_kernel[grid](_desc(q, bm), _desc(k, WS_KEYS), _desc(v, WS_KEYS), _desc(grad_out, bm), _desc(dk, WS_KEYS),
-                     _desc(dv, WS_KEYS), _desc(dq32, bm, cols=DQ_COLS), lse2, delta, Hq, Hq // Hk, Nq, Nk, pos_off,
-                     scale * LOG2E, scale, CAUSAL=causal, STAGES=stages, CONSUMER_REGS=regs, num_warps=4,
-                     maxnreg=maxnreg)
+    kv = dict(groups=True, members=2) if nm24 else {}
+    rows = 16 if nm24 else WS_KEYS  # (DFSS: boxes of four groups)
+    _ws_kernel[grid](_desc(q, bm), _desc(k, rows, **kv), _desc(v, rows, **kv), _desc(grad_out, bm),
+                     _desc(dk, rows, **kv), _desc(dv, rows, **kv), _desc(dq32, bm, cols=DQ_COLS), lse2, delta, Hq,
+                     Hq // Hk, Nq, Nk, pos_off, scale * LOG2E, scale, CAUSAL=causal, STAGES=stages, NM=nm24,
+                     CONSUMER_REGS=regs, num_warps=4, maxnreg=maxnreg)
