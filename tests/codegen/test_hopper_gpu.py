@@ -314,19 +314,19 @@ def test_gluon_dfss_backward_against_reference(TB, case, ties):
 
 
 def test_dfss_backward_runs_the_warp_specialised_kernel_by_default(TB, monkeypatch):
-    """By default the backward of a DFSS 2:4 site of ``configs.GLUON_BWD_DFSS`` (D=128, no mask) with enough keys
-    runs the warp-specialised kernel, and the template's backward while PyTorch's deterministic algorithms are on;
-    both give the reference's gradients. Causal and D=64 DFSS sites keep the template's backward."""
+    """By default the backward of a DFSS 2:4 site of ``configs.GLUON_BWD_DFSS`` (D=128, causal or not) with enough
+    keys runs the warp-specialised kernel, and the template's backward while PyTorch's deterministic algorithms are
+    on; both give the reference's gradients. D=64 DFSS sites keep the template's backward."""
     from attncomp.codegen.triton import configs, hopper_bwd
     from attncomp.policy import DFSS
 
     N = configs.GLUON_MIN_KEYS + 68
-    for D, kinds in ((64, ()), (128, ("causal",))):
+    for D, kinds in ((64, ()), (64, ("causal",))):
         spec, q, k, v, go, preds = _inputs(1, 2, 1, N, N, D, kinds, torch.bfloat16, seed=3, policy=DFSS(2, 4))
         out, lse = TB.attention_forward(spec, q, k, v)
         TB.attention_backward(spec, q, k, v, None, out, lse, go)
         assert "KERNEL" not in TB.last_configs["bwd"] and "no configuration" in TB.gluon_skipped["bwd"], (D, kinds)
-    spec, q, k, v, go, preds = _inputs(1, 4, 2, N, N, 128, (), torch.bfloat16, seed=9, policy=DFSS(2, 4))
+    spec, q, k, v, go, preds = _inputs(1, 4, 2, N, N, 128, ("causal",), torch.bfloat16, seed=9, policy=DFSS(2, 4))
     out, lse = TB.attention_forward(spec, q, k, v)
     want = R.attention_backward(q.double(), k.double(), v.double(), None, go.double(), spec=spec)[:3]
     ran, real = [], hopper_bwd.backward_ws
@@ -446,6 +446,7 @@ def test_causal_dense_backward_takes_the_gluon_dkdv_pass(TB, monkeypatch):
     dfss = spec.replace(policy=get_policy("dfss").resolved(torch.bfloat16))
     short, whole_groups = k[:, :, :N // 2], k[:, :, :N // 4 * 4]  # (DFSS: a multiple of 4 keys)
     monkeypatch.delitem(configs.GLUON_BWD, (128, True))
+    monkeypatch.delitem(configs.GLUON_BWD_DFSS, (128, True))
     for why, sp, kk in (("no configuration", spec, k), ("no configuration", dfss, whole_groups),
                         ("keys <", spec, short)):
         o, l = TB.attention_forward(sp, q, kk, kk)

@@ -223,10 +223,12 @@ GLUON_BWD: Dict[tuple, Config] = {
 # run (PyTorch's deterministic algorithms) the template's backward does. From ``benchmarks/gluon_bwd.py --policy
 # dfss`` (bf16, B=4, H=16, N 4096 and 16384, medians of 2 rounds; benchmarks/README.md), the backward against
 # cuDNN's dense backward, the kernel / the template's:
-# * D=128 full: 0.76-0.80 / 0.62-0.66 (H100), 0.76-0.78 / 0.65 (H200): the default;
-# * D=128 causal: 0.59-0.60 / 0.62-0.66 (H100), 0.70-0.72 / 0.62-0.67 (H200): not a default (slower on the H100);
-# * D=64: 0.67-0.70 / 0.76-0.83 (H100), 0.67-0.68 / 0.62-0.68 (H200): not a default.
-GLUON_BWD_DFSS: Dict[tuple, Config] = {(128, False): dict(GLUON_BWD[(128, False)])}
+# * D=128 full: 0.72-0.77 / 0.61-0.64 (H100), 0.76-0.78 / 0.65 (H200);
+# * D=128 causal: 0.69-0.70 / 0.61-0.67 (H100), 0.70-0.72 / 0.62-0.67 (H200);
+# * D=64: 0.66-0.70 / 0.77-0.81 (H100), 0.67-0.68 / 0.62-0.68 (H200): not a default (the template's is tuned for
+#   the H100, where it is faster).
+GLUON_BWD_DFSS: Dict[tuple, Config] = {(128, causal): dict(GLUON_BWD[(128, causal)])
+                                        for causal in (False, True)}
 
 
 def gluon_config(D: int, causal: bool, nm24: bool, n_q: Optional[int] = None) -> Optional[Config]:
