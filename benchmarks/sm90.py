@@ -9,6 +9,8 @@ warp-group MMA instructions. What a configuration costs in occupancy is known be
 
 * ``regs`` / ``spill``: registers per thread and bytes of spill stores (a spilling kernel is slow);
 * ``smem``: shared memory per block (a Hopper block may take 227 KiB);
+* ``sass``: SASS instructions (``cuobjdump -sass``), with the counts of the exponentials (``MUFU``) and of
+  the compares, selects, min/max and predicate logic a DFSS selection adds;
 * ``blocks/SM``: how many blocks of it one SM holds, by registers (64K per SM), shared memory
   (228 KiB per SM, 1 KiB reserved per block) and warps (64 per SM): with one warp group per block,
   two resident blocks let one block's softmax run while the other's matrix products do.
@@ -119,8 +121,9 @@ def kernel_stats(kernel, num_warps: int) -> Dict:
             fh.write(ptx)
         res = subprocess.run([_ptxas(), "-arch=sm_90a", "-v", src, "-o", os.path.join(d, "k.cubin")],
                              capture_output=True, text=True)
-    if res.returncode != 0:
-        raise RuntimeError(f"ptxas failed: {res.stderr.strip()[:300]}")
+        if res.returncode != 0:
+            raise RuntimeError(f"ptxas failed: {res.stderr.strip()[:300]}")
+        sass = _sass_ops(os.path.join(d, "k.cubin"))
     regs = int(re.search(r"Used (\d+) registers", res.stderr).group(1))
     spill = re.search(r"(\d+) bytes spill stores", res.stderr)
     smem = int(kernel.metadata.shared)
@@ -129,7 +132,25 @@ def kernel_stats(kernel, num_warps: int) -> Dict:
     by_smem = SMEM_PER_SM // (smem + 1024) if smem <= SMEM_PER_BLOCK else 0
     return dict(regs=regs, spill=int(spill.group(1)) if spill else 0, smem=smem, fits=smem <= SMEM_PER_BLOCK,
                 blocks_per_sm=min(by_regs, by_smem, WARPS_PER_SM // num_warps),
-                wgmma=ptx.count("wgmma.mma_async"))
+                wgmma=ptx.count("wgmma.mma_async"), sass=sum(sass.values()),
+                sass_ops={op: sass[op] for op in _SASS_SHOWN if op in sass})
+
+
+#: the SASS opcodes a row names next to its instruction count (the exponentials and the selection's compares,
+#: selects, min/max and predicate logic)
+_SASS_SHOWN = ("MUFU", "FSETP", "FSEL", "FMNMX", "PLOP3", "SEL")
+
+
+def _sass_ops(cubin: str) -> Dict[str, int]:
+    """Instructions per opcode (``FSETP.GE.AND`` counts as ``FSETP``) in a cubin's SASS (``cuobjdump -sass``, the
+    one Triton ships); empty where it cannot be read."""
+    tool = os.path.join(os.path.dirname(_ptxas()), "cuobjdump")
+    res = subprocess.run([tool if os.path.exists(tool) else "cuobjdump", "-sass", cubin], capture_output=True,
+                         text=True)
+    ops: Dict[str, int] = {}
+    for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[0-9T]\s+)?([A-Z0-9_]+)", res.stdout):
+        ops[m.group(1).split(".")[0]] = ops.get(m.group(1).split(".")[0], 0) + 1
+    return ops
 
 
 def compile_config(policy: str, causal: bool, D: int, passes: str, cfg: Dict, N: int = 1024,
@@ -220,7 +241,8 @@ def _fmt(r: Dict) -> str:
     if "error" in r:
         return f"{head} failed: {r['error']}"
     return (f"{head} #{r['launch']} regs {r['regs']:3d}  spill {r['spill']:5d} B  smem {r['smem'] / 1024:6.1f} KiB"
-            f"{'' if r['fits'] else ' (too much)'}  blocks/SM {r['blocks_per_sm']}  wgmma {r['wgmma']}")
+            f"{'' if r['fits'] else ' (too much)'}  blocks/SM {r['blocks_per_sm']}  wgmma {r['wgmma']}  sass {r['sass']}"
+            + "".join(f" {op} {n}" for op, n in r["sass_ops"].items()))
 
 
 def main(argv: Optional[List[str]] = None) -> int:
