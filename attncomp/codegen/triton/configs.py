@@ -225,8 +225,8 @@ GLUON_BWD: Dict[tuple, Config] = {
 # cuDNN's dense backward, the kernel / the template's:
 # * D=128 full: 0.72-0.77 / 0.61-0.64 (H100), 0.76-0.78 / 0.65 (H200);
 # * D=128 causal: 0.69-0.70 / 0.61-0.67 (H100), 0.70-0.72 / 0.62-0.67 (H200);
-# * D=64: 0.66-0.70 / 0.77-0.81 (H100), 0.67-0.68 / 0.62-0.68 (H200): not a default (the template's is tuned for
-#   the H100, where it is faster).
+# * D=64: 0.66-0.70 / 0.77-0.81 (H100, the template's one-launch GPU_DEFAULTS_NM backward), 0.67-0.68 / 0.62-0.68
+#   (H200, the lists' first): not a default.
 GLUON_BWD_DFSS: Dict[tuple, Config] = {(128, causal): dict(GLUON_BWD[(128, causal)])
                                         for causal in (False, True)}
 
