@@ -136,6 +136,10 @@ GPU_DEFAULTS_NM: Dict[str, Dict[tuple, Config]] = {
              ("bwd", 64, False): dict(_cfg(64, 64, 4, 3), DQ_ATOMIC=2, TMA=1, TMA_Q=1),
              ("fwd", 128, True): _cfg(128, 128, 8, 3), ("fwd", 128, False): _cfg(128, 128, 8, 3),
              ("bwd", 128, False): dict(_cfg(128, 64, 8, 2), DQ=(128, 64, 8, 2), TMA=1, TMA_Q=1)},
+    # H200: the H100's one-launch D=64 backward, 0.75-0.79x cuDNN's dense backward against the list's first
+    # 0.62-0.68x (``gluon_bwd.py --policy dfss --dims 64``, bf16, B=4, H=16, N 4096 and 16384; benchmarks/README.md)
+    "h200": {("bwd", 64, True): dict(_cfg(64, 64, 4, 3), DQ_ATOMIC=2, TMA=1, TMA_Q=1),
+             ("bwd", 64, False): dict(_cfg(64, 64, 4, 3), DQ_ATOMIC=2, TMA=1, TMA_Q=1)},
 }
 # Per-GPU defaults of the forward of a sorted layout (``hash``/``drop``: key/value rows gathered through the
 # permutation, so address loads only), per (kind, tier, policy). H100, ``attention.py --sweep --policies
@@ -225,8 +229,7 @@ GLUON_BWD: Dict[tuple, Config] = {
 # cuDNN's dense backward, the kernel / the template's:
 # * D=128 full: 0.72-0.77 / 0.61-0.64 (H100), 0.76-0.78 / 0.65 (H200);
 # * D=128 causal: 0.69-0.70 / 0.61-0.67 (H100), 0.70-0.72 / 0.62-0.67 (H200);
-# * D=64: 0.66-0.70 / 0.77-0.81 (H100, the template's one-launch GPU_DEFAULTS_NM backward), 0.67-0.68 / 0.62-0.68
-#   (H200, the lists' first): not a default.
+# * D=64: 0.66-0.70 / 0.75-0.81 (H100 and H200, the template's one-launch GPU_DEFAULTS_NM backward): not a default.
 GLUON_BWD_DFSS: Dict[tuple, Config] = {(128, causal): dict(GLUON_BWD[(128, causal)])
                                         for causal in (False, True)}
 
