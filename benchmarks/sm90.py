@@ -149,7 +149,8 @@ def _sass_ops(cubin: str) -> Dict[str, int]:
                          text=True)
     ops: Dict[str, int] = {}
     for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[0-9T]\s+)?([A-Z0-9_]+)", res.stdout):
-        ops[m.group(1).split(".")[0]] = ops.get(m.group(1).split(".")[0], 0) + 1
+        op = m.group(1).split(".")[0]
+        ops[op] = ops.get(op, 0) + 1
     return ops
 
 
@@ -166,25 +167,21 @@ def compile_config(policy: str, causal: bool, D: int, passes: str, cfg: Dict, N:
     q, k, v = (torch.randn(1, 2, N, D, dtype=torch.bfloat16) for _ in range(3))
     spec = make_spec(policy, causal, torch.bfloat16)
     with sm90_compiles(options) as got:
-        if cfg.get("KERNEL") == "gluon" and passes == "bwd" and policy == "dfss":  # (the warp-specialised only)
+        if cfg.get("KERNEL") == "gluon" and passes == "bwd":  # the backward's Gluon kernels
             from attncomp.codegen.triton import hopper_bwd
 
             z = torch.zeros(1, 2, N)
-            hopper_bwd.backward_ws(q, k, v, torch.randn_like(q), z, z, torch.empty_like(k), torch.empty_like(v),
-                                   torch.zeros(q.shape), D ** -0.5, causal, 0, cfg["WS"], True)
-        elif cfg.get("KERNEL") == "gluon" and passes == "bwd":  # the backward's Gluon dK/dV pass (dense)
-            from attncomp.codegen.triton import hopper_bwd
-
-            z = torch.zeros(1, 2, N)
+            nm24 = policy == "dfss"  # (DFSS: the warp-specialised kernel only)
             dq32 = torch.zeros(q.shape) if cfg.get("DQ_ATOMIC") else None  # (the pass that adds dQ too)
-            hopper_bwd.dkdv(q, k, v, torch.randn_like(q), z, z, torch.empty_like(k), torch.empty_like(v), D ** -0.5,
-                            causal, 0, cfg, dq32)
-            if cfg.get("DQ_GLUON") and dq32 is None:  # (its dQ pass in Gluon too)
+            if not nm24:
+                hopper_bwd.dkdv(q, k, v, torch.randn_like(q), z, z, torch.empty_like(k), torch.empty_like(v),
+                                D ** -0.5, causal, 0, cfg, dq32)
+            if cfg.get("DQ_GLUON") and dq32 is None and not nm24:  # (its dQ pass in Gluon too)
                 hopper_bwd.dq_pass(q, k, v, torch.randn_like(q), z, z, torch.empty_like(q), D ** -0.5, causal, 0,
                                    cfg["DQ_GLUON"])
             if cfg.get("WS"):  # (the warp-specialised one-launch kernel; the passes above where it cannot run)
                 hopper_bwd.backward_ws(q, k, v, torch.randn_like(q), z, z, torch.empty_like(k), torch.empty_like(v),
-                                       torch.zeros(q.shape), D ** -0.5, causal, 0, cfg["WS"])
+                                       torch.zeros(q.shape), D ** -0.5, causal, 0, cfg["WS"], nm24)
         elif cfg.get("KERNEL") == "gluon":  # the Gluon Hopper forward (dense, DFSS 2:4), as the backend calls it
             from attncomp.codegen.triton import hopper
 

@@ -130,16 +130,15 @@ GPU_DEFAULTS: Dict[str, Dict[tuple, Config]] = {
 # 64,128 --passes fwd+bwd``): forward 128x128w8s3 20.44 / 10.14 ms (full / causal) against the list's first
 # 24.17 / 12.48; backward without a bound with Q and dO through TMA 65.89 against 67.60 ms (causal: 34.54
 # against 33.55, the list's first stays).
+_NM_BWD_ONE_LAUNCH = dict(_cfg(64, 64, 4, 3), DQ_ATOMIC=2, TMA=1, TMA_Q=1)
 GPU_DEFAULTS_NM: Dict[str, Dict[tuple, Config]] = {
     "h100": {("fwd", 64, True): _cfg(128, 64, 8, 3),
-             ("bwd", 64, True): dict(_cfg(64, 64, 4, 3), DQ_ATOMIC=2, TMA=1, TMA_Q=1),
-             ("bwd", 64, False): dict(_cfg(64, 64, 4, 3), DQ_ATOMIC=2, TMA=1, TMA_Q=1),
+             ("bwd", 64, True): _NM_BWD_ONE_LAUNCH, ("bwd", 64, False): _NM_BWD_ONE_LAUNCH,
              ("fwd", 128, True): _cfg(128, 128, 8, 3), ("fwd", 128, False): _cfg(128, 128, 8, 3),
              ("bwd", 128, False): dict(_cfg(128, 64, 8, 2), DQ=(128, 64, 8, 2), TMA=1, TMA_Q=1)},
     # H200: the H100's one-launch D=64 backward, 0.75-0.79x cuDNN's dense backward against the list's first
     # 0.62-0.68x (``gluon_bwd.py --policy dfss --dims 64``, bf16, B=4, H=16, N 4096 and 16384; benchmarks/README.md)
-    "h200": {("bwd", 64, True): dict(_cfg(64, 64, 4, 3), DQ_ATOMIC=2, TMA=1, TMA_Q=1),
-             ("bwd", 64, False): dict(_cfg(64, 64, 4, 3), DQ_ATOMIC=2, TMA=1, TMA_Q=1)},
+    "h200": {("bwd", 64, True): _NM_BWD_ONE_LAUNCH, ("bwd", 64, False): _NM_BWD_ONE_LAUNCH},
 }
 # Per-GPU defaults of the forward of a sorted layout (``hash``/``drop``: key/value rows gathered through the
 # permutation, so address loads only), per (kind, tier, policy). H100, ``attention.py --sweep --policies

@@ -44,7 +44,6 @@ checked on a Hopper GPU (``tests/codegen/test_hopper_gpu.py``) and compiled for 
 
 from __future__ import annotations
 
-
 import triton
 from triton._C.libtriton import gluon_ir, ir
 from triton.experimental import gluon
@@ -407,6 +406,11 @@ def dq_pass(q, k, v, grad_out, lse2, delta, dq, scale: float, causal: bool, pos_
 # order.
 
 
+#: keys per consumer warp group of the warp-specialised backward (``_WS_KEYS``: the same, for the kernels)
+WS_KEYS = 64
+_WS_KEYS = gl.constexpr(WS_KEYS)
+
+
 @gluon.jit
 def _ws_arrive(bar):
     """One arrival of a warp group at ``bar``, after every warp of the group got there."""
@@ -422,11 +426,17 @@ def _nm_keys(st, start, layout: gl.constexpr):
     rows ``q``, ``q + 8`` (one thread) and ``q ^ 1``, ``q ^ 1 + 8`` (its partner ``lane ^ 4``). Computed per
     element of the whole tile: the same arithmetic on a vector of rows broadcast over the queries gave odd
     queries their even neighbour's keys (H100 and H200, Triton 3.6)."""
-    M: gl.constexpr = st.shape[0]
-    BM: gl.constexpr = st.shape[1]
-    r = gl.expand_dims(gl.arange(0, M, layout=gl.SliceLayout(1, layout)), 1) + gl.zeros([M, BM], gl.int32, layout)
+    r = _row_index(st, layout)
     w = r % 16
     return start + r - w + 4 * ((w % 8) // 2) + 2 * (w // 8) + w % 2
+
+
+@gluon.jit
+def _row_index(st, layout: gl.constexpr):
+    """The row of each element of ``st`` (in ``layout``), as a tile of its shape."""
+    M: gl.constexpr = st.shape[0]
+    BM: gl.constexpr = st.shape[1]
+    return gl.expand_dims(gl.arange(0, M, layout=gl.SliceLayout(1, layout)), 1) + gl.zeros([M, BM], gl.int32, layout)
 
 
 @gluon.jit
@@ -443,7 +453,7 @@ def _nm24_rows(st, layout: gl.constexpr):
     when at most one member beats it, ``j`` beating ``r`` when ``x_j > x_r`` or equal with ``j < r``)."""
     M: gl.constexpr = st.shape[0]
     BM: gl.constexpr = st.shape[1]
-    ri = gl.expand_dims(gl.arange(0, M, layout=gl.SliceLayout(1, layout)), 1) + gl.zeros([M, BM], gl.int32, layout)
+    ri = _row_index(st, layout)
     # rows q and q + 8 of each slab (one thread's): members m and m + 2 of its group, m = q % 2
     a, b = gl.split(gl.permute(gl.reshape(st, [M // 16, 2, 8, BM]), [0, 2, 3, 1]))
     ra, rb = gl.split(gl.permute(gl.reshape(ri, [M // 16, 2, 8, BM]), [0, 2, 3, 1]))
@@ -513,7 +523,7 @@ def _ws_bwd_load(q_desc, k_desc, v_desc, do_desc, smem, b, hk, start_n, groups, 
     k_buf, v_buf, q_buf, do_buf, ds_buf, dq_buf, kv_bar, ready, empty, ds_bar, fin_bar = smem
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     STAGES: gl.constexpr = q_buf.shape[0]
-    M_WG: gl.constexpr = 64
+    M_WG: gl.constexpr = _WS_KEYS
     mbarrier.expect(kv_bar, 2 * M_WG * HEAD_D * 2 * k_desc.dtype.primitive_bitwidth // 8)
     for w in gl.static_range(2):
         _kv_boxes(k_desc, b, hk, start_n + w * M_WG, kv_bar, k_buf, w, HEAD_D, NM, False)
@@ -531,7 +541,7 @@ def _ws_bwd_consume(dk_desc, dv_desc, dq_desc, lse2_ptr, delta_ptr, smem, b, hk,
     """Consumer ``WG``: keys ``[start_n + WG * M_WG, start_n + (WG + 1) * M_WG)`` of the block; ``smem``: the
     buffers and barriers the partitions share."""
     k_buf, v_buf, q_buf, do_buf, ds_buf, dq_buf, kv_bar, ready, empty, ds_bar, fin_bar = smem
-    M_WG: gl.constexpr = 64
+    M_WG: gl.constexpr = _WS_KEYS
     BLOCK_M: gl.constexpr = q_buf.shape[3]
     STAGES: gl.constexpr = q_buf.shape[0]
     DQ_COLS: gl.constexpr = dq_desc.block_type.shape[3]
@@ -601,7 +611,7 @@ def _bwd_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse2_ptr
             CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
-    M_WG: gl.constexpr = 64
+    M_WG: gl.constexpr = _WS_KEYS
     # per warp group's key tile: one box, or (DFSS) two members of four groups per 128-byte feature chunk
     BOXES: gl.constexpr = 8 * (HEAD_D // k_desc.block_type.shape[4]) if NM else 1
     dtype: gl.constexpr = q_desc.dtype
@@ -655,8 +665,6 @@ _ws_kernel = FastLaunch(_bwd_ws)
 #: registers per thread at entry (two consumer warp groups and the producer warp, padded to a group) and per
 #: consumer thread after ``setmaxnreg`` (the producer's keeps 24)
 WS_REGS = (168, 240)
-#: keys per consumer warp group of the warp-specialised backward
-WS_KEYS = 64
 
 
 def backward_ws(q, k, v, grad_out, lse2, delta, dk, dv, dq32, scale: float, causal: bool, pos_off: int,
