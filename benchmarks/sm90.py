@@ -19,6 +19,7 @@ warp-group MMA instructions. What a configuration costs in occupancy is known be
     python benchmarks/sm90.py --policies dense,dfss --dims 64,128,256 --passes fwd,bwd
     python benchmarks/sm90.py --json out.json
     python benchmarks/sm90.py --gluon --first 1        # the defaults and the Gluon forward's and dK/dV pass's
+    python benchmarks/sm90.py --gluon --gluon-only --no-sass   # the Gluon kernels alone, without SASS counts (faster)
 
 Nothing here needs CUDA; ``tests/codegen/test_sm90_compile.py`` runs it on the default configurations.
 """
@@ -112,8 +113,9 @@ def _ptxas() -> str:
     return path if os.path.exists(path) else "ptxas"
 
 
-def kernel_stats(kernel, num_warps: int) -> Dict:
-    """Registers, spill bytes, shared memory, warp-group MMAs and blocks per SM of a compiled kernel."""
+def kernel_stats(kernel, num_warps: int, sass: bool = True) -> Dict:
+    """Registers, spill bytes, shared memory, warp-group MMAs and blocks per SM of a compiled kernel, and with
+    ``sass`` its SASS instruction counts (``cuobjdump``: most of this function's time)."""
     ptx = kernel.asm["ptx"]
     with tempfile.TemporaryDirectory() as d:
         src = os.path.join(d, "k.ptx")
@@ -123,7 +125,7 @@ def kernel_stats(kernel, num_warps: int) -> Dict:
                              capture_output=True, text=True)
         if res.returncode != 0:
             raise RuntimeError(f"ptxas failed: {res.stderr.strip()[:300]}")
-        sass = _sass_ops(os.path.join(d, "k.cubin"))
+        ops = _sass_ops(os.path.join(d, "k.cubin")) if sass else {}
     regs = int(re.search(r"Used (\d+) registers", res.stderr).group(1))
     spill = re.search(r"(\d+) bytes spill stores", res.stderr)
     smem = int(kernel.metadata.shared)
@@ -132,8 +134,8 @@ def kernel_stats(kernel, num_warps: int) -> Dict:
     by_smem = SMEM_PER_SM // (smem + 1024) if smem <= SMEM_PER_BLOCK else 0
     return dict(regs=regs, spill=int(spill.group(1)) if spill else 0, smem=smem, fits=smem <= SMEM_PER_BLOCK,
                 blocks_per_sm=min(by_regs, by_smem, WARPS_PER_SM // num_warps),
-                wgmma=ptx.count("wgmma.mma_async"), sass=sum(sass.values()),
-                sass_ops={op: sass[op] for op in _SASS_SHOWN if op in sass})
+                wgmma=ptx.count("wgmma.mma_async"), sass=sum(ops.values()) if sass else None,
+                sass_ops={op: ops[op] for op in _SASS_SHOWN if op in ops})
 
 
 #: the SASS opcodes a row names next to its instruction count (the exponentials and the selection's compares,
@@ -155,10 +157,10 @@ def _sass_ops(cubin: str) -> Dict[str, int]:
 
 
 def compile_config(policy: str, causal: bool, D: int, passes: str, cfg: Dict, N: int = 1024,
-                   options: Optional[Dict] = None) -> List[Dict]:
+                   options: Optional[Dict] = None, sass: bool = True) -> List[Dict]:
     """Compile the kernels of one call (``passes``: ``fwd`` or ``bwd``) under ``cfg`` (and the compile
     ``options`` of :func:`sm90_compiles`) for sm_90; one stats row per attention kernel launched (the
-    backward's dK/dV and dQ launches, or the one atomic launch)."""
+    backward's dK/dV and dQ launches, or the one atomic launch), with SASS counts where ``sass``."""
     import torch
 
     from attncomp.codegen.triton import backend as TB
@@ -197,7 +199,7 @@ def compile_config(policy: str, causal: bool, D: int, passes: str, cfg: Dict, N:
         name = kern.name if hasattr(kern, "name") else kern.metadata.name
         if not any(x in name for x in ("_attention_kernel", "_attn_fwd", "_bwd_dkdv", "_bwd_dq", "_bwd_ws")):
             continue
-        rows.append(dict(kernel=name, **kernel_stats(kern, kern.metadata.num_warps)))
+        rows.append(dict(kernel=name, **kernel_stats(kern, kern.metadata.num_warps, sass)))
     return rows
 
 
@@ -214,6 +216,7 @@ def run(args) -> List[Dict]:
                 cands = (configs.fwd_candidates if passes == "fwd" else configs.bwd_candidates)(
                     D, D, torch.bfloat16, nm, gpu=args.gpu)
                 cands = cands[:args.first] if args.first > 0 else cands
+                cands = [] if args.gluon_only else cands
                 for causal in (False, True):
                     gluon = None
                     if args.gluon and passes == "fwd" and policy in ("dense", "dfss"):
@@ -222,7 +225,7 @@ def run(args) -> List[Dict]:
                         gluon = (configs.GLUON_BWD_DFSS if policy == "dfss" else configs.GLUON_BWD).get((D, causal))
                     for cfg in cands + ([dict(gluon, KERNEL="gluon")] if gluon else []):
                         try:
-                            got = compile_config(policy, causal, D, passes, cfg)
+                            got = compile_config(policy, causal, D, passes, cfg, sass=args.sass)
                         except Exception as e:  # a configuration that does not compile is a row with its error
                             got = [dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")]
                         for i, r in enumerate(got):
@@ -238,8 +241,8 @@ def _fmt(r: Dict) -> str:
     if "error" in r:
         return f"{head} failed: {r['error']}"
     return (f"{head} #{r['launch']} regs {r['regs']:3d}  spill {r['spill']:5d} B  smem {r['smem'] / 1024:6.1f} KiB"
-            f"{'' if r['fits'] else ' (too much)'}  blocks/SM {r['blocks_per_sm']}  wgmma {r['wgmma']}  sass {r['sass']}"
-            + "".join(f" {op} {n}" for op, n in r["sass_ops"].items()))
+            f"{'' if r['fits'] else ' (too much)'}  blocks/SM {r['blocks_per_sm']}  wgmma {r['wgmma']}"
+            + ("" if r["sass"] is None else f"  sass {r['sass']}") + "".join(f" {op} {n}" for op, n in r["sass_ops"].items()))
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -254,8 +257,14 @@ def main(argv: Optional[List[str]] = None) -> int:
                     "(dense and DFSS 2:4: configs.GLUON_FWD, GLUON_FWD_DFSS) and, with --passes bwd, the Gluon "
                     "backward's (dense: configs.GLUON_BWD; DFSS 2:4, the warp-specialised kernel: "
                     "configs.GLUON_BWD_DFSS)")
+    ap.add_argument("--gluon-only", action="store_true", help="with --gluon: the Gluon configurations alone, not "
+                    "the template's candidates")
+    ap.add_argument("--no-sass", dest="sass", action="store_false", help="leave out the SASS instruction counts "
+                    "(cuobjdump takes most of a row's time)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    if args.gluon_only and not args.gluon:
+        ap.error("--gluon-only needs --gluon")
     rows = run(args)
     if args.json:
         with open(args.json, "w") as fh:
