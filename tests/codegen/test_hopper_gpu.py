@@ -12,6 +12,7 @@ Run in a process of its own (``pytest -m gpu tests/codegen/test_hopper_gpu.py``)
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import pytest
@@ -114,6 +115,13 @@ def _check_against_reference(TB, spec, q, k, v, go, preds):
 # DFSS 2:4: the same cases with lengths rounded up to a multiple of 4 (the kernel reads keys as (N/4, 4)
 # groups), still not multiples of the key tile
 DFSS_CASES = [(B, Hq, Hk, -(-Nq // 4) * 4, -(-Nk // 4) * 4, *rest) for B, Hq, Hk, Nq, Nk, *rest in CASES]
+
+
+def _arg(fn, args: tuple, name: str):
+    """The value ``fn`` gets for its parameter ``name`` from the positional ``args`` (its default where not given)."""
+    bound = inspect.signature(fn).bind(*args)
+    bound.apply_defaults()
+    return bound.arguments[name]
 
 
 def _dfss_inputs(case, ties: bool):
@@ -330,7 +338,7 @@ def test_dfss_backward_runs_the_warp_specialised_kernel_by_default(TB, monkeypat
     out, lse = TB.attention_forward(spec, q, k, v)
     want = R.attention_backward(q.double(), k.double(), v.double(), None, go.double(), spec=spec)[:3]
     ran, real = [], hopper_bwd.backward_ws
-    monkeypatch.setattr(hopper_bwd, "backward_ws", lambda *a: (ran.append(a[-1]), real(*a))[1])
+    monkeypatch.setattr(hopper_bwd, "backward_ws", lambda *a: (ran.append(_arg(real, a, "nm24")), real(*a))[1])
     for deterministic in (False, True):
         was = torch.are_deterministic_algorithms_enabled()
         torch.use_deterministic_algorithms(deterministic, warn_only=True)
@@ -360,7 +368,8 @@ def test_dense_backward_runs_the_warp_specialised_kernel_by_default(TB, monkeypa
     spec, q, k, v, go, preds = _inputs(1, 4, 2, N, N, D, ("causal",) if causal else (), torch.bfloat16, seed=7)
     out, lse = TB.attention_forward(spec, q, k, v)
     ran, real_ws, real_dq = [], hopper_bwd.backward_ws, hopper_bwd.dq_pass
-    monkeypatch.setattr(hopper_bwd, "backward_ws", lambda *a: (ran.append(("ws", a[12])), real_ws(*a))[1])
+    monkeypatch.setattr(hopper_bwd, "backward_ws",
+                        lambda *a: (ran.append(("ws", _arg(real_ws, a, "stages"))), real_ws(*a))[1])
     monkeypatch.setattr(hopper_bwd, "dq_pass", lambda *a: (ran.append(("dq", a[-1])), real_dq(*a))[1])
     got = TB.attention_backward(spec, q, k, v, None, out, lse, go)
     assert TB.last_configs["bwd"].get("KERNEL") == "gluon" and TB.gluon_skipped["bwd"] is None
