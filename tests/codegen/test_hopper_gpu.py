@@ -124,27 +124,32 @@ def _arg(fn, args: tuple, name: str):
     return bound.arguments[name]
 
 
-def _dfss_inputs(case, ties: bool):
-    """:func:`_inputs` of a DFSS 2:4 case; with ``ties`` members 1 and 2 of every group hold member 0's key
-    (equal logits: the lower key index wins) and member 3 is a zero key."""
+#: tied logits in every group of four keys (a member copies another's key, or holds a zero key): the lower key
+#: index wins a tie, and in the backward a group's members sit in two partner threads, members 0 and 1 (2 and 3)
+#: apart
+TIES = {"random": None, "three": ((1, 0), (2, 0), (3, None)), "pairs": ((1, 0), (3, 2)),
+        "last_three": ((2, 1), (3, 1), (0, None)), "all": ((1, 0), (2, 0), (3, 0))}
+
+
+def _dfss_inputs(case, ties: str):
+    """:func:`_inputs` of a DFSS 2:4 case with the keys of :data:`TIES`\ ``[ties]``: ``(r, s)``, member ``r`` of
+    every group holds member ``s``'s key (``None``: a zero key)."""
     from attncomp.policy import DFSS
 
     spec, q, k, v, go, preds = _inputs(*case, policy=DFSS(2, 4))
-    if ties:
+    if TIES[ties]:
         k = k.clone()
-        k[:, :, 1::4] = k[:, :, 0::4]
-        k[:, :, 2::4] = k[:, :, 0::4]
-        k[:, :, 3::4] = 0
+        for r, src in TIES[ties]:
+            k[:, :, r::4] = 0 if src is None else k[:, :, src::4]
     return spec, q, k, v, go, preds
 
 
-@pytest.mark.parametrize("ties", [False, True], ids=["random", "ties"])
+@pytest.mark.parametrize("ties", list(TIES))
 @pytest.mark.parametrize("case", DFSS_CASES, ids=lambda c: f"{c[0]}x{c[1]}/{c[2]}x{c[3]}x{c[4]}-D{c[5]}-"
                          f"{'+'.join(c[6]) or 'full'}-{dtype_name(c[7])}")
 def test_gluon_dfss_forward_against_reference(TB, case, ties):
-    """The 2:4 selection inside the Gluon kernel keeps what the reference keeps; with ``ties`` members 1
-    and 2 of every group hold member 0's key (equal logits: the lower key index wins) and member 3 is
-    a zero key."""
+    """The 2:4 selection inside the Gluon kernel keeps what the reference keeps, random logits and tied ones
+    (:data:`TIES`)."""
     _check_against_reference(TB, *_dfss_inputs(case, ties))
 
 
@@ -298,15 +303,14 @@ def test_gluon_dkdv_pass_against_reference(TB, case):
                   f"dq {cfg.get('DQ_GLUON')} ws {cfg.get('WS')}", a, b, _TOL[q.dtype], True)
 
 
-@pytest.mark.parametrize("ties", [False, True], ids=["random", "ties"])
+@pytest.mark.parametrize("ties", list(TIES))
 @pytest.mark.parametrize("case", DFSS_CASES, ids=lambda c: f"{c[0]}x{c[1]}/{c[2]}x{c[3]}x{c[4]}-D{c[5]}-"
                          f"{'+'.join(c[6]) or 'full'}-{dtype_name(c[7])}")
 def test_gluon_dfss_backward_against_reference(TB, case, ties):
     """The warp-specialised backward of DFSS 2:4 (key rows read in the selection's order, logits swapped between
     partner threads) gives the float64 reference's gradients under each DFSS configuration (two and three ring
-    slots; poisoned outputs, odd lengths, grouped heads, both causal alignments, more keys than queries); with
-    ``ties`` members 1 and 2 of every group hold member 0's key (equal logits: the lower key index wins) and
-    member 3 is a zero key."""
+    slots; poisoned outputs, odd lengths, grouped heads, both causal alignments, more keys than queries), random
+    logits and tied ones (:data:`TIES`: ties within a thread's two members and between partner threads)."""
     from attncomp.codegen.triton import configs
 
     spec, q, k, v, go, preds = _dfss_inputs(case, ties)

@@ -52,7 +52,7 @@ from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .common import LOG2E, _keep4
+from .common import LOG2E
 from .hopper import _desc, _mma_layout, _tile_2d
 from .launch import FastLaunch
 
@@ -401,9 +401,9 @@ def dq_pass(q, k, v, grad_out, lse2, delta, dq, scale: float, causal: bool, pos_
 # layout spreads over threads: a thread holds rows ``q`` and ``q + 8`` of its warp's 16, the thread ``lane ^ 4``
 # rows ``q ^ 1`` and ``q ^ 1 + 8``. Key and value rows are therefore read in the order of :func:`_nm_keys` (TMA
 # boxes of two members of four groups, ``(B, H, N/4, 4, D)`` view), which puts each group's four members on those
-# four rows; each thread swaps its two logits per column with its partner (one ``shfl.bfly`` each) and keeps
-# what :func:`.common._keep4` keeps. dK and dV rows go back through the same boxes; dQ sums over the keys in any
-# order.
+# four rows; each thread swaps its two logits per column with its partner (one ``shfl.bfly`` each) and decides
+# its own two members only (:func:`_keep_pair`: what :func:`.common._keep4` keeps). dK and dV rows go back through
+# the same boxes; dQ sums over the keys in any order.
 
 
 #: keys per consumer warp group of the warp-specialised backward (``_WS_KEYS``: the same, for the kernels)
@@ -447,6 +447,38 @@ def _swap_lane4(x):
 
 
 @gluon.jit
+def _keep_pair(a, b, c, d, odd):
+    """A thread's two members of a 2:4 group, ``a`` (member ``m``) and ``b`` (member ``m + 2``), with ``-inf`` for
+    the one not kept, from the partner's ``c`` (member ``1 - m``) and ``d`` (member ``3 - m``); ``odd``: ``m``.
+    Whatever ``m`` is, ``a`` precedes ``b`` and ``d``, and ``c`` precedes ``b``; ties between ``a`` and ``c`` (``b``
+    and ``d``) go to the even member. So ``a`` is kept when at most one of ``b``, ``d`` beats it (``a >= min(b, d)``)
+    and, where one does (``a < max(b, d)``), ``c`` does not (``a > c``, or ``a == c`` with ``m`` even); ``b``
+    likewise against ``a`` and ``c`` (strictly: both precede it), then ``d``. In PTX, so that the conditions stay
+    predicates combined by the compares themselves (written as Boolean tensors they compiled to chains of
+    selects)."""
+    return gl.inline_asm_elementwise(
+        """{
+        .reg .pred pe, p1, p2, p3;
+        .reg .f32 hi, lo;
+        setp.eq.b32 pe, $6, 0;
+        max.f32 hi, $3, $5;
+        min.f32 lo, $3, $5;
+        setp.eq.and.f32 p3, $2, $4, pe;
+        setp.gt.or.f32 p3, $2, $4, p3;
+        setp.ge.or.f32 p2, $2, hi, p3;
+        setp.ge.and.f32 p1, $2, lo, p2;
+        selp.f32 $0, $2, 0fFF800000, p1;
+        max.f32 hi, $2, $4;
+        min.f32 lo, $2, $4;
+        setp.eq.and.f32 p3, $3, $5, pe;
+        setp.gt.or.f32 p3, $3, $5, p3;
+        setp.gt.or.f32 p2, $3, hi, p3;
+        setp.gt.and.f32 p1, $3, lo, p2;
+        selp.f32 $1, $3, 0fFF800000, p1;
+        }""", "=f,=f,f,f,f,f,r", [a, b, c, d, odd], dtype=(gl.float32, gl.float32), is_pure=True, pack=1)
+
+
+@gluon.jit
 def _nm24_rows(st, layout: gl.constexpr):
     """DFSS 2:4 on a tile of raw (masked) logits ``st`` (``S^T`` in ``layout``: keys in :func:`_nm_keys` order by
     queries): the members each group keeps, ``-inf`` for the others (the forward's selection: a member is kept
@@ -459,11 +491,7 @@ def _nm24_rows(st, layout: gl.constexpr):
     ra, rb = gl.split(gl.permute(gl.reshape(ri, [M // 16, 2, 8, BM]), [0, 2, 3, 1]))
     c = _swap_lane4(a)  # member 1 - m
     d = _swap_lane4(b)  # member 3 - m
-    odd = (ra % 2) == 1
-    k0, k1, k2, k3 = _keep4(gl.where(odd, c, a), gl.where(odd, a, c), gl.where(odd, d, b), gl.where(odd, b, d), 2)
-    NEG: gl.constexpr = float("-inf")
-    ya = gl.where(gl.where(odd, k1, k0), a, NEG)
-    yb = gl.where(gl.where(odd, k3, k2), b, NEG)
+    ya, yb = _keep_pair(a, b, c, d, ra % 2)
     y = gl.reshape(gl.permute(gl.join(ya, yb), [0, 3, 1, 2]), [M, BM])
     return gl.convert_layout(y, layout)
 
