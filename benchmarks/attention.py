@@ -316,8 +316,8 @@ def config_name(c: dict) -> str:
     ``+dq...``: the dQ launch's tiles, warps and stages; ``+atomic``/``+tmadq``: dQ added in the dK/dV
     launch by element atomics / TMA bulk reductions; ``gluon 64x128w4s2v1``: the Gluon Hopper forward's
     tiles, warps, key-ring and value-ring depths; `` ws``/`` wsnp``: its warp-specialised kernel with or
-    without turns; ``gluon dkdv 64x64s2+dq...``: the backward's Gluon dK/dV pass, then the template's dQ pass,
-    ``+gdq64x64s2`` the Gluon dQ pass, ``+tmadq`` dQ added in the dK/dV pass; ``gluon bwd ws 64x128s2``: the
+    without turns, ``+ptx``/``+p32`` its keys ``KEEP_PTX``/``P_F32``; ``gluon dkdv 64x64s2+dq...``: the
+    backward's Gluon dK/dV pass, then the template's dQ pass, ``+gdq64x64s2`` the Gluon dQ pass, ``+tmadq`` dQ added in the dK/dV pass; ``gluon bwd ws 64x128s2``: the
     backward's warp-specialised kernel, 64-query steps, 128-key blocks, ring slots)."""
     if c.get("KERNEL") == "gluon" and c.get("DQ") and c.get("WS"):  # the backward's warp-specialised kernel
         return f"gluon bwd ws 64x128s{c['WS']}"
@@ -328,7 +328,8 @@ def config_name(c: dict) -> str:
     if c.get("KERNEL") == "gluon":
         ws = (" ws" if c.get("PINGPONG", True) else " wsnp") if c.get("WS") else ""
         rings = f"s{c['STAGES']}v{c.get('V_STAGES', c['STAGES'])}"
-        return f"gluon {c['BLOCK_M']}x{c['BLOCK_N']}w{c['num_warps']}{rings}{ws}"
+        opts = f"{'+ptx' if c.get('KEEP_PTX') else ''}{'+p32' if c.get('P_F32') else ''}"
+        return f"gluon {c['BLOCK_M']}x{c['BLOCK_N']}w{c['num_warps']}{rings}{ws}{opts}"
     return (f"{c['BLOCK_M']}x{c['BLOCK_N']}w{c['num_warps']}s{c['num_stages']}{'T' if c.get('NATURAL') == 0 else ''}"
             f"{'+dq' + 'x'.join(map(str, c['DQ'])) if c.get('DQ') else ''}{'+tma' if c.get('TMA') else ''}"
             f"{'+tmaq' if c.get('TMA_Q') else ''}{_atomic_name(c.get('DQ_ATOMIC'))}"

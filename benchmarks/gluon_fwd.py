@@ -31,7 +31,9 @@ from attention import attncomp_fn, bench_ms, config_name, flops, make_inputs, sd
 from hopper import gemm_tflops  # noqa: E402
 
 # (BLOCK_M, BLOCK_N, warps, key ring, value ring[, kind]); kind "ws": the warp-specialised kernel (two
-# or three consumer warp groups of 64 queries, taking turns when two, and a producer warp), "wsnp": without turns
+# or three consumer warp groups of 64 queries, taking turns when two, and a producer warp), "wsnp": without turns;
+# "+ptx": the 2:4 selection in PTX (KEEP_PTX), "+p32": the probabilities carried in 32 bits (P_F32)
+_OPTS = {"ptx": "KEEP_PTX", "p32": "P_F32"}
 VARIANTS = {64: [(64, 128, 4, 2, 2), (64, 128, 4, 2, 1), (64, 64, 4, 2, 2), (128, 64, 8, 2, 2), (128, 128, 8, 2, 2),
                  (128, 128, 4, 2, 2, "ws"), (128, 128, 4, 3, 3, "ws"), (128, 128, 4, 2, 2, "wsnp"),
                  (128, 128, 4, 3, 3, "wsnp"), (128, 256, 4, 2, 2, "wsnp"), (192, 128, 4, 2, 2, "wsnp"),
@@ -40,6 +42,8 @@ VARIANTS = {64: [(64, 128, 4, 2, 2), (64, 128, 4, 2, 1), (64, 64, 4, 2, 2), (128
                   (64, 128, 4, 2, 2), (128, 128, 4, 2, 2, "ws"), (128, 128, 4, 2, 2, "wsnp"), (128, 64, 4, 3, 3, "ws"),
                   (128, 128, 4, 3, 2, "ws"), (128, 128, 4, 3, 2, "wsnp"), (128, 128, 4, 2, 1, "wsnp"),
                   (192, 64, 4, 2, 2, "wsnp"), (192, 64, 4, 3, 3, "wsnp")]}
+for _D, _tiles in ((64, (128, 128, 4, 3, 3)), (128, (128, 128, 4, 2, 2))):
+    VARIANTS[_D] += [_tiles + ("wsnp+" + o,) for o in ("ptx", "p32", "ptx+p32")]
 CASES = [(2, 4, 2, 1000, 64, False, "bfloat16"), (1, 4, 4, 1000, 128, True, "float16"),
          (1, 2, 1, 130, 64, True, "bfloat16"), (1, 2, 2, 77, 128, False, "bfloat16"),
          (2, 2, 2, 4096, 128, True, "bfloat16"), (1, 8, 2, 2048, 64, True, "float16")]
@@ -49,7 +53,9 @@ def _cfg(v):
     bm, bn, w, s, vs = v[:5]
     cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, STAGES=s, V_STAGES=vs)
     if len(v) > 5:
-        cfg.update(WS=True, PINGPONG=v[5] == "ws")
+        kind, *opts = v[5].split("+")
+        cfg.update(WS=True, PINGPONG=kind == "ws")
+        cfg.update({_OPTS[o]: True for o in opts})
     return cfg
 
 

@@ -165,24 +165,30 @@ GPU_DEFAULTS_SORTED: Dict[str, Dict[tuple, Config]] = {
 # Gluon forward"): at D=128 the warp-specialised 128x128 kernel without turns measured 0.99-1.11x /
 # 1.06-1.14x cuDNN (full / causal, over the calls) against 0.87-0.94x for the one-warp-group kernel; with
 # turns 1.06x / 1.09x. At D=64 three consumer warp groups (192-query tiles) measured 1.09-1.10x / 1.03-1.06x,
-# two 0.91-0.97x / 0.96x, the one-warp-group kernel 0.99x / 0.96-1.01x in the same call.
+# two 0.91-0.97x / 0.96x, the one-warp-group kernel 0.99x / 0.96-1.01x in the same call. ``P_F32`` (two
+# consumers; hopper._p_carried): the probabilities carried to the next step in 32 bits, which saves a byte permute
+# per register: dense D=128 N=16384 full 1.08-1.09x against 1.00-1.04x (two H100 calls); causal, where the
+# kernel then spills 112 bytes, 1.00-1.05x against 1.02-1.06x, so not there.
 _WS = dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, STAGES=2, V_STAGES=2, WS=True, PINGPONG=False)
 GLUON_FWD: Dict[tuple, Config] = {
     (64, False): dict(_WS, BLOCK_M=192),
     (64, True): dict(_WS, BLOCK_M=192),
-    (128, False): _WS,
+    (128, False): dict(_WS, P_F32=True),
     (128, True): _WS,
 }
 # DFSS 2:4 through the same kernels (hopper.py, NM; key/value tiles read as one TMA box per member and
 # 128-byte column chunk). The warp-specialised kernel: D=128 0.83-0.84x / 0.84-0.89x dense cuDNN (full /
 # causal, N=16384, over the calls) against 0.70-0.74x / 0.77-0.79x for the one-warp-group kernel and
 # 0.67x / 0.74x for the template; D=64 (three-deep rings) 0.79-0.82x / 0.79-0.81x against the template's
-# 0.69-0.70x (three consumer warp groups spill there: 0.59-0.79x).
+# 0.69-0.70x (three consumer warp groups spill there: 0.59-0.79x). ``KEEP_PTX`` (hopper._keep24: the selection
+# as compares that combine their predicates, one shared per pair of members) with ``P_F32``: at D=128 0.86-0.90x
+# against 0.84-0.88x in the same call (710 against 776 SASS instructions per step); at D=64 it measured slower
+# causal (0.69-0.74x against 0.69-0.81x), so not there.
 GLUON_FWD_DFSS: Dict[tuple, Config] = {
     (64, False): dict(_WS, STAGES=3, V_STAGES=3),
     (64, True): dict(_WS, STAGES=3, V_STAGES=3),
-    (128, False): _WS,
-    (128, True): _WS,
+    (128, False): dict(_WS, KEEP_PTX=True, P_F32=True),
+    (128, True): dict(_WS, KEEP_PTX=True, P_F32=True),
 }
 # keys per row below which the template's forward runs instead: from 2048 keys up the Gluon kernel
 # measured faster on the H100; at 1024 (D=128) 2.6x slower, before it had the short launch path

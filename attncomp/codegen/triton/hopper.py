@@ -27,7 +27,9 @@ The warp-specialised kernel (:func:`_attn_fwd_ws`, configuration key ``WS``) run
 three consumer warp groups, each on 64 rows of a 128- or 192-query tile, fed by a producer warp that owns
 every TMA copy (the rings' slots are released by every consumer before the producer refills them), with
 the registers moved to the consumers (``setmaxnreg``); ``PINGPONG`` makes two consumers take turns
-issuing their matrix products.
+issuing their matrix products, ``P_F32`` makes two consumers carry a tile's probabilities to the next step's
+``P @ V`` in 32 bits (:func:`_p_carried`), and ``KEEP_PTX`` writes the DFSS selection as PTX compares that
+combine their predicates (:func:`_keep24`) instead of min/max and selects (:func:`.common._keep4`).
 
 It computes what the template's forward computes for a site whose policy keeps every entry or is DFSS
 2:4, with no mask tensor, no predicate vectors and no dropout: ``out`` and ``lse`` of DESIGN.md §4. Which sites it
@@ -115,7 +117,7 @@ def _softmax_step(s, m_i, l_i, rows, cols, qk_scale, n_k, off, MASK: gl.constexp
             keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1) + off)
         s = gl.where(keep, s, float("-inf"))
     if NM:
-        m_new, p, p_sum = _nm24_softmax(s, m_i, qk_scale)
+        m_new, p, p_sum = _nm24_softmax(s, m_i, qk_scale, NM)
     else:
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
         p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
@@ -126,7 +128,40 @@ def _softmax_step(s, m_i, l_i, rows, cols, qk_scale, n_k, off, MASK: gl.constexp
 
 
 @gluon.jit
-def _nm24_softmax(s, m_i, qk_scale):
+def _keep24(x0, x1, x2, x3):
+    """The four members of a 2:4 group with ``-inf`` for the two not kept (:func:`.common._keep4`'s rule), and
+    the group's max. Member 0 is kept when at most one of members 2 and 3 beats it (``x0 >= min(x2, x3)``) and,
+    where one does, member 1 does not (``x0 >= x1``); member 1 likewise with ``x1 > x0``; members 2 and 3
+    against 0 and 1 strictly (both precede them), then each other. In PTX, so that the compares combine
+    their predicates themselves: one compare per pair is shared by its two members."""
+    return gl.inline_asm_elementwise(
+        """{
+        .reg .pred p01, p23, p1, p2;
+        .reg .f32 hi01, lo01, hi23, lo23;
+        max.f32 hi01, $5, $6;
+        min.f32 lo01, $5, $6;
+        max.f32 hi23, $7, $8;
+        min.f32 lo23, $7, $8;
+        max.f32 $4, hi01, hi23;
+        setp.ge.f32 p01, $5, $6;
+        setp.ge.f32 p23, $7, $8;
+        setp.ge.or.f32 p2, $5, hi23, p01;
+        setp.ge.and.f32 p1, $5, lo23, p2;
+        selp.f32 $0, $5, 0fFF800000, p1;
+        setp.ge.or.f32 p2, $6, hi23, !p01;
+        setp.ge.and.f32 p1, $6, lo23, p2;
+        selp.f32 $1, $6, 0fFF800000, p1;
+        setp.gt.or.f32 p2, $7, hi01, p23;
+        setp.gt.and.f32 p1, $7, lo01, p2;
+        selp.f32 $2, $7, 0fFF800000, p1;
+        setp.gt.or.f32 p2, $8, hi01, !p23;
+        setp.gt.and.f32 p1, $8, lo01, p2;
+        selp.f32 $3, $8, 0fFF800000, p1;
+        }""", "=f,=f,=f,=f,=f,f,f,f,f", [x0, x1, x2, x3], dtype=(gl.float32, ) * 5, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _nm24_softmax(s, m_i, qk_scale, NM: gl.constexpr):
     """``(m_new, p, rowsum(p))`` of the online softmax with DFSS 2:4 on a tile of raw logits whose
     columns hold keys in :func:`_nm_cols` order (column ``r * G + g``: member ``r`` of the tile's group
     ``g``, ``G`` groups): the four members of a group sit in one thread's registers, so the selection
@@ -140,13 +175,16 @@ def _nm24_softmax(s, m_i, qk_scale):
     BLOCK_M: gl.constexpr = s.shape[0]
     G: gl.constexpr = s.shape[1] // 4
     x0, x1, x2, x3 = _split4(gl.permute(gl.reshape(s, [BLOCK_M, 4, G]), [0, 2, 1]), BLOCK_M, G)
-    NEG: gl.constexpr = float("-inf")
-    k0, k1, k2, k3 = _keep4(x0, x1, x2, x3, 2)
-    y0 = gl.where(k0, x0, NEG)
-    y1 = gl.where(k1, x1, NEG)
-    y2 = gl.where(k2, x2, NEG)
-    y3 = gl.where(k3, x3, NEG)
-    gmax = gl.maximum(gl.maximum(x0, x1), gl.maximum(x2, x3))
+    if NM == 2:
+        y0, y1, y2, y3, gmax = _keep24(x0, x1, x2, x3)
+    else:
+        NEG: gl.constexpr = float("-inf")
+        k0, k1, k2, k3 = _keep4(x0, x1, x2, x3, 2)
+        y0 = gl.where(k0, x0, NEG)
+        y1 = gl.where(k1, x1, NEG)
+        y2 = gl.where(k2, x2, NEG)
+        y3 = gl.where(k3, x3, NEG)
+        gmax = gl.maximum(gl.maximum(x0, x1), gl.maximum(x2, x3))
     m_new = gl.maximum(m_i, gl.convert_layout(gl.max(gmax, 1), m_i.type.layout) * qk_scale)
     y = gl.reshape(gl.permute(_join4(y0, y1, y2, y3, BLOCK_M, G), [0, 2, 1]), [BLOCK_M, 4 * G])
     y = gl.convert_layout(y, s.type.layout)
@@ -380,7 +418,7 @@ def _ws_release(bar):
 @gluon.jit
 def _ws_consume(o_desc, lse_ptr, smem, bh, b, h, start_m, n_q, n_k, off, qk_scale, hi, n_full, WG: gl.constexpr,
                 CAUSAL: gl.constexpr, NM: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr,
-                PINGPONG: gl.constexpr):
+                PINGPONG: gl.constexpr, P_F32: gl.constexpr):
     """Consumer ``WG``: rows ``[start_m + WG * M_WG, start_m + (WG + 1) * M_WG)`` of the query tile;
     ``smem``: the buffers and barriers the partitions share."""
     q_buf, k_buf, v_buf, q_bar, k_ready, k_empty, v_ready, v_empty, turn = smem
@@ -415,26 +453,29 @@ def _ws_consume(o_desc, lse_ptr, smem, bh, b, h, start_m, n_q, n_k, off, qk_scal
     m_i = gl.full([M_WG], float("-inf"), gl.float32, row_s)
     l_i = gl.zeros([M_WG], gl.float32, row_s)
     m_i, alpha, p, l_i = _softmax_step(s, m_i, l_i, rows, cols0, qk_scale, n_k, off, True, CAUSAL, NM)
-    p_cur = gl.convert_layout(p.to(dtype), p_layout)
+    p_cur = _p_carried(p, p_layout, dtype, P_F32)
     o = gl.zeros([M_WG, HEAD_D], gl.float32, o_layout)
 
     for j in range(1, n_full):
         m_i, l_i, o, p_cur = _ws_step(j, q, k_buf, v_buf, k_ready, k_empty, v_ready, v_empty, turn, m_i, l_i, o,
                                       p_cur, rows, cols0 + j * BLOCK_N, qk_scale, n_k, off, WG, False, CAUSAL, NM,
-                                      STAGES, V_STAGES, PINGPONG, s_layout, row_o, p_layout)
+                                      STAGES, V_STAGES, PINGPONG, s_layout, row_o, p_layout, P_F32)
+    # (the masked steps carry the product's operand: their masks need the registers)
+    p_cur = _p_operand(p_cur, p_layout, dtype)
     for j in range(n_full, hi):
         m_i, l_i, o, p_cur = _ws_step(j, q, k_buf, v_buf, k_ready, k_empty, v_ready, v_empty, turn, m_i, l_i, o,
                                       p_cur, rows, cols0 + j * BLOCK_N, qk_scale, n_k, off, WG, True, CAUSAL, NM,
-                                      STAGES, V_STAGES, PINGPONG, s_layout, row_o, p_layout)
+                                      STAGES, V_STAGES, PINGPONG, s_layout, row_o, p_layout, False)
 
     # the last tile's P @ V
     last = hi - 1
     sv = last % V_STAGES
     mbarrier.wait(v_ready.index(sv), (last // V_STAGES) & 1)
     _ws_turn(turn, WG, hi, PINGPONG)
-    o_tok = warpgroup_mma(p_cur, _kv_tile(v_buf, sv, BLOCK_N, HEAD_D, NM), o, is_async=True)
+    p_op = _p_operand(p_cur, p_layout, dtype)
+    o_tok = warpgroup_mma(p_op, _kv_tile(v_buf, sv, BLOCK_N, HEAD_D, NM), o, is_async=True)
     _ws_pass(turn, WG, PINGPONG)
-    o = warpgroup_mma_wait(0, deps=(o_tok, ))
+    o, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
 
     # (this consumer's query buffer holds its output tile: no MMA reads it any more)
     _write_out(o, m_i, l_i, q, q_buf.index(WG), o_desc, lse_ptr, b, h, bh, row0, rows, n_q, row_o)
@@ -444,7 +485,7 @@ def _ws_consume(o_desc, lse_ptr, smem, bh, b, h, start_m, n_q, n_k, off, qk_scal
 def _ws_step(j, q, k_buf, v_buf, k_ready, k_empty, v_ready, v_empty, turn, m_i, l_i, o, p_cur, rows, cols, qk_scale,
              n_k, off, WG: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr, NM: gl.constexpr,
              STAGES: gl.constexpr, V_STAGES: gl.constexpr, PINGPONG: gl.constexpr, s_layout: gl.constexpr,
-             row_o: gl.constexpr, p_layout: gl.constexpr):
+             row_o: gl.constexpr, p_layout: gl.constexpr, P_F32: gl.constexpr):
     """A consumer's key tile ``j`` (:func:`_kv_step`'s schedule; the producer refills the slots)."""
     M_WG: gl.constexpr = q.shape[0]
     HEAD_D: gl.constexpr = q.shape[1]
@@ -456,22 +497,46 @@ def _ws_step(j, q, k_buf, v_buf, k_ready, k_empty, v_ready, v_empty, turn, m_i, 
     _ws_turn(turn, WG, j, PINGPONG)
     s_tok = warpgroup_mma(q, _kv_tile(k_buf, sk, BLOCK_N, HEAD_D, NM).permute((1, 0)),
                           gl.zeros([M_WG, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
-    o_tok = warpgroup_mma(p_cur, _kv_tile(v_buf, sv, BLOCK_N, HEAD_D, NM), o, is_async=True)
+    p_op = _p_operand(p_cur, p_layout, q.dtype)
+    o_tok = warpgroup_mma(p_op, _kv_tile(v_buf, sv, BLOCK_N, HEAD_D, NM), o, is_async=True)
     _ws_pass(turn, WG, PINGPONG)
     s = warpgroup_mma_wait(1, deps=(s_tok, ))
     _ws_release(k_empty.index(sk))
     m_i, alpha, p, l_i = _softmax_step(s, m_i, l_i, rows, cols, qk_scale, n_k, off, MASK, CAUSAL, NM)
-    o, p_cur = warpgroup_mma_wait(0, deps=(o_tok, p_cur))
+    o, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
     _ws_release(v_empty.index(sv))
     o = o * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-    p_cur = gl.convert_layout(p.to(p_cur.dtype), p_layout)
-    return m_i, l_i, o, p_cur
+    return m_i, l_i, o, _p_carried(p, p_layout, q.dtype, P_F32)
+
+
+@gluon.jit
+def _p_carried(p, p_layout: gl.constexpr, dtype: gl.constexpr, P_F32: gl.constexpr):
+    """The probabilities of a tile as carried to the next step's ``P @ V``: as computed (``P_F32``), or as the
+    product's operand. Carried in 16 bits, they stay separate half-registers across the loop and ptxas packs
+    them for the product with a byte permute per register (32 per step at 64 x 128); carried in 32 bits, their
+    conversion right before the product packs them in place. That costs 32 registers over the loop's edge,
+    which three consumer warp groups (160 registers a thread) cannot spare, nor the masked steps (the
+    causal kernels spilled): those carry the operand."""
+    if P_F32:
+        return p
+    else:
+        return gl.convert_layout(p.to(dtype), p_layout)
+
+
+@gluon.jit
+def _p_operand(p_cur, p_layout: gl.constexpr, dtype: gl.constexpr):
+    """The ``A`` operand of ``P @ V`` from what :func:`_p_carried` carried."""
+    if p_cur.dtype == dtype:
+        return p_cur
+    else:
+        return gl.convert_layout(p_cur.to(dtype), p_layout)
 
 
 @gluon.jit
 def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, lse_ptr, Hq, groups, n_q, n_k, off, qk_scale,
                  CAUSAL: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr, NM: gl.constexpr,
-                 PINGPONG: gl.constexpr, NUM_WG: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                 PINGPONG: gl.constexpr, NUM_WG: gl.constexpr, CONSUMER_REGS: gl.constexpr, P_F32: gl.constexpr,
+                 num_warps: gl.constexpr):
     M_WG: gl.constexpr = q_desc.block_type.shape[2]
     BLOCK_M: gl.constexpr = NUM_WG * M_WG
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
@@ -516,20 +581,20 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, lse_ptr, Hq, groups, n_q, n_k, 
     if NUM_WG == 2:
         gl.warp_specialize([
             (_ws_consume, (o_desc, lse_ptr, smem, bh, b, h, start_m, n_q, n_k, off, qk_scale, hi, n_full, 0, CAUSAL,
-                           NM, STAGES, V_STAGES, PINGPONG)),
+                           NM, STAGES, V_STAGES, PINGPONG, P_F32)),
             (_ws_consume, (o_desc, lse_ptr, smem, bh, b, h, start_m, n_q, n_k, off, qk_scale, hi, n_full, 1, CAUSAL,
-                           NM, STAGES, V_STAGES, PINGPONG)),
+                           NM, STAGES, V_STAGES, PINGPONG, P_F32)),
             (_ws_load, (q_desc, k_desc, v_desc, q_buf, k_buf, v_buf, q_bar, k_ready, k_empty, v_ready, v_empty, b, h,
                         hk, start_m, hi, NM, STAGES, V_STAGES)),
         ], [4, 1], [CONSUMER_REGS, 24])
     else:
         gl.warp_specialize([
             (_ws_consume, (o_desc, lse_ptr, smem, bh, b, h, start_m, n_q, n_k, off, qk_scale, hi, n_full, 0, CAUSAL,
-                           NM, STAGES, V_STAGES, False)),
+                           NM, STAGES, V_STAGES, False, P_F32)),
             (_ws_consume, (o_desc, lse_ptr, smem, bh, b, h, start_m, n_q, n_k, off, qk_scale, hi, n_full, 1, CAUSAL,
-                           NM, STAGES, V_STAGES, False)),
+                           NM, STAGES, V_STAGES, False, P_F32)),
             (_ws_consume, (o_desc, lse_ptr, smem, bh, b, h, start_m, n_q, n_k, off, qk_scale, hi, n_full, 2, CAUSAL,
-                           NM, STAGES, V_STAGES, False)),
+                           NM, STAGES, V_STAGES, False, P_F32)),
             (_ws_load, (q_desc, k_desc, v_desc, q_buf, k_buf, v_buf, q_bar, k_ready, k_empty, v_ready, v_empty, b, h,
                         hk, start_m, hi, NM, STAGES, V_STAGES)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
@@ -608,14 +673,16 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cau
                          f"{' with PINGPONG' if cfg.get('PINGPONG', True) else ''}")
     grid, args = launch_args(q, k, v, scale, pos_off, out, lse, cfg, nm24)
     stages, v_stages = cfg["STAGES"], cfg.get("V_STAGES", cfg["STAGES"])
+    nm = (2 if cfg.get("KEEP_PTX") else 1) if nm24 else 0
     if cfg.get("WS"):
         wg = cfg["BLOCK_M"] // 64
         maxnreg, regs = _WS_REGS[wg]
-        _kernel_ws[grid](*args, CAUSAL=causal, STAGES=stages, V_STAGES=v_stages, NM=nm24,
-                         PINGPONG=bool(cfg.get("PINGPONG", True)), NUM_WG=wg, CONSUMER_REGS=regs, num_warps=4,
+        _kernel_ws[grid](*args, CAUSAL=causal, STAGES=stages, V_STAGES=v_stages, NM=nm,
+                         PINGPONG=bool(cfg.get("PINGPONG", True)), NUM_WG=wg, CONSUMER_REGS=regs,
+                         P_F32=bool(cfg.get("P_F32")), num_warps=4,
                          maxnreg=maxnreg)
     else:
-        _kernel[grid](*args, CAUSAL=causal, STAGES=stages, V_STAGES=v_stages, NM=nm24, num_warps=cfg["num_warps"])
+        _kernel[grid](*args, CAUSAL=causal, STAGES=stages, V_STAGES=v_stages, NM=nm, num_warps=cfg["num_warps"])
 
 
 def launch_args(q, k, v, scale: float, pos_off: int, out, lse, cfg: dict, nm24: bool) -> tuple:
