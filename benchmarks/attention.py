@@ -400,6 +400,19 @@ def sweep(args, policies, dims, causals, passes_list) -> List[dict]:
     return res
 
 
+def gemm_tflops(smoke: bool) -> Optional[float]:
+    """The bf16 matmul ceiling of this GPU (TFLOP/s), measured now."""
+    if smoke:
+        return None
+    import torch
+
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    ms = bench_ms(lambda: a @ b, False)
+    return 2.0 * n ** 3 / (ms * 1e-3) / 1e12
+
+
 def run_table(args, policies, dims, causals, passes_list) -> List[dict]:
     import torch
     from attncomp.codegen.triton import backend as TB
@@ -407,6 +420,7 @@ def run_table(args, policies, dims, causals, passes_list) -> List[dict]:
     dtype = torch.bfloat16
     dev = "cpu" if args.smoke else "cuda"
     B, H = (1, 2) if args.smoke else (args.batch, args.heads)
+    ceiling = gemm_tflops(args.smoke)  # (each row's TFLOP/s as a fraction of it)
     rows = []
     for D in dims:
         for N in ns_of(args):
@@ -438,9 +452,10 @@ def run_table(args, policies, dims, causals, passes_list) -> List[dict]:
                         row = dict(policy=policy, **{"pass": passes}, B=B, H=H, D=D, N=N, causal=causal,
                                    dtype="bfloat16", attncomp_ms=ms, **base, density=round(dens, 4),
                                    flex_build_ms=flex_build,
-                                   tflops=flops(B, H, N, D, causal, passes) / ms * 1e-9,
+                                   tflops=flops(B, H, N, D, causal, passes) / ms * 1e-9, gemm_tflops=ceiling,
                                    config={"fwd": TB.last_configs.get("fwd"),
                                            "bwd": TB.last_configs.get("bwd") if passes != "fwd" else None})
+                        row["of_gemm"] = row["tflops"] / ceiling if ceiling else None
                         rows.append(row)
                         print(_fmt_row(row), flush=True)
                         if os.environ.get("OUT") and not args.smoke:  # partial results survive a timeout
@@ -465,12 +480,16 @@ def _fmt_row(r) -> str:
             f" {ms(r['unfused_ms'])}"
             f"  {r['density']:5.3f} {_ratio(r['sdpa_ms'], r['attncomp_ms'])}"
             f" {_ratio(r['flex_ms'], r['attncomp_ms'])} {_ratio(r['unfused_ms'], r['attncomp_ms'])}"
-            f" {r['tflops']:6.0f}")
+            f" {r['tflops']:6.0f} {_frac(r.get('of_gemm'))}")
+
+
+def _frac(x) -> str:
+    return f"{x:6.2f}" if x is not None else "     -"
 
 
 HEADER = (f"{'policy':6s} {'pass':8s} {'D':5s} {'N':7s} {'mask':6s} {'attncomp':>9s} {'sdpa':>9s} {'sdpa_fa2':>9s}"
           f" {'flex':>9s}"
-          f" {'unfused':>9s}  {'dens':>5s} {'x_sdpa':>5s} {'x_flx':>5s} {'x_unf':>5s} {'TF/s':>6s}")
+          f" {'unfused':>9s}  {'dens':>5s} {'x_sdpa':>5s} {'x_flx':>5s} {'x_unf':>5s} {'TF/s':>6s} {'ofGEMM':>6s}")
 
 
 def write_results(args, rows, policies):

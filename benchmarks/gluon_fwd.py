@@ -27,8 +27,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from attention import attncomp_fn, bench_ms, config_name, flops, make_inputs, sdpa_fn  # noqa: E402
-from hopper import gemm_tflops  # noqa: E402
+from attention import attncomp_fn, bench_ms, config_name, flops, gemm_tflops, make_inputs, sdpa_fn  # noqa: E402
 
 # (BLOCK_M, BLOCK_N, warps, key ring, value ring[, kind]); kind "ws": the warp-specialised kernel (two
 # or three consumer warp groups of 64 queries, taking turns when two, and a producer warp), "wsnp": without turns;

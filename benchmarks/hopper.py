@@ -36,20 +36,7 @@ from typing import Dict, List, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from attention import bench_ms, config_name, flops, make_inputs, make_spec, sdpa_fn  # noqa: E402
-
-
-def gemm_tflops(smoke: bool) -> Optional[float]:
-    """The bf16 matmul ceiling of this GPU (TFLOP/s), measured now."""
-    if smoke:
-        return None
-    import torch
-
-    n = 8192
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    ms = bench_ms(lambda: a @ b, False)
-    return 2.0 * n ** 3 / (ms * 1e-3) / 1e12
+from attention import bench_ms, config_name, flops, gemm_tflops, make_inputs, make_spec, sdpa_fn  # noqa: E402
 
 
 def _first(cands: List[dict], key: str) -> Optional[dict]:
