@@ -182,7 +182,7 @@ GLUON_FWD: Dict[tuple, Config] = {
 # 0.67x / 0.74x for the template; D=64 (three-deep rings) 0.79-0.82x / 0.79-0.81x against the template's
 # 0.69-0.70x (three consumer warp groups spill there: 0.59-0.79x). ``KEEP_PTX`` (hopper._keep24: the selection
 # as compares that combine their predicates, one shared per pair of members) with ``P_F32``: at D=128 0.86-0.90x
-# against 0.84-0.88x in the same call (710 against 776 SASS instructions per step); at D=64 it measured slower
+# against 0.84-0.88x in the same call (713 against 776 SASS instructions per step); at D=64 it measured slower
 # causal (0.69-0.74x against 0.69-0.81x), so not there.
 GLUON_FWD_DFSS: Dict[tuple, Config] = {
     (64, False): dict(_WS, STAGES=3, V_STAGES=3),
@@ -235,6 +235,9 @@ GLUON_BWD: Dict[tuple, Config] = {
 # * D=128 full: 0.72-0.77 / 0.61-0.64 (H100), 0.76-0.78 / 0.65 (H200);
 # * D=128 causal: 0.69-0.70 / 0.61-0.67 (H100), 0.70-0.72 / 0.62-0.67 (H200);
 # * D=64: 0.66-0.70 / 0.75-0.81 (H100 and H200, the template's one-launch GPU_DEFAULTS_NM backward): not a default.
+# With each thread deciding its own two members (hopper_bwd._keep_pair; one H100 call, the previous selection in a
+# second process): D=128 0.86-0.87 full, 0.84-0.85 causal; D=64 0.75-0.78 against the template's 0.75-0.78: still
+# not a default there.
 GLUON_BWD_DFSS: Dict[tuple, Config] = {(128, causal): dict(GLUON_BWD[(128, causal)])
                                         for causal in (False, True)}
 
