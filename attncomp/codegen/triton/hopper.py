@@ -127,37 +127,33 @@ def _softmax_step(s, m_i, l_i, rows, cols, qk_scale, n_k, off, MASK: gl.constexp
     return m_new, alpha, p, l_i
 
 
+def kept_ptx(out: str, x: str, hi: str, lo: str, cmp: str, pred: str) -> str:
+    """PTX that sets ``out`` to ``x`` where ``x cmp lo`` and (``x cmp hi`` or predicate ``pred``), else to
+    ``-inf`` (predicates ``p1``, ``p2`` declared by the caller): a 2:4 member kept when at most one of two others
+    beats it (``lo``/``hi``: their min/max) and, if one does, ``pred`` says the third does not."""
+    return (f"setp.{cmp}.or.f32 p2, {x}, {hi}, {pred};\n"
+            f"setp.{cmp}.and.f32 p1, {x}, {lo}, p2;\n"
+            f"selp.f32 {out}, {x}, 0fFF800000, p1;\n")
+
+
+# (_keep24's PTX: outputs $0-$3 the members, $4 the group max; inputs $5-$8 the four logits)
+_KEEP24_PTX = gl.constexpr(
+    "{\n.reg .pred p01, p23, p1, p2;\n.reg .f32 hi01, lo01, hi23, lo23;\n"
+    "max.f32 hi01, $5, $6;\nmin.f32 lo01, $5, $6;\nmax.f32 hi23, $7, $8;\nmin.f32 lo23, $7, $8;\n"
+    "max.f32 $4, hi01, hi23;\nsetp.ge.f32 p01, $5, $6;\nsetp.ge.f32 p23, $7, $8;\n"
+    + kept_ptx("$0", "$5", "hi23", "lo23", "ge", "p01") + kept_ptx("$1", "$6", "hi23", "lo23", "ge", "!p01")
+    + kept_ptx("$2", "$7", "hi01", "lo01", "gt", "p23") + kept_ptx("$3", "$8", "hi01", "lo01", "gt", "!p23") + "}")
+
+
 @gluon.jit
 def _keep24(x0, x1, x2, x3):
     """The four members of a 2:4 group with ``-inf`` for the two not kept (:func:`.common._keep4`'s rule), and
     the group's max. Member 0 is kept when at most one of members 2 and 3 beats it (``x0 >= min(x2, x3)``) and,
     where one does, member 1 does not (``x0 >= x1``); member 1 likewise with ``x1 > x0``; members 2 and 3
-    against 0 and 1 strictly (both precede them), then each other. In PTX, so that the compares combine
-    their predicates themselves: one compare per pair is shared by its two members."""
-    return gl.inline_asm_elementwise(
-        """{
-        .reg .pred p01, p23, p1, p2;
-        .reg .f32 hi01, lo01, hi23, lo23;
-        max.f32 hi01, $5, $6;
-        min.f32 lo01, $5, $6;
-        max.f32 hi23, $7, $8;
-        min.f32 lo23, $7, $8;
-        max.f32 $4, hi01, hi23;
-        setp.ge.f32 p01, $5, $6;
-        setp.ge.f32 p23, $7, $8;
-        setp.ge.or.f32 p2, $5, hi23, p01;
-        setp.ge.and.f32 p1, $5, lo23, p2;
-        selp.f32 $0, $5, 0fFF800000, p1;
-        setp.ge.or.f32 p2, $6, hi23, !p01;
-        setp.ge.and.f32 p1, $6, lo23, p2;
-        selp.f32 $1, $6, 0fFF800000, p1;
-        setp.gt.or.f32 p2, $7, hi01, p23;
-        setp.gt.and.f32 p1, $7, lo01, p2;
-        selp.f32 $2, $7, 0fFF800000, p1;
-        setp.gt.or.f32 p2, $8, hi01, !p23;
-        setp.gt.and.f32 p1, $8, lo01, p2;
-        selp.f32 $3, $8, 0fFF800000, p1;
-        }""", "=f,=f,=f,=f,=f,f,f,f,f", [x0, x1, x2, x3], dtype=(gl.float32, ) * 5, is_pure=True, pack=1)
+    against 0 and 1 strictly (both precede them), then each other. In PTX (:func:`kept_ptx`), so that the
+    compares combine their predicates themselves: one compare per pair is shared by its two members."""
+    return gl.inline_asm_elementwise(_KEEP24_PTX, "=f,=f,=f,=f,=f,f,f,f,f", [x0, x1, x2, x3],
+                                     dtype=(gl.float32, ) * 5, is_pure=True, pack=1)
 
 
 @gluon.jit

@@ -53,7 +53,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from .common import LOG2E
-from .hopper import _desc, _mma_layout, _tile_2d
+from .hopper import _desc, _mma_layout, _tile_2d, kept_ptx
 from .launch import FastLaunch
 
 __all__ = ["dkdv", "dq_pass", "backward_ws", "FUSED_DQ"]
@@ -456,26 +456,22 @@ def _keep_pair(a, b, c, d, odd):
     likewise against ``a`` and ``c`` (strictly: both precede it), then ``d``. In PTX, so that the conditions stay
     predicates combined by the compares themselves (written as Boolean tensors they compiled to chains of
     selects)."""
-    return gl.inline_asm_elementwise(
-        """{
-        .reg .pred pe, p1, p2, p3;
-        .reg .f32 hi, lo;
-        setp.eq.b32 pe, $6, 0;
-        max.f32 hi, $3, $5;
-        min.f32 lo, $3, $5;
-        setp.eq.and.f32 p3, $2, $4, pe;
-        setp.gt.or.f32 p3, $2, $4, p3;
-        setp.ge.or.f32 p2, $2, hi, p3;
-        setp.ge.and.f32 p1, $2, lo, p2;
-        selp.f32 $0, $2, 0fFF800000, p1;
-        max.f32 hi, $2, $4;
-        min.f32 lo, $2, $4;
-        setp.eq.and.f32 p3, $3, $5, pe;
-        setp.gt.or.f32 p3, $3, $5, p3;
-        setp.gt.or.f32 p2, $3, hi, p3;
-        setp.gt.and.f32 p1, $3, lo, p2;
-        selp.f32 $1, $3, 0fFF800000, p1;
-        }""", "=f,=f,f,f,f,f,r", [a, b, c, d, odd], dtype=(gl.float32, gl.float32), is_pure=True, pack=1)
+    return gl.inline_asm_elementwise(_KEEP_PAIR_PTX, "=f,=f,f,f,f,f,r", [a, b, c, d, odd],
+                                     dtype=(gl.float32, gl.float32), is_pure=True, pack=1)
+
+
+def _member_ptx(out: str, x: str, tie: str, others: tuple, cmp: str) -> str:
+    """:func:`_keep_pair`'s PTX for one member ``x``: kept when ``x cmp`` both of ``others`` or ``x cmp`` one
+    and ``x`` beats ``tie`` (greater, or equal on an even thread: predicate ``pe``)."""
+    return (f"max.f32 hi, {others[0]}, {others[1]};\nmin.f32 lo, {others[0]}, {others[1]};\n"
+            f"setp.eq.and.f32 p3, {x}, {tie}, pe;\nsetp.gt.or.f32 p3, {x}, {tie}, p3;\n"
+            + kept_ptx(out, x, "hi", "lo", cmp, "p3"))
+
+
+# (_keep_pair's PTX: outputs $0 = a's, $1 = b's; inputs a $2, b $3, c $4, d $5, odd $6)
+_KEEP_PAIR_PTX = gl.constexpr("{\n.reg .pred pe, p1, p2, p3;\n.reg .f32 hi, lo;\nsetp.eq.b32 pe, $6, 0;\n"
+                              + _member_ptx("$0", "$2", "$4", ("$3", "$5"), "ge")
+                              + _member_ptx("$1", "$3", "$5", ("$2", "$4"), "gt") + "}")
 
 
 @gluon.jit
