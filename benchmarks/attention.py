@@ -317,8 +317,9 @@ def config_name(c: dict) -> str:
     launch by element atomics / TMA bulk reductions; ``gluon 64x128w4s2v1``: the Gluon Hopper forward's
     tiles, warps, key-ring and value-ring depths; `` ws``/`` wsnp``: its warp-specialised kernel with or
     without turns, ``+ptx``/``+p32`` its keys ``KEEP_PTX``/``P_F32``; ``gluon dkdv 64x64s2+dq...``: the
-    backward's Gluon dK/dV pass, then the template's dQ pass, ``+gdq64x64s2`` the Gluon dQ pass, ``+tmadq`` dQ added in the dK/dV pass; ``gluon bwd ws 64x128s2``: the
-    backward's warp-specialised kernel, 64-query steps, 128-key blocks, ring slots)."""
+    backward's Gluon dK/dV pass, then the template's dQ pass, ``+gdq64x64s2`` the Gluon dQ pass, ``+tmadq`` dQ
+    added in the dK/dV pass; ``gluon bwd ws 64x128s2``: the backward's warp-specialised kernel, 64-query steps,
+    128-key blocks, ring slots)."""
     if c.get("KERNEL") == "gluon" and c.get("DQ") and c.get("WS"):  # the backward's warp-specialised kernel
         return f"gluon bwd ws 64x128s{c['WS']}"
     if c.get("KERNEL") == "gluon" and c.get("DQ"):  # the backward's Gluon dK/dV pass, then a dQ pass

@@ -167,8 +167,8 @@ GPU_DEFAULTS_SORTED: Dict[str, Dict[tuple, Config]] = {
 # turns 1.06x / 1.09x. At D=64 three consumer warp groups (192-query tiles) measured 1.09-1.10x / 1.03-1.06x,
 # two 0.91-0.97x / 0.96x, the one-warp-group kernel 0.99x / 0.96-1.01x in the same call. ``P_F32`` (two
 # consumers; hopper._p_carried): the probabilities carried to the next step in 32 bits, which saves a byte permute
-# per register: dense D=128 N=16384 full 1.08-1.09x against 1.00-1.04x (two H100 calls); causal, where the
-# kernel then spills 112 bytes, 1.00-1.05x against 1.02-1.06x, so not there.
+# per register: dense D=128 N=16384 full 1.08-1.09x against 1.00-1.04x (two H100 calls); causal 1.00-1.05x against
+# 1.02-1.06x (measured while the masked steps carried 32 bits too and the kernel spilled 112 bytes), so not there.
 _WS = dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, STAGES=2, V_STAGES=2, WS=True, PINGPONG=False)
 GLUON_FWD: Dict[tuple, Config] = {
     (64, False): dict(_WS, BLOCK_M=192),

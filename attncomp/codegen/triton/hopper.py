@@ -167,7 +167,8 @@ def _nm24_softmax(s, m_i, qk_scale, NM: gl.constexpr):
     before the exponentials. Each keep decision is consumed by the select next to it: boolean tiles
     kept alive across the tile (the template's fused form, which exponentiates only the kept two)
     compiled here to predicates moved through registers and ran slower. A group's largest logit is
-    always kept, so the row maximum is taken over the groups' maxima."""
+    always kept, so the row maximum is taken over the groups' maxima. ``NM == 2`` (``KEEP_PTX``): the
+    selection in PTX (:func:`_keep24`), else with :func:`.common._keep4`."""
     BLOCK_M: gl.constexpr = s.shape[0]
     G: gl.constexpr = s.shape[1] // 4
     x0, x1, x2, x3 = _split4(gl.permute(gl.reshape(s, [BLOCK_M, 4, G]), [0, 2, 1]), BLOCK_M, G)
