@@ -242,7 +242,8 @@ def _fmt(r: Dict) -> str:
         return f"{head} failed: {r['error']}"
     return (f"{head} #{r['launch']} regs {r['regs']:3d}  spill {r['spill']:5d} B  smem {r['smem'] / 1024:6.1f} KiB"
             f"{'' if r['fits'] else ' (too much)'}  blocks/SM {r['blocks_per_sm']}  wgmma {r['wgmma']}"
-            + ("" if r["sass"] is None else f"  sass {r['sass']}") + "".join(f" {op} {n}" for op, n in r["sass_ops"].items()))
+            + ("" if r["sass"] is None else f"  sass {r['sass']}")
+            + "".join(f" {op} {n}" for op, n in r["sass_ops"].items()))
 
 
 def main(argv: Optional[List[str]] = None) -> int:

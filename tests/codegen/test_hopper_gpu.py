@@ -132,7 +132,7 @@ TIES = {"random": None, "three": ((1, 0), (2, 0), (3, None)), "pairs": ((1, 0), 
 
 
 def _dfss_inputs(case, ties: str):
-    """:func:`_inputs` of a DFSS 2:4 case with the keys of :data:`TIES`\ ``[ties]``: ``(r, s)``, member ``r`` of
+    """:func:`_inputs` of a DFSS 2:4 case with the keys of ``TIES[ties]``: ``(r, s)``, member ``r`` of
     every group holds member ``s``'s key (``None``: a zero key)."""
     from attncomp.policy import DFSS
 

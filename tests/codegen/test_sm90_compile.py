@@ -114,7 +114,7 @@ def test_gluon_backward_compiles_for_hopper(tmp_path):
     from attncomp.codegen.triton import configs
 
     # DFSS 2:4 (configs.GLUON_BWD_DFSS): the warp-specialised kernel alone, its key rows read in the selection's
-    # order (more words on the stack than the dense kernel: 104 bytes at D=128, 224 causal, in Triton 3.6)
+    # order (more words on the stack than the dense kernel: 104 bytes at D=128, 132 causal, in Triton 3.6)
     nm = [r for r in rows if r["policy"] == "dfss" and r["config"].startswith("gluon bwd")]
     assert sorted((r["D"], r["causal"], r["kernel"]) for r in nm) == sorted(
         (d, c, "_bwd_ws") for d, c in configs.GLUON_BWD_DFSS), rows
