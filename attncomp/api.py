@@ -6,6 +6,7 @@ import collections
 import contextlib
 import copy
 import difflib
+import functools
 import inspect
 import logging
 import threading
@@ -474,8 +475,16 @@ def _wrap(model: nn.Module, state: "_State") -> CompiledModule:
     (code that prints or checks the class name sees the model's). Each compile gets its own class, which
     holds its state."""
     cls = type(model)
+
+    def forward(self, *args, **kwargs):
+        return CompiledModule.forward(self, *args, **kwargs)
+
+    # the model's signature, name and docstring (``inspect.signature(fast.forward)`` equals the model's, as
+    # with torch.compile's wrapper): transformers decides from it which arguments ``generate()`` passes
+    # (``position_ids`` for left-padded batches, ``attention_mask``) and which columns its Trainer keeps
+    functools.update_wrapper(forward, cls.forward)
     sub = type(cls.__name__, (CompiledModule, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
-                                                     "_attncomp": state})
+                                                     "_attncomp": state, "forward": forward})
     fast = object.__new__(sub)
     object.__setattr__(fast, "__dict__", model.__dict__)
     return fast

@@ -215,6 +215,24 @@ def test_optional_argument_omitted_after_compile():
         assert rel_err(fast(x), model(x)) < TOL
 
 
+@pytest.mark.parametrize("capture", ["dynamo", "export", "fx"])
+def test_forward_keeps_the_model_signature(capture):
+    """Code that inspects ``forward`` (transformers' ``generate()`` deciding whether to pass
+    ``position_ids`` and ``attention_mask``, its Trainer keeping dataset columns) sees the model's
+    parameters, name and docstring, as with ``torch.compile``; calls by keyword still run."""
+    import inspect
+
+    model = Stack().eval()
+    fast = attncomp.compile(model, capture=capture)
+    assert inspect.signature(fast.forward) == inspect.signature(model.forward)
+    assert list(inspect.signature(fast.forward).parameters) == ["x", "keep"]
+    assert fast.forward.__name__ == "forward" and fast.forward.__doc__ == model.forward.__doc__
+    x, keep = torch.randn(2, 6, 32), _keep(2, 6)
+    with torch.no_grad():
+        assert rel_err(fast(x, keep=keep), model(x, keep)) < TOL
+        assert rel_err(fast(x=x), model(x)) < TOL
+
+
 # ---------------------------------------------------------------------------------------------
 # The user's module is never modified
 
