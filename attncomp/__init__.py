@@ -4,6 +4,7 @@
 to one ``attncomp::attention`` op under a sparsification policy, and runs it on the best backend.
 """
 
+import importlib as _importlib
 import sys as _sys
 
 from . import policy as policies
@@ -19,10 +20,22 @@ __all__ = ["compile", "backend", "report", "export", "load", "functional", "poli
            "AttentionSpec", "Policy", "Dense", "DFSS", "Hash", "Drop", "SPION", "ET"]
 
 
+#: subpackages and modules reached as attributes (``attncomp.distributed.context_parallel_attention``)
+#: after a plain ``import attncomp``, imported on first use: they pull in torch.distributed, torch.fx
+#: and export machinery, matplotlib, which ``import attncomp`` alone should not cost
+_LAZY_MODULES = ("api", "cli", "codegen", "distributed", "passes", "plot", "runtime")
+_API_NAMES = ("compile", "backend", "report", "export", "load", "CompiledModule", "Report", "CaptureError")
+
+
 def __getattr__(name):
-    # the API module imports torch.fx/export machinery: load it on first use
-    if name in ("compile", "backend", "report", "export", "load", "CompiledModule", "Report", "CaptureError"):
+    if name in _API_NAMES:
         from . import api
 
         return getattr(api, name)
+    if name in _LAZY_MODULES:
+        return _importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module 'attncomp' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_API_NAMES) | set(_LAZY_MODULES))

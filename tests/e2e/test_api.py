@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import copy
 import math
+import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -84,6 +87,31 @@ def _keep(b, n):
     keep = torch.ones(b, n, dtype=torch.bool)
     keep[1:, int(torch.randint(n // 2, n, (1,))):] = False
     return keep
+
+
+# ---------------------------------------------------------------------------------------------
+# The package's namespace
+
+
+def test_submodules_are_attributes_after_a_plain_import():
+    """The README and DESIGN.md spell ``attncomp.distributed.context_parallel_attention(...)`` etc.
+    after ``import attncomp`` alone: each resolves (in a fresh process, where nothing else imported the
+    submodule first), the costly ones only on first use."""
+    code = ("import sys, attncomp\n"
+            "lazy = ('distributed', 'plot', 'runtime', 'passes', 'codegen', 'api')\n"
+            "early = [m for m in lazy if 'attncomp.' + m in sys.modules]\n"
+            "assert not early, early\n"
+            "attncomp.distributed.context_parallel_attention, attncomp.distributed.shard_sequence\n"
+            "attncomp.spion.generate_pattern, attncomp.spion.set_patterns\n"
+            "attncomp.functional.attention, attncomp.plot.pattern, attncomp.runtime.cubin.import_folder\n"
+            "attncomp.policies.get_policy, attncomp.passes.counters, attncomp.compile\n"
+            "assert {'distributed', 'plot', 'runtime', 'spion', 'functional'} <= set(dir(attncomp))\n"
+            "try:\n    attncomp.no_such_module\nexcept AttributeError as e:\n    assert 'no_such_module' in str(e)\n"
+            "else:\n    raise SystemExit('no AttributeError')\n")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=root))
+    assert r.returncode == 0, r.stderr[-2000:]
 
 
 # ---------------------------------------------------------------------------------------------
