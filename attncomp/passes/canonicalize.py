@@ -23,7 +23,8 @@ Guarantees (same values, canonical spelling, as ``call_function`` nodes):
   ``bfloat16()``, ``type(dtype)``, aten ``to``/``_to_copy``;
 * export's ``_assert_tensor_metadata`` checks are dropped (they only re-check dtypes the graph fixes);
 * in-place ``masked_fill_``/``add_``/``mul_``/``div_`` on a value become out-of-place, and later readers
-  of the mutated value read the new node (functionalisation of those four).
+  of the mutated value read the new node (functionalisation of those four), unless the written memory is
+  a graph input or attribute, or another view of it is read after the write (then the write stays).
 """
 
 from __future__ import annotations
@@ -139,14 +140,68 @@ def _einsum_to_matmul(eq: str) -> Optional[Tuple[bool, bool]]:
     return a2[1] != c, b2[0] != c
 
 
+_VIEW_METHODS = {"view", "view_as", "reshape", "reshape_as", "transpose", "permute", "expand", "expand_as",
+                 "squeeze", "unsqueeze", "flatten", "unflatten", "narrow", "select", "unbind", "split", "chunk",
+                 "t", "as_strided", "detach", "contiguous", "__getitem__", "swapaxes", "swapdims", "movedim",
+                 "diagonal", "unfold", "real", "imag", "view_as_real", "view_as_complex"}
+_VIEW_FUNCTIONS = {operator.getitem, torch.transpose, torch.reshape, torch.flatten, torch.narrow, torch.select,
+                   torch.squeeze, torch.unsqueeze, torch.permute, torch.t, torch.chunk, torch.split, torch.unbind,
+                   torch.movedim, torch.swapaxes, torch.swapdims, torch.diagonal, torch.detach, torch.as_strided}
+
+
+def _is_view(n: fx.Node) -> bool:
+    """Whether ``n`` may return a view of (share memory with) its first argument."""
+    if n.op == "call_method":
+        return n.target in _VIEW_METHODS
+    if n.op != "call_function":
+        return False
+    if n.target in _VIEW_FUNCTIONS:
+        return True
+    schema = getattr(n.target, "_schema", None)
+    return schema is not None and any(r.alias_info is not None for r in schema.returns)
+
+
+def _views_of(a: fx.Node, base: fx.Node) -> bool:
+    while a is not base and _is_view(a) and isinstance(a.args[0], fx.Node):
+        a = a.args[0]
+    return a is base
+
+
+def _alias_read_after(base: fx.Node, n: fx.Node, order: Dict[fx.Node, int]) -> Optional[str]:
+    """Why writing into ``base`` at ``n`` cannot be made out of place: ``base`` is a graph input or
+    attribute (the caller or the module sees the write), or another view of its memory is read after
+    ``n`` (readers of that view would miss the write)."""
+    root = base
+    while _is_view(root) and isinstance(root.args[0], fx.Node):
+        root = root.args[0]
+    if root.op in ("placeholder", "get_attr"):
+        return f"{root.name} is a graph input or attribute"
+    aliases, todo = set(), [root]
+    while todo:
+        a = todo.pop()
+        aliases.add(a)
+        todo.extend(u for u in a.users if _is_view(u) and u.args and u.args[0] is a and u not in aliases)
+    for a in aliases - {base}:
+        if order[a] > order[n] and _views_of(a, base):
+            continue  # made after the write from its result: redirected with base's other readers
+        if any(order.get(u, -1) > order[n] and u not in aliases for u in a.users):
+            return f"{a.name} shares its memory and is read after the write"
+    return None
+
+
 def _functionalize_inplace(gm: fx.GraphModule, ctx: CompileContext) -> int:
-    """Turn the in-place methods attention code uses into out-of-place ones."""
+    """Turn the in-place methods attention code uses into out-of-place ones, where no other view of the
+    written memory (nor the caller) could see the difference."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     n_done = 0
     for n in list(gm.graph.nodes):
         if n.op == "call_method" and n.target in _INPLACE:
             base = n.args[0]
             if not isinstance(base, fx.Node):
+                continue
+            why = _alias_read_after(base, n, order)
+            if why is not None:
+                log.debug("attncomp: %s left in place: %s", n.name, why)
                 continue
             later = [u for u in base.users if u is not n and order.get(u, -1) > order[n]]
             with gm.graph.inserting_after(n):

@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from attncomp.passes import canonicalize as C
-from attncomp.passes.base import CompileContext
+from attncomp.passes.base import CompileContext, PassResult
 
 
 class Wrap(nn.Module):
@@ -74,6 +74,59 @@ def test_inplace_masked_fill_is_functionalised():
     sm = next(n for n in res.graph.nodes if n.target is C.SOFTMAX)
     assert sm.args[0].target is C.WHERE  # the softmax reads the filled value, not the pre-fill one
     torch.testing.assert_close(res(a, b), mod(a, b))
+
+
+def _view_read_after(s, a, b):
+    a = a * 1.0
+    flat = a.view(a.shape[0], -1)  # another view of the same memory, read after the write
+    a.masked_fill_(b > 0, 0.0)
+    return a.softmax(-1), flat.sum(-1)
+
+
+def _input_written(s, a, b):
+    a.mul_(2.0)  # the caller sees its tensor doubled
+    return a.softmax(-1)
+
+
+@pytest.mark.parametrize("fn", [_view_read_after, _input_written])
+def test_inplace_write_seen_elsewhere_stays_in_place(fn):
+    """An in-place write whose effect another view of the memory (or the caller) reads stays in
+    place: made out of place, those readers would miss it."""
+    mod = Wrap(fn)
+    gm = fx.symbolic_trace(mod)
+    a, b = torch.randn(2, 5, 5), torch.randn(2, 5, 5)
+    res = C.canonicalize(gm, CompileContext()).graph_module
+    res.recompile()
+    assert any(n.op == "call_method" and n.target.endswith("_") for n in res.graph.nodes), res.graph
+    a1, a2 = a.clone(), a.clone()
+    got, want = res(a1, b), mod(a2, b)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(a1, a2)
+
+
+def test_dead_code_elimination_keeps_inplace_writes():
+    """The pipeline removes what rewrites left dead, but not in-place writes whose results are unused
+    (an MoE router's ``group_mask.scatter_(...)``, ``ids.clamp_(max=...)``, a write through a view): their
+    effect is in the tensor they write."""
+    from attncomp.passes.pipeline import run_passes
+
+    class Router(nn.Module):
+        def forward(self, x, idx):
+            mask = torch.zeros_like(x)
+            mask.scatter_(1, idx, 1.0)
+            ids = idx * 3
+            ids.clamp_(max=3)
+            out = x.clone()
+            out.select(1, 0).fill_(0.0)
+            return out * mask.gather(1, ids).sum(-1, keepdim=True)
+
+    mod = Router()
+    x, idx = torch.randn(3, 4), torch.tensor([[0], [2], [3]])
+    gm = fx.symbolic_trace(mod)
+    names = {n.name for n in gm.graph.nodes}
+    done = run_passes(gm, CompileContext(), [("modified", lambda g, c: PassResult(g, True))])
+    assert names == {n.name for n in done.graph.nodes}, "an in-place write was removed as dead code"
+    torch.testing.assert_close(done(x, idx), mod(x, idx))
 
 
 def test_dropout_module_stays_a_module_call():
