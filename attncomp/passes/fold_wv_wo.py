@@ -12,7 +12,8 @@ contiguous/clone may appear anywhere in both chains; every intermediate value ha
 
 Requires: ``match_attention`` has run; shape metadata (``meta['val']`` or ``meta['tensor_meta']``) on
 the split and merge reshapes, to prove they split/merge the last dimension as ``(H, dv)``
-row-major; weights of both projections known at compile time (``nn.Linear`` or ``get_attr``).
+row-major; weights of both projections known at compile time (``nn.Linear`` or ``get_attr``), or
+read by the graph at run time (the parameters dynamo lifts to graph inputs unless they are frozen).
 
 Rewrites to::
 
@@ -30,11 +31,15 @@ The folded tensors are new buffers of the compiled ``GraphModule``, computed in 
 the weights' dtype. When training they are ``nn.Parameter``s and receive gradients; the user's
 ``W_V``/``W_O`` are never mutated and no longer train through this site (and ``M_h`` is then a free
 ``dm x do`` matrix, no longer a product of rank ``dv``).
+Weights the graph reads at run time (dynamo's graphs of a module whose parameters require grad, in
+training or in eval mode) are not read at compile time: the graph computes ``Wf``, ``c`` and ``b'``
+from them on every call (``2 H do dv (dm + 1)`` FLOPs, counted by the cost model under ``auto``), so
+the site sees the current weights and gradients reach the user's ``W_V``/``W_O`` (tied ones stay tied).
 
 When: only under the ``ET`` policy. ``fold_wv_wo=True`` forces (when the structure matches),
 ``False`` forbids, ``"auto"`` folds when :mod:`.costmodel` predicts fewer FLOPs for the site's
-shapes (in practice only ``H == 1``). Tied weights (``W_V`` or ``W_O`` read elsewhere) are not
-folded when training. A folded site's value head dim is ``do``: when the compile names the
+shapes (in practice only ``H == 1``). Tied weights (``W_V`` or ``W_O`` read elsewhere) known at
+compile time are not folded when training. A folded site's value head dim is ``do``: when the compile names the
 ``triton`` backend and ``do`` exceeds its limit (256) the fold is declined; under ``auto`` the
 dispatch skips a backend that cannot take ``v`` when the op passes ``v`` to it.
 
@@ -123,7 +128,7 @@ def _match(gm: fx.GraphModule, site: fx.Node, spec) -> Tuple[Optional[_Site], st
     v_chain, producer, problem = exclusive_chain(v)
     if problem:
         return None, f"the value path is shared: {problem}"
-    vlin, why = match_linear(gm, producer)
+    vlin, why = match_linear(gm, producer, live=True)
     if vlin is None:
         return None, f"the value is not a Linear projection split into heads: {why}"
     vs, why = _split_ok(list(reversed(v_chain)), vlin.out_features, merge=False)
@@ -148,7 +153,7 @@ def _match(gm: fx.GraphModule, site: fx.Node, spec) -> Tuple[Optional[_Site], st
             cur = u
             continue
         break
-    olin, why = match_linear(gm, u)
+    olin, why = match_linear(gm, u, live=True)
     if olin is None:
         return None, f"the merged heads reach {describe(u)} before any output projection"
     if olin.input is not cur:
@@ -176,7 +181,59 @@ def _rows_sum_to_one(site: fx.Node, spec) -> str:
     return ""
 
 
+def _tensor_node(gm: fx.GraphModule, g: fx.Graph, lin: LinearInfo, which: str) -> Optional[fx.Node]:
+    """The node that carries a projection's weight or bias in the graph (a live input, or its
+    ``get_attr``); a ``call_module`` Linear's tensor gets a ``get_attr`` of its own."""
+    node = getattr(lin, which + "_node")
+    if isinstance(node, fx.Node):
+        return node
+    if getattr(lin, which) is None:
+        return None
+    return g.get_attr(f"{lin.node.target}.{which}")
+
+
+def _apply_live(gm: fx.GraphModule, site: fx.Node, m: _Site, per_head_bias: bool) -> None:
+    """The fold computed in the graph from the weights it reads at run time (dynamo's lifted parameters):
+    every call sees the current weights, and gradients reach W_V and W_O (tied ones stay tied)."""
+    H, dv = m.H, m.dv
+    dm, do = m.v.in_features, m.o.out_features
+    g = gm.graph
+    with g.inserting_before(m.v.node):
+        wv, bv = _tensor_node(gm, g, m.v, "weight"), _tensor_node(gm, g, m.v, "bias")
+        wo, bo = _tensor_node(gm, g, m.o, "weight"), _tensor_node(gm, g, m.o, "bias")
+        wo3 = g.call_function(torch.reshape, (wo, (do, H, dv)))
+        wf = g.call_function(torch.einsum, ("ohd,hdm->hom", wo3, g.call_function(torch.reshape, (wv, (H, dv, dm)))))
+        wf = g.call_function(torch.reshape, (wf, (H * do, dm)))
+        c = None
+        if bv is not None:
+            c = g.call_function(torch.einsum, ("ohd,hd->ho", wo3, g.call_function(torch.reshape, (bv, (H, dv)))))
+        lin_bias = post = None
+        if c is not None and per_head_bias:
+            lin_bias = g.call_function(torch.reshape, (c, (H * do,)))
+            post = bo
+        elif c is not None:
+            post = g.call_function(torch.sum, (c, 0))
+            if bo is not None:
+                post = g.call_function(torch.add, (bo, post))
+        else:
+            post = bo
+        target = m.v.node.target if m.v.node.op == "call_function" else torch.nn.functional.linear
+        vp = g.call_function(target, (m.v.input, wf, lin_bias))
+        vp = g.call_function(torch.unflatten, (vp, -1, (H, do)))
+        vp = g.call_function(torch.transpose, (vp, 1, 2))
+    site.update_arg(2, vp)
+    with g.inserting_before(m.o.node):
+        y = g.call_function(torch.sum, (m.out, 1))
+        if post is not None:
+            y = g.call_function(torch.add, (y, post))
+    m.o.node.replace_all_uses_with(y)
+    for n in [m.o.node] + list(reversed(m.merge_chain)) + m.v_chain + [m.v.node]:
+        g.erase_node(n)
+
+
 def _apply(gm: fx.GraphModule, site: fx.Node, m: _Site, per_head_bias: bool, trainable: bool) -> None:
+    if m.v.live or m.o.live:
+        return _apply_live(gm, site, m, per_head_bias)
     H, dv = m.H, m.dv
     wv, wo = m.v.weight.detach(), m.o.weight.detach()
     dm, do = m.v.in_features, m.o.out_features
@@ -216,6 +273,11 @@ def _apply(gm: fx.GraphModule, site: fx.Node, m: _Site, per_head_bias: bool, tra
         g.erase_node(n)
 
 
+def _live_fold_flops(m: _Site) -> int:
+    """FLOPs of computing ``M_h`` (and ``c_h``) once per call from live weights."""
+    return 2 * m.H * m.o.out_features * m.dv * (m.v.in_features + (m.v.bias is not None))
+
+
 def fold_wv_wo(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
     """Fold W_V·W_O per head where the ET policy asks and the cost model (or the caller) agrees."""
     modified = False
@@ -249,8 +311,10 @@ def fold_wv_wo(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
             decision, why = True, "forced by the policy (ET(fold_wv_wo=True))"
         elif cost is None:
             decision, why = False, f"the cost model needs concrete shapes, got B, Nq, Nk = {dims}"
-        elif cost.cheaper_folded:
-            decision, why = True, "the cost model predicts fewer FLOPs folded"
+        elif (cost.cheaper_folded if not (m.v.live or m.o.live)
+              else cost.flops_folded + _live_fold_flops(m) < cost.flops_original):
+            decision, why = True, "the cost model predicts fewer FLOPs folded" + (
+                " (M_h computed per call included)" if m.v.live or m.o.live else "")
         else:
             decision, why = False, (f"the cost model predicts the folded form costs more "
                                     f"({cost.flops_folded:.4g} vs {cost.flops_original:.4g} FLOP, "
@@ -258,7 +322,8 @@ def fold_wv_wo(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
         if decision and "triton" in (spec.backend, ctx.backend) and m.o.out_features > _TRITON_MAX_DV:
             decision, why = False, (f"the folded value head dim {m.o.out_features} exceeds what the triton "
                                     f"backend runs ({_TRITON_MAX_DV})")
-        if decision and not ctx.inference:
+        live = m.v.live or m.o.live
+        if decision and not ctx.inference and not live:
             shared = [nm for nm, t in (("W_V", m.v.weight), ("W_O", m.o.weight)) if len(weight_users(gm, t)) > 1]
             if shared:
                 decision, why = False, f"{' and '.join(shared)} also used elsewhere; folding would untie them in training"
@@ -274,7 +339,9 @@ def fold_wv_wo(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
         rep.rewrites.append(NAME)
         rep.details[NAME] = (f"applied: {why}; H={m.H}, M_h {m.v.in_features}x{m.o.out_features}, {bias}; "
                              f"the op now runs with value head dim {m.o.out_features}"
-                             + ("; folded matrices are trainable parameters" if not ctx.inference else ""))
+                             + (f"; M_h computed in the graph from the weights it reads at run time "
+                                f"({_live_fold_flops(m)} FLOP per call, gradients reach W_V and W_O)" if live
+                                else "; folded matrices are trainable parameters" if not ctx.inference else ""))
         ctx.count(NAME, "applied")
         modified = True
         log.debug("fold_wv_wo %s: %s", rep.name, rep.details[NAME])

@@ -353,6 +353,11 @@ class LinearInfo:
     input: fx.Node
     weight: torch.Tensor
     bias: Optional[torch.Tensor]
+    #: read at run time (graph inputs: the parameters dynamo lifts): ``weight``/``bias`` are then their
+    #: fake values (shapes and dtypes only) and ``weight_node``/``bias_node`` the nodes that carry them
+    live: bool = False
+    weight_node: Optional[fx.Node] = None
+    bias_node: Optional[fx.Node] = None
 
     @property
     def out_features(self) -> int:
@@ -363,11 +368,14 @@ class LinearInfo:
         return int(self.weight.shape[1])
 
 
-def match_linear(gm: fx.GraphModule, node: fx.Node) -> Tuple[Optional[LinearInfo], str]:
+def match_linear(gm: fx.GraphModule, node: fx.Node, live: bool = False) -> Tuple[Optional[LinearInfo], str]:
     """Recognise a Linear projection with weights known at compile time.
 
     Accepts ``call_module`` to a plain ``nn.Linear`` without hooks, and ``F.linear`` /
     ``torch._C._nn.linear`` / ``aten.linear`` whose weight and bias are ``get_attr`` nodes.
+    ``live``: also accept weights that are graph inputs (dynamo lifts a module's parameters so, unless
+    they are frozen for inference); the result is then marked ``live`` and carries their nodes, for a
+    rewrite that computes from them in the graph rather than reading values at compile time.
     Returns ``(info, "")`` or ``(None, reason)``.
     """
     if node.op == "call_module":
@@ -390,18 +398,26 @@ def match_linear(gm: fx.GraphModule, node: fx.Node) -> Tuple[Optional[LinearInfo
         if not isinstance(x, fx.Node):
             return None, "the linear has no tensor input"
         tensors = []
+        is_live = False
         for t in (w, b):
             if t is None:
                 tensors.append(None)
                 continue
             if isinstance(t, fx.Node) and t.op == "placeholder":
-                return None, "the linear's weight or bias is a graph input (lifted parameter), unknown at compile time"
+                val = t.meta.get("val", t.meta.get("example_value"))
+                if not live:
+                    return None, "the linear's weight or bias is a graph input (lifted parameter), unknown at compile time"
+                if not isinstance(val, torch.Tensor):
+                    return None, "the linear's weight or bias is a graph input without shape metadata"
+                tensors.append(val)
+                is_live = True
+                continue
             if not isinstance(t, fx.Node) or t.op != "get_attr":
                 return None, "the linear's weight or bias is computed in the graph, not a module attribute"
             tensors.append(resolve_attr(gm, t.target))
         if tensors[0] is None:
             return None, "the linear has no weight"
-        return _checked(LinearInfo(node, x, tensors[0], tensors[1]))
+        return _checked(LinearInfo(node, x, tensors[0], tensors[1], is_live, w, b))
     return None, f"it is produced by {describe(node)}, not a Linear"
 
 

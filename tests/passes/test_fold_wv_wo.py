@@ -304,3 +304,95 @@ def test_compile_bert_training_fold_trains():
     g_out, *g_fold = torch.autograd.grad(out, [emb, *folded.values()])
     assert rel_err(g_out, g_ref) < 1e-10
     assert all(torch.isfinite(g).all() and g.abs().sum() > 0 for g in g_fold)
+
+
+# -- end to end through attncomp.compile's default capture (dynamo), weights not frozen -------------
+# dynamo lifts parameters that require grad to graph inputs: the fold reads them at run time
+
+
+class ToyMHA(nn.Module):
+    """Multi-head self-attention as users write it (SDPA between Linear projections)."""
+
+    def __init__(self, d=32, h=4, d_out=24):
+        super().__init__()
+        self.h = h
+        self.q, self.k, self.v = (nn.Linear(d, d) for _ in range(3))
+        self.o = nn.Linear(d, d_out)
+
+    def forward(self, x):
+        B, N, d = x.shape
+        q, k, v = (p(x).view(B, N, self.h, -1).transpose(1, 2) for p in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v)
+        return self.o(y.transpose(1, 2).reshape(B, N, d))
+
+
+def folded_sites(fast):
+    rep = attncomp_report(fast)
+    return [("fold_wv_wo" in s.rewrites) and str(s.details.get("fold_wv_wo", "")).startswith("applied: forced")
+            for s in rep.sites], rep
+
+
+def attncomp_report(fast):
+    import attncomp
+
+    return attncomp.report(fast)
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_compile_dynamo_forced_fold_eval_live_weights():
+    import attncomp
+
+    torch.manual_seed(0)
+    model = ToyMHA().double().eval()          # parameters require grad, as after loading a model
+    fast = attncomp.compile(model, policy=attncomp.ET(fold_wv_wo=True))
+    x = torch.randn(2, 7, 32, dtype=torch.float64)
+    with torch.no_grad():
+        y = fast(x)
+        assert rel_err(y, model(x)) < 1e-10
+    folded, rep = folded_sites(fast)
+    assert folded == [True], str(rep)
+    assert "dynamo" in rep.capture and "fold_wv_wo_flops" in rep.sites[0].details
+    assert any(n.startswith("fold_wv_wo") and "FLOP" in n for n in rep.notes), rep.notes
+    # the fold reads the weights at run time: a change to them is seen without recompiling
+    with torch.no_grad():
+        model.v.weight.mul_(-0.5)
+        model.o.bias.add_(1.0)
+        assert rel_err(fast(x), model(x)) < 1e-10
+    assert attncomp_report(fast).graphs == 1
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_compile_dynamo_forced_fold_training_gradients_reach_wv_wo():
+    import attncomp
+
+    torch.manual_seed(1)
+    model = ToyMHA().double().train()
+    fast = attncomp.compile(model, policy=attncomp.ET(fold_wv_wo=True))
+    x = torch.randn(2, 5, 32, dtype=torch.float64)
+    w = torch.linspace(-1, 1, 24, dtype=torch.float64)
+    params = list(model.parameters())
+    ref = (model(x) * w).square().sum()
+    g_ref = torch.autograd.grad(ref, params)
+    out = (fast(x) * w).square().sum()
+    g_out = torch.autograd.grad(out, params)
+    assert folded_sites(fast)[0] == [True]
+    assert rel_err(out, ref) < 1e-10
+    for a, b in zip(g_out, g_ref):  # (the key bias's gradient is zero up to rounding: atol)
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_compile_dynamo_forced_fold_bert_fp32():
+    import attncomp
+
+    model, ids = bert()
+    model.eval()                              # float32, parameters require grad
+    fast = attncomp.compile(model, policy=attncomp.ET(fold_wv_wo=True))
+    mask = torch.ones_like(ids)
+    mask[1, 8:] = 0                           # a padded row: the value bias stays per head
+    with torch.no_grad():
+        got = fast(ids, attention_mask=mask).last_hidden_state
+        want = model(ids, attention_mask=mask).last_hidden_state
+    folded, rep = folded_sites(fast)
+    assert folded == [True, True], str(rep)
+    assert rel_err(got, want) < 1e-4
