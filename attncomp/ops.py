@@ -5,7 +5,8 @@ Schema::
     attncomp::attention(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor? q_aux,
                         Tensor? k_aux, Tensor? block_pattern, Tensor? q_pos, Tensor? k_pos,
                         Tensor? q_seg, Tensor? k_seg, Tensor? q_valid, Tensor? k_valid,
-                        str spec, float dropout_p, int seed) -> (Tensor out, Tensor lse)
+                        str spec, float dropout_p, int seed, Tensor? alibi_slopes=None,
+                        Tensor? rel_table=None, Tensor? sinks=None) -> (Tensor out, Tensor lse)
 
 ``spec`` is the canonical JSON of an :class:`~attncomp.spec.AttentionSpec`. ``q_aux``/``k_aux``
 are the policy's per-token tensors (hash buckets or keep masks). Both may be left out (compiled
@@ -17,6 +18,11 @@ does it itself; for every other one the op calls :func:`materialize_aux` first. 
 point :func:`attention` draws keep masks before the call (``draw_seed``) and passes them. ``lse``
 is the float32 log-sum-exp of the kept logits per query row (``-inf`` for a row with no kept key);
 backends use it for the backward.
+``alibi_slopes``/``rel_table``/``sinks`` are the tensors of the score modifiers of DESIGN.md §4.2
+(see :class:`~attncomp.spec.Modifiers`), present iff the spec names the modifier; last and optional, so
+graphs built before them still call the op. Backends receive them as one ``mods`` keyword argument and
+return their gradients from the backward (``attncomp::attention_backward_mods``, which the op's autograd
+records for specs with modifiers; ``sinks`` and ``rel_table`` are learnable, and so may the slopes be).
 ``q_pos``..``k_valid`` are the structured-mask predicates of DESIGN.md §4.1 (see
 :class:`~attncomp.spec.Predicates`); backends receive them as one ``preds`` keyword argument.
 :data:`ARG_INDEX` gives each argument's position, for passes that build or read op nodes.
@@ -46,18 +52,20 @@ import torch
 from torch import Tensor
 
 from .policy import Drop, Hash, SPION, ceil_div, keep_mask, lsh_buckets, seed_mix
-from .spec import AttentionSpec, Predicates
+from .spec import AttentionSpec, Modifiers, Predicates
 
 __all__ = ["attention", "check_inputs", "check_predicates", "materialize_aux", "bucket_range", "site_dropout",
-           "next_seed", "training_mode", "ARG_INDEX", "PRED_NAMES"]
+           "next_seed", "training_mode", "ARG_INDEX", "PRED_NAMES", "MOD_NAMES", "check_modifiers"]
 
 log = logging.getLogger(__name__)
 
 #: the predicate tensors, in op-argument order (the fields of :class:`~attncomp.spec.Predicates`)
 PRED_NAMES = Predicates._fields
+#: the score modifiers' tensors, in op-argument order (the fields of :class:`~attncomp.spec.Modifiers`)
+MOD_NAMES = Modifiers._fields
 #: position of each argument of ``attncomp::attention``
 ARG_INDEX = {n: i for i, n in enumerate(("q", "k", "v", "attn_mask", "q_aux", "k_aux", "block_pattern")
-                                        + PRED_NAMES + ("spec", "dropout_p", "seed"))}
+                                        + PRED_NAMES + ("spec", "dropout_p", "seed") + MOD_NAMES)}
 
 
 def _debug() -> bool:
@@ -173,6 +181,26 @@ def check_predicates(preds: Predicates, B, Nq, Nk, device=None) -> None:
             raise ValueError(f"{nm} must have shape ({B} or 1, {n}), got {shp}")
         if device is not None and t.device != device:
             raise ValueError(f"{nm} is on {t.device}, q on {device}: predicate tensors must be on q's device")
+
+
+def check_modifiers(spec: AttentionSpec, mods: Optional[Modifiers], Hq) -> None:
+    """The score modifiers' tensors against the spec (DESIGN.md §4.2): each present iff the spec names its
+    modifier; ``alibi_slopes``/``sinks`` float ``(Hq,)``, ``rel_table`` float ``(rel_buckets, Hq)``."""
+    mods = mods if mods is not None else Modifiers()
+    want = {"alibi_slopes": spec.alibi, "rel_table": spec.rel_buckets is not None, "sinks": spec.sinks}
+    for nm, t in zip(MOD_NAMES, mods):
+        if want[nm] != (t is not None):
+            what = {"alibi_slopes": "ALiBi", "rel_table": "a relative-position bias", "sinks": "attention sinks"}[nm]
+            raise ValueError(f"{nm} is given but the spec has no {what}" if t is not None
+                             else f"the spec has {what} but no {nm} was given")
+        if t is None:
+            continue
+        shape = (spec.rel_buckets, Hq) if nm == "rel_table" else (Hq,)
+        if not isinstance(t, Tensor) or not t.is_floating_point():
+            raise ValueError(f"{nm} must be a float tensor of shape {shape}, got "
+                             f"{getattr(t, 'dtype', type(t).__name__)}")
+        if _shape(t) != tuple(shape):
+            raise ValueError(f"{nm} must have shape {tuple(shape)}, got {_shape(t)}")
 
 
 def _check_token(t, name: str, shape, kind: str) -> None:
@@ -413,10 +441,15 @@ def _attention_impl(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor]
                     k_aux: Optional[Tensor], block_pattern: Optional[Tensor], q_pos: Optional[Tensor],
                     k_pos: Optional[Tensor], q_seg: Optional[Tensor], k_seg: Optional[Tensor],
                     q_valid: Optional[Tensor], k_valid: Optional[Tensor], spec: str, dropout_p: float,
-                    seed: int) -> Tuple[Tensor, Tensor]:
+                    seed: int, alibi_slopes: Optional[Tensor] = None, rel_table: Optional[Tensor] = None,
+                    sinks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     key = state = None
     aux = q_aux is not None or k_aux is not None  # (policy tensors: only plans that take them, see below)
-    if block_pattern is None and q_pos is None and k_pos is None and q_seg is None and k_seg is None:
+    mods = None
+    if alibi_slopes is not None or rel_table is not None or sinks is not None:
+        # no launch plan takes modifier tensors: such calls take the full path
+        mods = Modifiers(alibi_slopes, rel_table, sinks)
+    elif block_pattern is None and q_pos is None and k_pos is None and q_seg is None and k_seg is None:
         if _CALLS:  # (no key is built while no backend has given a plan: the reference alone, say)
             key = _call_key(spec, q, k, v, attn_mask, q_valid, k_valid, dropout_p, seed, q_aux, k_aux)
             plan = _CALLS.get(key)
@@ -431,6 +464,11 @@ def _attention_impl(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor]
     be = _backend_for(s, q, k, v, preds, dropout_p, attn_mask)
     if q_aux is None or k_aux is None:
         q_aux, k_aux = _derive_aux(s, be, q, k, q_aux, k_aux, seed)
+    if mods is not None or s.modifiers():
+        check_modifiers(s, mods, q.shape[1])
+        out, lse = be.forward(s, q, k, v, attn_mask, q_aux, k_aux, block_pattern, dropout_p, seed, mods=mods,
+                              **_pkw(preds))
+        return _laid_out(out), lse
     out, lse = be.forward(s, q, k, v, attn_mask, q_aux, k_aux, block_pattern, dropout_p, seed, **_pkw(preds))
     out = _laid_out(out)
     if state is not None:
@@ -450,7 +488,7 @@ _attention_op = torch.library.custom_op("attncomp::attention", mutates_args=())(
 
 @_attention_op.register_fake
 def _(q, k, v, attn_mask, q_aux, k_aux, block_pattern, q_pos, k_pos, q_seg, k_seg, q_valid, k_valid, spec,
-      dropout_p, seed):
+      dropout_p, seed, alibi_slopes=None, rel_table=None, sinks=None):
     B, Hq, Nq, _ = q.shape
     out = output_like(q, v.shape[-1])
     lse = q.new_empty((B, Hq, Nq), dtype=torch.float32)
@@ -533,30 +571,79 @@ def _(grad_out, q, k, v, attn_mask, q_aux, k_aux, block_pattern, q_pos, k_pos, q
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dm
 
 
+def _attention_backward_mods_impl(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
+                                  q_aux: Optional[Tensor], k_aux: Optional[Tensor], block_pattern: Optional[Tensor],
+                                  q_pos: Optional[Tensor], k_pos: Optional[Tensor], q_seg: Optional[Tensor],
+                                  k_seg: Optional[Tensor], q_valid: Optional[Tensor], k_valid: Optional[Tensor],
+                                  out: Tensor, lse: Tensor, spec: str, dropout_p: float, seed: int,
+                                  need_mask_grad: bool, alibi_slopes: Optional[Tensor], rel_table: Optional[Tensor],
+                                  sinks: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                                                                    Tensor]:
+    """The backward of a site with score modifiers: ``(dq, dk, dv, dmask, dslopes, dtable, dsinks)``,
+    an empty tensor for each one that has no gradient."""
+    s = _resolved(spec, q.dtype)
+    preds = _preds(q_pos, k_pos, q_seg, k_seg, q_valid, k_valid)
+    mods = Modifiers(alibi_slopes, rel_table, sinks)
+    be = _backend_for(s, q, k, v, preds, dropout_p, attn_mask)
+    if q_aux is None or k_aux is None:
+        q_aux, k_aux = _derive_aux(s, be, q, k, q_aux, k_aux, seed)
+    dq, dk, dv, dm, dmods = be.backward(s, q, k, v, attn_mask, q_aux, k_aux, block_pattern, dropout_p, seed, out,
+                                        lse, grad_out, need_mask_grad=need_mask_grad, mods=mods, **_pkw(preds))
+    dm = q.new_empty((0,)) if not need_mask_grad or dm is None else _reduce_to(dm, attn_mask.shape).to(attn_mask.dtype)
+    dmods = [q.new_empty((0,)) if g is None else g.contiguous() for g in dmods]
+    return (_layout_like(dq, q), _layout_like(dk, k), _layout_like(dv, v), dm) + tuple(dmods)
+
+
+_attention_backward_mods_op = torch.library.custom_op("attncomp::attention_backward_mods",
+                                                      mutates_args=())(_attention_backward_mods_impl)
+
+
+@_attention_backward_mods_op.register_fake
+def _(grad_out, q, k, v, attn_mask, q_aux, k_aux, block_pattern, q_pos, k_pos, q_seg, k_seg, q_valid, k_valid,
+      out, lse, spec, dropout_p, seed, need_mask_grad, alibi_slopes, rel_table, sinks):
+    dm = attn_mask.new_empty(attn_mask.shape) if need_mask_grad else q.new_empty((0,))
+    dmods = tuple(q.new_empty((0,)) if t is None else torch.empty_like(t) for t in (alibi_slopes, rel_table, sinks))
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dm) + dmods
+
+
 _N_TENSORS = ARG_INDEX["spec"]
+_N_MODS = len(MOD_NAMES)
 
 
 def _setup_context(ctx, inputs, output):
     tensors = inputs[:_N_TENSORS]
-    spec, dropout_p, seed = inputs[_N_TENSORS:]
+    spec, dropout_p, seed = inputs[_N_TENSORS:_N_TENSORS + 3]
+    mods = tuple(inputs[_N_TENSORS + 3:]) + (None,) * (_N_TENSORS + 3 + _N_MODS - len(inputs))
     out, lse = output
     attn_mask = tensors[3]
-    ctx.save_for_backward(*tensors, out, lse)
+    ctx.save_for_backward(*tensors, out, lse, *mods)
     ctx.spec, ctx.dropout_p, ctx.seed = spec, dropout_p, seed
     ctx.need_mask_grad = attn_mask is not None and attn_mask.is_floating_point() and attn_mask.requires_grad
+    # (soft-capping alone has no tensor: the spec decides which backward runs)
+    ctx.has_mods = any(t is not None for t in mods) or bool(_parsed(spec).modifiers())
 
 
 def _backward(ctx, grad_out, grad_lse):
     saved = ctx.saved_tensors
     tensors, out, lse = saved[:_N_TENSORS], saved[_N_TENSORS], saved[_N_TENSORS + 1]
+    mods = saved[_N_TENSORS + 2:]
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     q, k, v, attn_mask = tensors[:4]
     grad_out = grad_out.contiguous()
+    if ctx.has_mods:
+        traced = not _untraced((grad_out, out, lse) + tuple(tensors) + tuple(mods))
+        bw = _attention_backward_mods_op if traced else _attention_backward_mods_impl
+        dq, dk, dv, dm, *dmods = bw(grad_out, *tensors, out, lse, ctx.spec, ctx.dropout_p, ctx.seed,
+                                    ctx.need_mask_grad, *mods)
+        dmods = tuple(None if t is None or not t.requires_grad else g for g, t in zip(dmods, mods))
+        return ((dq, dk, dv, (dm if ctx.need_mask_grad else None)) + (None,) * (_N_TENSORS - 4 + 3)
+                + dmods)
     bw = _attention_backward_impl if _untraced((grad_out, out, lse) + tuple(tensors)) else _attention_backward_op
     dq, dk, dv, dm = bw(grad_out, *tensors, out, lse, ctx.spec, ctx.dropout_p, ctx.seed, ctx.need_mask_grad)
     # no gradient for the policy tensors, the predicates, or the spec/dropout/seed
-    return (dq, dk, dv, (dm if ctx.need_mask_grad else None)) + (None,) * (_N_TENSORS - 4 + 3)
+    return ((dq, dk, dv, (dm if ctx.need_mask_grad else None)) + (None,) * (_N_TENSORS - 4 + 3)
+            + (None,) * (len(saved) - _N_TENSORS - 2))
 
 
 _attention_op.register_autograd(_backward, setup_context=_setup_context)

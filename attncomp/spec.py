@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
@@ -19,7 +20,7 @@ from torch import Tensor
 
 from .policy import Dense, Policy, policy_from_json
 
-__all__ = ["AttentionSpec", "Predicates", "MASK_KINDS", "BACKENDS", "CAUSAL_ALIGNS"]
+__all__ = ["AttentionSpec", "Predicates", "Modifiers", "MASK_KINDS", "BACKENDS", "CAUSAL_ALIGNS", "rel_bucket"]
 
 MASK_KINDS = ("none", "bool", "float")
 CAUSAL_ALIGNS = ("top_left", "bottom_right")
@@ -81,6 +82,45 @@ class Predicates(NamedTuple):
 _NO_PREDS = Predicates()
 
 
+class Modifiers(NamedTuple):
+    """The tensors of the score modifiers (DESIGN.md §4.2), each optional, present iff the spec says so.
+
+    ``alibi_slopes (Hq,)`` float: ALiBi adds ``slope[h] * (k_pos[j] - q_pos[i])``; ``rel_table
+    (n_buckets, Hq)`` float, learnable: a relative-position bias ``table[bucket(k_pos[j] - q_pos[i]), h]``;
+    ``sinks (Hq,)`` float, learnable: each head's softmax denominator gains ``exp(sinks[h])``.
+    Backends receive them as one keyword argument ``mods`` (only when one is present)."""
+
+    alibi_slopes: Optional[Tensor] = None
+    rel_table: Optional[Tensor] = None
+    sinks: Optional[Tensor] = None
+
+    def any(self) -> bool:
+        return any(t is not None for t in self)
+
+
+def rel_bucket(rel: Tensor, n_buckets: int, max_distance: int, bidirectional: bool) -> Tensor:
+    """T5's bucket of a relative position ``rel = k_pos - q_pos`` (int tensor), as
+    ``T5Attention._relative_position_bucket`` computes it (MPNet's is the bidirectional case): exact
+    buckets for small distances, logarithmic ones up to ``max_distance``, the last bucket beyond; with
+    ``bidirectional`` half the buckets are for keys after the query. The float32 logarithm is the
+    model's own, so the buckets agree with it bit for bit."""
+    rel = rel.to(torch.int64)
+    out = torch.zeros_like(rel)
+    n = n_buckets
+    if bidirectional:
+        n //= 2
+        out = out + (rel > 0).to(torch.int64) * n
+        rel = rel.abs()
+    else:
+        rel = -torch.clamp(rel, max=0)
+    exact = n // 2
+    small = rel < exact
+    large = exact + (torch.log(rel.float() / exact) / math.log(max_distance / exact)
+                     * (n - exact)).to(torch.int64)
+    large = torch.clamp(large, max=n - 1)
+    return out + torch.where(small, rel, large)
+
+
 @dataclass(frozen=True)
 class AttentionSpec:
     """What one attention site computes (DESIGN.md §3-4).
@@ -102,6 +142,14 @@ class AttentionSpec:
     window_left: Optional[int] = None
     window_right: Optional[int] = None
     causal_align: str = "top_left"
+    # score modifiers (DESIGN.md §4.2), applied in this order to s = scale * q·k: ALiBi, the relative-position
+    # bias, soft-capping; then a float attn_mask is added, the policy decides, predicates apply
+    softcap: Optional[float] = None
+    alibi: bool = False
+    rel_buckets: Optional[int] = None
+    rel_max_distance: Optional[int] = None
+    rel_bidirectional: bool = True
+    sinks: bool = False
 
     def __post_init__(self):
         if self.mask_kind not in MASK_KINDS:
@@ -124,6 +172,56 @@ class AttentionSpec:
                              "q_pos - left <= k_pos <= q_pos + right needs left + right >= 0")
         if self.causal_align not in CAUSAL_ALIGNS:
             raise ValueError(f"causal_align must be one of {CAUSAL_ALIGNS}, got {self.causal_align!r}")
+        if self.softcap is not None and (isinstance(self.softcap, bool) or not isinstance(self.softcap, (int, float))
+                                         or not self.softcap > 0 or math.isinf(self.softcap)):
+            raise ValueError(f"softcap must be a positive finite number or None, got {self.softcap!r}")
+        if self.rel_buckets is not None:
+            nb, md = self.rel_buckets, self.rel_max_distance
+            if isinstance(nb, bool) or not isinstance(nb, int) or nb < (4 if self.rel_bidirectional else 2):
+                raise ValueError(f"rel_buckets must be an int >= {4 if self.rel_bidirectional else 2}, got {nb!r}")
+            exact = (nb // 2 if self.rel_bidirectional else nb) // 2
+            if isinstance(md, bool) or not isinstance(md, int) or md <= exact:
+                raise ValueError(f"rel_max_distance must be an int > {exact} (the exact buckets), got {md!r}")
+        elif self.rel_max_distance is not None:
+            raise ValueError("rel_max_distance is given without rel_buckets")
+
+    # -- score modifiers -----------------------------------------------------------------------
+    def modifiers(self) -> tuple:
+        """Names of the score modifiers present, in the order they apply: ``alibi``,
+        ``relative bias``, ``softcap``, ``sinks``."""
+        out = []
+        if self.alibi:
+            out.append("alibi")
+        if self.rel_buckets is not None:
+            out.append("relative bias")
+        if self.softcap is not None:
+            out.append("softcap")
+        if self.sinks:
+            out.append("sinks")
+        return tuple(out)
+
+    def modifiers_missing(self, supported, backend: str) -> Optional[str]:
+        """The reason a backend that applies only the modifiers ``supported`` cannot run this spec, or
+        None (backends' ``supports`` return it, so dispatch picks one that applies them all)."""
+        missing = [m for m in self.modifiers() if m not in supported]
+        if not missing:
+            return None
+        return (f"score modifier{'s' if len(missing) > 1 else ''} {', '.join(missing)} not applied by the "
+                f"{backend} backend" + (f" (it applies: {', '.join(supported)})" if supported else ""))
+
+    def describe_modifiers(self) -> str:
+        """The score modifiers in words, with their constants (empty when there are none)."""
+        bits = []
+        if self.alibi:
+            bits.append("alibi")
+        if self.rel_buckets is not None:
+            bits.append(f"relative bias({self.rel_buckets} buckets, max distance {self.rel_max_distance}"
+                        + (", bidirectional)" if self.rel_bidirectional else ", causal)"))
+        if self.softcap is not None:
+            bits.append(f"softcap={self.softcap:g}")
+        if self.sinks:
+            bits.append("sinks")
+        return ", ".join(bits)
 
     # -- the position bound: causal and the window together -----------------------------------
     def bounds(self) -> tuple:
@@ -170,6 +268,8 @@ class AttentionSpec:
             bits.extend(preds.kinds())
         if self.mask_kind != "none":
             bits.append(f"{self.mask_kind} mask")
+        if self.modifiers():
+            bits.append(self.describe_modifiers())
         if self.scale is not None:
             bits.append(f"scale={self.scale:.4g}")
         if self.dropout_p:
@@ -179,11 +279,20 @@ class AttentionSpec:
         return ", ".join(bits)
 
 
+_MODIFIER_DEFAULTS = {"softcap": None, "alibi": False, "rel_buckets": None, "rel_max_distance": None,
+                      "rel_bidirectional": True, "sinks": False}
+
+
 @functools.lru_cache(maxsize=4096)
 def _spec_to_json(spec: AttentionSpec) -> str:
     # cached: the op's host path serialises its spec on every call
     d = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
     d["policy"] = spec.policy.to_json()
+    # modifier fields at their defaults are left out: a spec without modifiers keeps the JSON (and the
+    # digests, cache keys and packages built from it) it had before they existed
+    for nm, default in _MODIFIER_DEFAULTS.items():
+        if d[nm] == default:
+            del d[nm]
     return json.dumps(d, sort_keys=True, separators=(",", ":"))
 
 

@@ -24,7 +24,8 @@ F64 = torch.float64
 
 SCHEMA = ("attncomp::attention(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor? q_aux, Tensor? k_aux, "
           "Tensor? block_pattern, Tensor? q_pos, Tensor? k_pos, Tensor? q_seg, Tensor? k_seg, Tensor? q_valid, "
-          "Tensor? k_valid, str spec, float dropout_p, SymInt seed) -> (Tensor, Tensor)")
+          "Tensor? k_valid, str spec, float dropout_p, SymInt seed, Tensor? alibi_slopes=None, "
+          "Tensor? rel_table=None, Tensor? sinks=None) -> (Tensor, Tensor)")
 
 
 def test_schema_is_the_agreed_one():

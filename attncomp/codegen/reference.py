@@ -13,7 +13,13 @@ Rules implemented here (one place, so every backend is checked against the same 
   ``q_valid[i]``, all combined with AND;
 * kept: allowed, and the policy's rule (N:M per group of ``m`` keys with lower-index ties, bucket
   equality, keep masks, block pattern with diagonal blocks);
-* ``out = softmax(kept logits) @ v``; a row with no kept key gives zeros and ``lse = -inf``;
+* score modifiers (DESIGN.md §4.2, :func:`modified_logits`), on ``s = scale * q·k`` in this order:
+  ALiBi ``+ slope[h] * (k_pos[j] - q_pos[i])``, the relative-position bias ``+ table[bucket(k_pos[j] -
+  q_pos[i]), h]``, soft-capping ``cap * tanh(s / cap)``; then the float mask is added, the policy decides
+  on the result, the predicates apply; positions are the predicates' (default ``arange`` as above);
+* ``out = softmax(kept logits) @ v``; a row with no kept key gives zeros and ``lse = -inf``; with
+  attention sinks the denominator gains ``exp(sink[h])`` (``lse`` includes it: a row with no kept key
+  has ``lse = sink[h]``, and still outputs zeros);
 * dropout (when ``dropout_p > 0``) zeroes probabilities where ``uniform_hash(seed, idx) < dropout_p``,
   ``idx`` the row-major index in ``(B, Hq, Nq, Nk)``, and scales the rest by ``1/(1-p)``.
 """
@@ -27,9 +33,9 @@ from typing import Optional, Tuple
 import torch
 
 from ..policy import DFSS, Drop, Hash, SPION, uniform_hash
-from ..spec import AttentionSpec, Predicates
+from ..spec import AttentionSpec, Modifiers, Predicates, rel_bucket
 
-__all__ = ["attention", "keep_mask", "logits", "dropout_keep", "predicate_mask", "default_positions", "tracing"]
+__all__ = ["attention", "keep_mask", "logits", "modified_logits", "modifier_bias", "dropout_keep", "predicate_mask", "default_positions", "tracing"]
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -122,15 +128,58 @@ def predicate_mask(spec: AttentionSpec, nq: int, nk: int, device, preds: Optiona
     return allowed
 
 
-def logits(spec: AttentionSpec, q, k, attn_mask=None, preds: Optional[Predicates] = None
-           ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Return ``(s, allowed)``: float logits ``(B, Hq, Nq, Nk)`` and the bool allowed mask."""
+def modifier_bias(spec: AttentionSpec, nq: int, nk: int, device, dtype, preds: Optional[Predicates] = None,
+                  mods: Optional[Modifiers] = None) -> Optional[torch.Tensor]:
+    """The additive modifiers of ``spec`` (ALiBi and the relative-position bias) as one float
+    ``(B or 1, Hq, Nq, Nk)`` tensor in ``dtype``, or None when the spec has neither. Differentiable in
+    the slopes and the table. Used by the reference and by compile-time checks of recognised modifiers."""
+    if not spec.alibi and spec.rel_buckets is None:
+        return None
+    mods = mods if mods is not None else Modifiers()
+    preds = preds if preds is not None else Predicates.none()
+    dq, dk = default_positions(spec, nq, nk, device)
+    qp = (preds.q_pos if preds.q_pos is not None else dq).to(device=device, dtype=torch.int64)
+    kp = (preds.k_pos if preds.k_pos is not None else dk).to(device=device, dtype=torch.int64)
+    rel = kp[:, None, None, :] - qp[:, None, :, None]  # (B or 1, 1, Nq, Nk)
+    bias = None
+    if spec.alibi:
+        if mods.alibi_slopes is None:
+            raise ValueError("the spec has ALiBi but no alibi_slopes were given")
+        bias = mods.alibi_slopes.to(device=device, dtype=dtype).reshape(1, -1, 1, 1) * rel.to(dtype)
+    if spec.rel_buckets is not None:
+        if mods.rel_table is None:
+            raise ValueError("the spec has a relative-position bias but no rel_table was given")
+        b = rel_bucket(rel[:, 0], spec.rel_buckets, spec.rel_max_distance, spec.rel_bidirectional)
+        rb = mods.rel_table.to(device=device, dtype=dtype)[b]  # (B or 1, Nq, Nk, Hq)
+        rb = rb.permute(0, 3, 1, 2)
+        bias = rb if bias is None else bias + rb
+    return bias
+
+
+def modified_logits(spec: AttentionSpec, s: torch.Tensor, preds: Optional[Predicates] = None,
+                    mods: Optional[Modifiers] = None) -> torch.Tensor:
+    """``s = scale * q·k`` ``(B, Hq, Nq, Nk)`` with the spec's score modifiers applied, in their order
+    (module docstring); sinks are not a logit of any key and are left to the softmax."""
+    bias = modifier_bias(spec, s.shape[-2], s.shape[-1], s.device, s.dtype, preds, mods)
+    if bias is not None:
+        s = s + bias
+    if spec.softcap is not None:
+        c = float(spec.softcap)
+        s = torch.tanh(s / c) * c
+    return s
+
+
+def logits(spec: AttentionSpec, q, k, attn_mask=None, preds: Optional[Predicates] = None,
+           mods: Optional[Modifiers] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Return ``(s, allowed)``: float logits ``(B, Hq, Nq, Nk)`` (score modifiers applied, the float
+    mask added) and the bool allowed mask."""
     ct = _compute_dtype(q.dtype)
     B, Hq, Nq, D = q.shape
     Nk = k.shape[2]
     scale = spec.scale if spec.scale is not None else 1.0 / math.sqrt(D)
     kk = _expand_kv(k, Hq).to(ct)
     s = torch.matmul(q.to(ct), kk.transpose(-1, -2)) * scale
+    s = modified_logits(spec, s, preds, mods)
     allowed = torch.ones((1, 1, Nq, Nk), dtype=torch.bool, device=q.device)
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
@@ -216,21 +265,40 @@ def attention(
     dropout_p: float = 0.0,
     seed: int = 0,
     preds: Optional[Predicates] = None,
+    mods: Optional[Modifiers] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Exact attention under ``spec``; returns ``(out, lse)``, ``lse`` float32 ``(B, Hq, Nq)``.
 
-    Differentiable with ordinary autograd (the op's reference backward recomputes through it).
+    Differentiable with ordinary autograd (the op's reference backward recomputes through it), in the
+    modifier tensors ``mods`` too.
     """
     if spec.policy.name == "dfss" and spec.dtype is None:
         spec = spec.replace(dtype=str(q.dtype).replace("torch.", ""))
-    s, allowed = logits(spec, q, k, attn_mask, preds)
+    s, allowed = logits(spec, q, k, attn_mask, preds, mods)
     keep = keep_mask(spec, s, allowed, q_aux, k_aux, block_pattern)
     ninf = torch.full_like(s, float("-inf"))
     sk = torch.where(keep, s, ninf)
     m = sk.amax(dim=-1, keepdim=True)
+    sink = None
+    if spec.sinks:
+        if mods is None or mods.sinks is None:
+            raise ValueError("the spec has attention sinks but no sinks were given")
+        sink = mods.sinks.to(device=s.device, dtype=s.dtype).reshape(1, -1, 1, 1)
+        m = torch.maximum(m, sink.expand_as(m))
     m = torch.where(torch.isneginf(m), torch.zeros_like(m), m).detach()
     p = torch.where(keep, torch.exp(sk - m), torch.zeros_like(s))
     l = p.sum(dim=-1, keepdim=True)
+    if sink is not None:
+        # the sink joins the denominator and attends to nothing: a row with no kept key still sums to 0
+        ls = torch.exp(sink - m)
+        lse = m + torch.log(l + ls)
+        p = p / (l + ls)
+        vv = _expand_kv(v, q.shape[1]).to(p.dtype)
+        if dropout_p > 0.0:
+            dk = dropout_keep(seed, dropout_p, p.shape, p.device)
+            p = torch.where(dk, p / (1.0 - dropout_p), torch.zeros_like(p))
+        out = torch.matmul(p, vv).to(q.dtype)
+        return out, lse.squeeze(-1).to(torch.float32)
     safe_l = torch.where(l > 0, l, torch.ones_like(l))
     p = p / safe_l
     if dropout_p > 0.0:
@@ -247,12 +315,47 @@ def _sum_groups(x: torch.Tensor, hk: int) -> torch.Tensor:
     return x if H == hk else x.view(B, hk, H // hk, N, D).sum(2)
 
 
+def attention_backward_mods(q, k, v, attn_mask, grad_out, *, spec: AttentionSpec, mods: Modifiers, q_aux=None,
+                            k_aux=None, block_pattern=None, dropout_p: float = 0.0, seed: int = 0,
+                            need_mask_grad: bool = False, preds: Optional[Predicates] = None):
+    """Gradients of :func:`attention` for a spec with score modifiers, by autograd through it (the
+    policy's selection held fixed, as in :func:`attention_backward`). Returns ``(dq, dk, dv, dbias | None,
+    dmods)``, ``dmods`` a :class:`Modifiers` of the gradients of the slopes, the table and the sinks
+    (None where absent); ``dbias`` has the mask's shape."""
+    ct = _compute_dtype(q.dtype)
+    leaves = [t.detach().to(ct).requires_grad_(True) for t in (q, k, v)]
+    mask = attn_mask
+    if need_mask_grad and attn_mask is not None:
+        mask = attn_mask.detach().to(ct).requires_grad_(True)
+        leaves.append(mask)
+    mt = [None if t is None else t.detach().to(ct).requires_grad_(True) for t in mods]
+    with torch.enable_grad():
+        out, _ = attention(*leaves[:3], mask, spec=spec.replace(dtype=spec.dtype or dtype_name_of(q)),
+                           q_aux=q_aux, k_aux=k_aux, block_pattern=block_pattern, dropout_p=dropout_p, seed=seed,
+                           preds=preds, mods=Modifiers(*mt))
+        inputs = leaves + [t for t in mt if t is not None]
+        grads = torch.autograd.grad(out, inputs, grad_out.to(out.dtype), allow_unused=True)
+    grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, inputs)]
+    dq, dk, dv = (g.to(t.dtype) for g, t in zip(grads[:3], (q, k, v)))
+    dm = grads[3] if len(leaves) == 4 else None
+    it = iter(grads[len(leaves):])
+    dmods = Modifiers(*(None if t is None else next(it).to(t.dtype) for t in mods))
+    return dq, dk, dv, dm, dmods
+
+
+def dtype_name_of(t: torch.Tensor) -> str:
+    return str(t.dtype).replace("torch.", "")
+
+
 def attention_backward(q, k, v, attn_mask, grad_out, *, spec: AttentionSpec, q_aux=None, k_aux=None,
                        block_pattern=None, dropout_p: float = 0.0, seed: int = 0, need_mask_grad: bool = False,
                        preds: Optional[Predicates] = None):
     """Analytic gradients of :func:`attention` (the policy's selection is held fixed, so gradients
     flow only through kept entries). Returns ``(dq, dk, dv, dbias | None)``; ``dbias`` has the full
-    ``(B, Hq, Nq, Nk)`` shape."""
+    ``(B, Hq, Nq, Nk)`` shape. Specs with score modifiers: :func:`attention_backward_mods`."""
+    if spec.modifiers():
+        raise ValueError(f"a spec with score modifiers ({spec.describe_modifiers()}) takes "
+                         "attention_backward_mods and its modifier tensors")
     if spec.policy.name == "dfss" and spec.dtype is None:
         spec = spec.replace(dtype=str(q.dtype).replace("torch.", ""))
     D = q.shape[-1]
@@ -292,13 +395,24 @@ class ReferenceBackend:
     def supports(self, spec: AttentionSpec, q: torch.Tensor, preds: Optional[Predicates] = None) -> Optional[str]:
         return None
 
-    def forward(self, spec, q, k, v, attn_mask, q_aux, k_aux, block_pattern, dropout_p, seed, preds=None):
+    #: applies every score modifier of DESIGN.md §4.2 (forward and backward)
+    modifiers = ("alibi", "relative bias", "softcap", "sinks")
+
+    def forward(self, spec, q, k, v, attn_mask, q_aux, k_aux, block_pattern, dropout_p, seed, preds=None,
+                mods=None):
         with torch.no_grad():
             return attention(q, k, v, attn_mask, spec=spec, q_aux=q_aux, k_aux=k_aux,
-                             block_pattern=block_pattern, dropout_p=dropout_p, seed=seed, preds=preds)
+                             block_pattern=block_pattern, dropout_p=dropout_p, seed=seed, preds=preds, mods=mods)
 
     def backward(self, spec, q, k, v, attn_mask, q_aux, k_aux, block_pattern, dropout_p, seed,
-                 out, lse, grad_out, need_mask_grad=False, preds=None):
+                 out, lse, grad_out, need_mask_grad=False, preds=None, mods=None):
+        """``(dq, dk, dv, dmask | None)``; with ``mods`` (a spec with score modifiers) a fifth element,
+        the :class:`Modifiers` of their gradients."""
+        if spec.modifiers():
+            return attention_backward_mods(q, k, v, attn_mask, grad_out, spec=spec, mods=mods or Modifiers(),
+                                           q_aux=q_aux, k_aux=k_aux, block_pattern=block_pattern,
+                                           dropout_p=dropout_p, seed=seed, need_mask_grad=need_mask_grad,
+                                           preds=preds)
         return attention_backward(q, k, v, attn_mask, grad_out, spec=spec, q_aux=q_aux, k_aux=k_aux,
                                   block_pattern=block_pattern, dropout_p=dropout_p, seed=seed,
                                   need_mask_grad=need_mask_grad, preds=preds)

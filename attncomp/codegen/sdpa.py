@@ -159,10 +159,16 @@ class SdpaBackend:
     """``torch.nn.functional.scaled_dot_product_attention``'s kernels, with attncomp's (out, lse) contract."""
 
     name = "sdpa"
+    #: the score modifiers (DESIGN.md §4.2) its kernels apply: none yet (the reference applies them all)
+    modifiers: tuple = ()
 
     def supports(self, spec: AttentionSpec, q: Tensor, preds: Optional[Predicates] = None) -> Optional[str]:
         if not keeps_all(spec):
             return f"policy {spec.policy.name!r} does not keep every allowed entry (SDPA runs dense and et)"
+        if spec.modifiers():
+            reason = spec.modifiers_missing(self.modifiers, "SDPA")
+            if reason is not None:
+                return reason
         if q.dtype not in (_CUDA_DTYPES if q.is_cuda else _DTYPES):
             return f"dtype {q.dtype} not supported"
         if q.device.type not in ("cpu", "cuda"):

@@ -1311,6 +1311,8 @@ class TritonBackend:
     """Fused Triton kernels (forward and backward) of the one template for every policy and predicate."""
 
     name = "triton"
+    #: the score modifiers (DESIGN.md §4.2) its kernels apply: none yet (the reference applies them all)
+    modifiers: tuple = ()
     #: handed no hash buckets (compiled graphs pass none), the kernels derive them fused with the sort
     #: (:func:`.layout.derive_layout`); the backward of the call reuses that layout (or derives it again
     #: when it is gone); the op derives buckets for other backends
@@ -1320,6 +1322,10 @@ class TritonBackend:
         pol = spec.policy.name
         if pol not in _POLICIES:
             return f"policy {pol!r} has no Triton kernel (Triton runs: {', '.join(sorted(_POLICIES))})"
+        if spec.modifiers():
+            reason = spec.modifiers_missing(self.modifiers, "Triton")
+            if reason is not None:
+                return reason
         if not (q.is_cuda or configs.interpret_mode()):
             return f"needs CUDA tensors (got {q.device.type}; TRITON_INTERPRET=1 runs it on the CPU)"
         if q.dtype not in _DTYPES:

@@ -443,11 +443,17 @@ class TVMBackend:
     every policy, forward and backward."""
 
     name = "tvm"
+    #: the score modifiers (DESIGN.md §4.2) its kernels apply: none yet (the reference applies them all)
+    modifiers: tuple = ()
 
     def supports(self, spec: AttentionSpec, q: torch.Tensor, preds=None) -> Optional[str]:
         pol = spec.policy.name
         if pol not in _POLICIES:
             return f"policy {pol!r} has no TVM kernel (TVM runs: {', '.join(_POLICIES)})"
+        if spec.modifiers():
+            reason = spec.modifiers_missing(self.modifiers, "TVM")
+            if reason is not None:
+                return reason
         if q.device.type == "cuda":
             from ...runtime.cubin import cuda_bindings_available
 
