@@ -66,6 +66,8 @@ def _mutates(node: fx.Node) -> bool:
     schema = getattr(t, "_schema", None)
     if schema is not None:
         return bool(schema.is_mutable)
+    if getattr(t, "__module__", None) in ("_operator", "operator"):
+        return False  # and_, or_, not_: named with a trailing underscore, pure
     name = getattr(t, "__name__", "")
     return name.endswith("_") and not name.startswith("_")
 
