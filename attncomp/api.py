@@ -141,7 +141,8 @@ class _GraphCompiler:
         inference = self._inference(example_inputs)
         where = "Inductor around the op" if self.inductor else "no Inductor (ATTNCOMP_INDUCTOR=0 / inductor=False)"
         ctx = CompileContext(policy=self.policy, backend=self.backend, inference=inference,
-                             capture=f"{self.capture_name}; {where}", cuda_graphs=self._cuda_graphs())
+                             capture=f"{self.capture_name}; {where}", cuda_graphs=self._cuda_graphs(),
+                             example_inputs=_real_inputs(gm, example_inputs))
         _propagate_fake(gm, example_inputs)
         frozen = _freeze_parameters(gm, example_inputs) if inference else 0
         _constant_mask_buffers(gm, example_inputs)
@@ -239,6 +240,18 @@ class _GraphCompiler:
                              f"{STORM} times, then runs it without attncomp); last failed guard: "
                              f"{' '.join(fails[-1].split())[:300] if fails else 'unknown'}")
         return rep
+
+
+def _real_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Optional[Dict[str, Any]]:
+    """The example inputs by placeholder name when they are real values (dynamo hands real tensors to
+    its backends; fake ones carry no data)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    ins = list(example_inputs)
+    placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(ins) or any(isinstance(t, torch.Tensor) and is_fake(t) for t in ins):
+        return None
+    return dict(zip(placeholders, ins))
 
 
 def _name_new_constants(gm: fx.GraphModule) -> None:

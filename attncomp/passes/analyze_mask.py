@@ -40,7 +40,11 @@ shape metadata (``val``, ``example_value`` or ``tensor_meta``); without it the m
 Guarantees: the rewritten op allows exactly the entries the original mask allowed (float masks: values
 ``<= -1e4`` count as excluded, as :mod:`.match_attention` counts fills); predicate tensors are O(N)
 values computed in the graph from the vectors the mask was built from, so the N x N mask nodes become
-dead and are removed; a site whose mask cannot be analysed is left unchanged. Each site's report gets a
+dead and are removed; a site whose mask cannot be analysed is left unchanged. Under the dynamo capture
+the derivation is also checked on the values of the call being compiled (DESIGN §7): the predicates and
+bias, evaluated from the graph's inputs, must allow exactly the entries the graph's own mask allows (and
+add the same bias there); otherwise the mask stays materialised and the report says where they differ.
+Each site's report gets a
 ``mask`` entry: the predicates in words (``causal``, ``causal (bottom-right)``, ``window(left, right)``,
 ``documents``, ``padding``), followed by ``materialised mask: <why>`` for a residual.
 """
@@ -1367,6 +1371,7 @@ def analyze_mask(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
         if not has_preds:
             rep.details["mask"] = "materialised mask: the op takes no predicate arguments"
             continue
+        before = node.args
         try:
             words = _rewrite(gm, node, idx, res, ev)
         except Exception as e:   # the op is only changed at the end of _rewrite: it is intact here
@@ -1376,11 +1381,104 @@ def analyze_mask(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
             ctx.count("analyze_mask", "materialised")
             modified = True   # nodes emitted before the failure are dead: let the pipeline remove them
             continue
+        modified = True
+        why = _disagreement(gm, node, idx, before, ctx.example_inputs)
+        if why is not None:
+            node.args = before
+            rep.details["mask"] = f"materialised mask: the derived predicates ({words}) {why}"
+            ctx.count("analyze_mask", "disagreed")
+            continue
         rep.details["mask"] = words
         set_spec(node, spec_of(node), rep)
         ctx.count("analyze_mask", "rewritten")
-        modified = True
     return PassResult(gm, modified)
+
+
+def _evaluate(gm: fx.GraphModule, targets: List[fx.Node], inputs: Dict[str, Any]) -> Optional[Dict[fx.Node, Any]]:
+    """The values of ``targets`` on the example inputs: only their ancestors run (for a mask: position
+    vectors, the padding mask, comparisons; no layer), on copies of the inputs. None when an ancestor is
+    a placeholder without a value."""
+    need, todo = set(), list(targets)
+    while todo:
+        n = todo.pop()
+        if n not in need:
+            need.add(n)
+            todo.extend(n.all_input_nodes)
+    interp = fx.Interpreter(gm)
+    with torch.no_grad():
+        for n in gm.graph.nodes:
+            if n not in need:
+                continue
+            if n.op == "placeholder":
+                if n.name not in inputs:
+                    return None
+                v = inputs[n.name]
+                interp.env[n] = v.clone() if isinstance(v, torch.Tensor) else v
+            else:
+                interp.env[n] = interp.run_node(n)
+    return interp.env
+
+
+def _allowed(spec, mask, preds, nq: int, nk: int) -> Optional[torch.Tensor]:
+    """The bool ``(B or 1, H or 1, Nq, Nk)`` entries a site may attend to (float masks: above ``-1e4``)."""
+    from ..codegen.reference import predicate_mask
+
+    device = mask.device if isinstance(mask, torch.Tensor) else torch.device("cpu")
+    a = predicate_mask(spec, nq, nk, device, preds)
+    if isinstance(mask, torch.Tensor):
+        m = mask if mask.dtype == torch.bool else mask > _FILL_MAX
+        m = m.reshape((1,) * (4 - m.dim()) + tuple(m.shape)) if m.dim() < 4 else m
+        a = m if a is None else a & m
+    return a
+
+
+def _disagreement(gm: fx.GraphModule, node: fx.Node, idx: Dict[str, int], before: tuple,
+                  inputs: Optional[Dict[str, Any]]) -> Optional[str]:
+    """DESIGN §7: the predicates (and bias) derived for ``node`` against the mask the graph computes,
+    both evaluated on the example inputs of this compile; a sentence saying how they differ, or None
+    (they agree, or there are no example values to evaluate them on)."""
+    from ..spec import AttentionSpec, Predicates
+
+    if not inputs:
+        return None
+    q, k = node.args[idx["q"]], node.args[idx["k"]]
+    nq, nk = (_static_len(x) for x in (q, k))
+    if nq is None or nk is None:
+        shapes = [meta_shape(x) for x in (q, k)]
+        hints = [getattr(getattr(s[-2], "node", None), "hint", None) if s else None for s in shapes]
+        if not all(isinstance(h, int) for h in hints):
+            return None
+        nq, nk = hints
+    olds = {nm: before[idx[nm]] if idx[nm] < len(before) else None for nm in ("attn_mask",) + _PRED_NAMES}
+    news = {nm: node.args[idx[nm]] for nm in ("attn_mask",) + _PRED_NAMES}
+    nodes = [v for v in list(olds.values()) + list(news.values()) if isinstance(v, fx.Node)]
+    try:
+        env = _evaluate(gm, nodes, inputs)
+        if env is None:
+            return None
+        val = {nm: env[v] if isinstance(v, fx.Node) else v for nm, v in olds.items()}, \
+            {nm: env[v] if isinstance(v, fx.Node) else v for nm, v in news.items()}
+        specs = [AttentionSpec.from_json(before[spec_index(node)]), spec_of(node)]
+        was, now = (_allowed(sp, vals["attn_mask"], Predicates(*(vals[nm] for nm in Predicates._fields)), nq, nk)
+                    for sp, vals in zip(specs, val))
+    except Exception as e:  # values the check cannot compute: the derivation stands as analysed
+        log.debug("analyze_mask: the check could not evaluate the mask: %s", e, exc_info=True)
+        return None
+    ones = torch.ones(1, 1, nq, nk, dtype=torch.bool)
+    was, now = torch.broadcast_tensors(*(ones if x is None else x.cpu() for x in (was, now)))
+    bad = int((was != now).sum())
+    if bad:
+        return f"disagree with the mask the graph computes on this call's inputs at {bad} of {was.numel()} entries"
+    m_old, m_new = val[0]["attn_mask"], val[1]["attn_mask"]
+    if isinstance(m_old, torch.Tensor) and m_old.is_floating_point():
+        bias_new = m_new if isinstance(m_new, torch.Tensor) and m_new.is_floating_point() else torch.zeros(())
+        a, b = m_old.float(), bias_new.float()
+        shape = torch.broadcast_shapes(a.shape, b.shape, now.shape)
+        a, b, keep = a.expand(shape), b.expand(shape), now.expand(shape)
+        err = float((a - b).abs()[keep].amax()) if keep.any() else 0.0
+        if not err <= 1e-5 * (1.0 + float(a.abs()[keep].amax())):
+            return f"add a bias that differs from the graph's mask by {err:.3g} on allowed entries"
+    return None
 
 
 def _rewrite(gm: fx.GraphModule, node: fx.Node, idx: Dict[str, int], res: MaskAnalysis, ev: _Eval) -> str:

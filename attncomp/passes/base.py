@@ -61,6 +61,9 @@ class CompileContext:
     #: the compiled graphs run as CUDA graphs (Inductor's ``mode="reduce-overhead"``): no host time
     #: between kernels, so choices between kernels compare device time only
     cuda_graphs: bool = False
+    #: the real values the graph's placeholders take on the call being compiled (dynamo capture), by
+    #: placeholder name; passes may evaluate small subgraphs on them to check what they derived
+    example_inputs: Optional[Dict[str, Any]] = None
 
     def count(self, pass_name: str, what: str, n: int = 1) -> None:
         self.counters[pass_name][what] += n

@@ -494,3 +494,57 @@ def test_sites_without_a_computed_mask_are_reported():
     gm = run_passes(capture(model, inputs(7, 7, 0), ctx, route="fx"), ctx, PASSES)
     assert ctx.sites[0].details["mask"] == "none"
     del gm
+
+
+class _WindowAttention(nn.Module):
+    """Sliding-window attention over a padded batch, the mask built in the model (as Mistral's)."""
+
+    def __init__(self, window=3):
+        super().__init__()
+        self.window = window
+
+    def forward(self, q, k, v, am):
+        i, j = _ij(q, k)
+        allowed = ((j <= i) & (j > i - self.window))[None, None] & _padding(am)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("wrong", ["window", "padding"])
+def test_a_wrong_derivation_keeps_the_mask(monkeypatch, wrong):
+    """DESIGN §7: predicates derived from the graph are checked, at compile time, against the mask the
+    graph computes on the call's inputs; a derivation that disagrees (here made wrong on purpose: the
+    window one key shorter, or the padding vector dropped) leaves the mask materialised, with the
+    reason in the report, and the outputs stay eager's."""
+    import attncomp
+
+    real = analyze_mask._classify
+
+    def off(ev, v):
+        res = real(ev, v)
+        if wrong == "window" and res.positions is not None:
+            kt, qt, syms, left, right = res.positions
+            res.positions = (kt, qt, syms, left - 1, right)
+        if wrong == "padding":
+            res.k_valid = []
+        return res
+
+    monkeypatch.setattr(analyze_mask, "_classify", off)
+    model = _WindowAttention()
+    q, k, v = (torch.randn(2, 2, 9, 8) for _ in range(3))
+    am = torch.ones(2, 9, dtype=torch.long)
+    am[1, 6:] = 0
+    fast = attncomp.compile(model, policy="dense")
+    with torch.no_grad():
+        got, want = fast(q, k, v, am), model(q, k, v, am)
+    words = attncomp.report(fast).sites[0].details["mask"]
+    assert words.startswith("materialised mask: the derived predicates") and "disagree" in words, words
+    torch.testing.assert_close(got[:, :, :6], want[:, :, :6])
+    torch.testing.assert_close(got[0], want[0])
+
+    monkeypatch.setattr(analyze_mask, "_classify", real)  # the true derivation passes the same check
+    torch._dynamo.reset()
+    fast = attncomp.compile(model, policy="dense")
+    with torch.no_grad():
+        torch.testing.assert_close(fast(q, k, v, am)[0], want[0])
+    assert attncomp.report(fast).sites[0].details["mask"] == "window(2, 0), padding"
