@@ -262,6 +262,8 @@ def _canon_node(gm: fx.GraphModule, n: fx.Node, modules) -> Optional[fx.Node]:
                 return None
             return _canon_arith(gm, n, target, a[0], a[1], a[2:] if target is TRANSPOSE else ()) \
                 if target in (MUL, DIV, ADD) else _replace(gm, n, target, a, {})
+        if t == "baddbmm":  # alibi.baddbmm(q, k, beta=, alpha=): Bloom's logits
+            return _canon_baddbmm(gm, n)
         if t == "masked_fill":
             x, mask, val = a[0], _kw(n, "mask", 1), _kw(n, "value", 2)
             return _replace(gm, n, WHERE, (mask, val, x))
@@ -278,21 +280,8 @@ def _canon_node(gm: fx.GraphModule, n: fx.Node, modules) -> Optional[fx.Node]:
         return None
     if t is getattr and len(a) == 2 and a[1] == "mT":
         return _replace(gm, n, TRANSPOSE, (a[0], -2, -1))
-    if t in (torch.baddbmm, aten.baddbmm.default) or (op == "call_method" and t == "baddbmm"):
-        # input*beta + alpha*(b1 @ b2): Bloom adds its alibi bias this way
-        inp, b1, b2 = _kw(n, "input", 0), _kw(n, "batch1", 1), _kw(n, "batch2", 2)
-        beta, alpha = kw.get("beta", 1), kw.get("alpha", 1)
-        if not all(isinstance(x, (int, float)) for x in (beta, alpha)) or None in (inp, b1, b2):
-            return None
-        with gm.graph.inserting_before(n):
-            mm = _with_val(gm.graph.call_function(MATMUL, (b1, b2)), n)
-            if alpha != 1:
-                mm = _with_val(gm.graph.call_function(MUL, (mm, float(alpha))), n)
-            if beta == 0:
-                return _swap(n, mm)
-            if beta != 1:
-                inp = _with_val(gm.graph.call_function(MUL, (inp, float(beta))), n)
-        return _replace(gm, n, ADD, (mm, inp))
+    if t in (torch.baddbmm, aten.baddbmm.default):
+        return _canon_baddbmm(gm, n)
     if t in _MATMULS and t is not MATMUL:
         return _replace(gm, n, MATMUL, (a[0], a[1]))
     if t in (torch.einsum, aten.einsum.default):
@@ -355,6 +344,23 @@ def _canon_node(gm: fx.GraphModule, n: fx.Node, modules) -> Optional[fx.Node]:
             return _replace(gm, n, "to", (a[0], d), op="call_method")
         return None
     return None
+
+
+def _canon_baddbmm(gm: fx.GraphModule, n: fx.Node) -> Optional[fx.Node]:
+    """``input*beta + alpha*(b1 @ b2)`` (function or method spelling): Bloom adds its ALiBi bias this way."""
+    inp, b1, b2 = _kw(n, "input", 0), _kw(n, "batch1", 1), _kw(n, "batch2", 2)
+    beta, alpha = _kw(n, "beta", 3, 1), _kw(n, "alpha", 4, 1)
+    if not all(isinstance(x, (int, float)) for x in (beta, alpha)) or None in (inp, b1, b2):
+        return None
+    with gm.graph.inserting_before(n):
+        mm = _with_val(gm.graph.call_function(MATMUL, (b1, b2)), n)
+        if alpha != 1:
+            mm = _with_val(gm.graph.call_function(MUL, (mm, float(alpha))), n)
+        if beta == 0:
+            return _swap(n, mm)
+        if beta != 1:
+            inp = _with_val(gm.graph.call_function(MUL, (inp, float(beta))), n)
+    return _replace(gm, n, ADD, (mm, inp))
 
 
 def _with_val(new: fx.Node, like: fx.Node) -> fx.Node:

@@ -129,6 +129,23 @@ def test_dead_code_elimination_keeps_inplace_writes():
     torch.testing.assert_close(done(x, idx), mod(x, idx))
 
 
+@pytest.mark.parametrize("spelling", ["method", "function"])
+def test_baddbmm_becomes_bias_plus_scaled_matmul(spelling):
+    """``alibi.baddbmm(q, k, beta=, alpha=)`` (Bloom's logits, a method call in dynamo graphs) and
+    ``torch.baddbmm``: ``input*beta + alpha*(b1 @ b2)`` spelled with the canonical ops."""
+    if spelling == "method":
+        fn = (lambda s, a, b: b[:, :1].baddbmm(a, a.transpose(1, 2), beta=0.5, alpha=0.25))
+    else:
+        fn = (lambda s, a, b: torch.baddbmm(b[:, :1], a, a.transpose(1, 2), beta=0.5, alpha=0.25))
+    mod = Wrap(fn)
+    a, b = torch.randn(2, 5, 5), torch.randn(2, 5, 5)
+    res = C.canonicalize(fx.symbolic_trace(mod), CompileContext()).graph_module
+    res.recompile()
+    targets = [n.target for n in res.graph.nodes if n.op != "placeholder"]
+    assert C.MATMUL in targets and C.ADD in targets and "baddbmm" not in targets and torch.baddbmm not in targets
+    torch.testing.assert_close(res(a, b), mod(a, b))
+
+
 def test_dropout_module_stays_a_module_call():
     mod = Wrap(lambda s, a, b: s.dp(a)).eval()
     gm = C.canonicalize(fx.symbolic_trace(mod), CompileContext()).graph_module
