@@ -24,6 +24,7 @@ from . import ops
 from .passes.base import CompileContext, SiteReport, counters
 from .passes.capture import CaptureError, capture, split_inputs
 from .passes.inline_sdpa import enabled as inline_sdpa_enabled, inline_sdpa
+from .passes.node_info import MODULE_PATHS, module_paths
 from .passes.pipeline import run_passes
 from .policy import Policy, get_policy
 from .runtime import env
@@ -58,13 +59,13 @@ class Report:
                  f"capture: {self.capture}" + (f" ({self.graphs} graph(s))" if self.graphs else ""),
                  f"{len(self.sites)} attention site(s), {self.rewritten} rewritten", ""]
         rows = [("site", "rewritten", "policy", "pattern")]
-        rows += [(s.name, "yes" if s.rewritten else "NO", s.policy, s.pattern or "-") for s in self.sites]
+        rows += [(_shown(s.name), "yes" if s.rewritten else "NO", s.policy, s.pattern or "-") for s in self.sites]
         widths = [max(len(r[i]) for r in rows) for i in range(3)]
         for r in rows:
             lines.append("  ".join(c.ljust(w) for c, w in zip(r[:3], widths)) + "  " + r[3])
         for s in self.sites:
             lines.append("")
-            lines.append(f"[{s.name}]")
+            lines.append(f"[{_shown(s.name)}]")
             if not s.rewritten:
                 lines.append(f"  not rewritten: {s.reason}")
                 continue
@@ -83,6 +84,11 @@ class Report:
         return "\n".join(lines)
 
     __repr__ = __str__
+
+
+def _shown(name: str) -> str:
+    """A site name as the report prints it: the root module's path is ``""`` in ``named_modules()``."""
+    return name if name else "(root module)"
 
 
 def _make_report(ctx: CompileContext) -> Report:
@@ -135,6 +141,8 @@ class _GraphCompiler:
         self.breaks: Dict[str, int] = {}
         #: set by CompiledModule: the code object whose recompiles are reported
         self.code = None
+        #: set by CompiledModule: the model, whose module paths name the sites
+        self.root: Optional[nn.Module] = None
         self.module_training: Optional[bool] = None
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]):
@@ -146,6 +154,8 @@ class _GraphCompiler:
         _propagate_fake(gm, example_inputs)
         frozen = _freeze_parameters(gm, example_inputs) if inference else 0
         _constant_mask_buffers(gm, example_inputs)
+        if self.root is not None:
+            gm.meta[MODULE_PATHS] = module_paths(self.root)
         if frozen:
             ctx.notes.append(f"graph {len(self.graphs)}: {frozen} frozen parameter(s) treated as constants "
                              "(inference: eval mode, no parameter requires grad)")
@@ -206,12 +216,17 @@ class _GraphCompiler:
     def report(self) -> Report:
         ctx = CompileContext(policy=self.policy, backend=self.backend,
                              capture=self.contexts[-1].capture if self.contexts else self.capture_name)
-        by_name: Dict[str, SiteReport] = {}
+        # a site is its module path and, for a module with several sites (or called several times), its
+        # place among them in the graph
+        by_name: Dict[Any, SiteReport] = {}
         for i, c in enumerate(self.contexts):
+            nth: Dict[str, int] = collections.Counter()
             for site in c.sites:
-                first = by_name.get(site.name)
+                key = (site.name, nth[site.name])
+                nth[site.name] += 1
+                first = by_name.get(key)
                 if first is None:
-                    by_name[site.name] = site
+                    by_name[key] = site
                     site.details["graphs"] = [i]
                     ctx.sites.append(site)
                     continue
@@ -519,6 +534,7 @@ class _State:
         self.last_ctx: Optional[CompileContext] = None
         self.compiler = _GraphCompiler(policy, backend, inference, inductor, mode,
                                        "dynamo (the torch.compile mechanism)")
+        self.compiler.root = model
         self.compiled = None
         #: what compile() did besides capturing (listed in the report)
         self.notes: List[str] = []
@@ -621,6 +637,7 @@ class _State:
         ctx = CompileContext(policy=self.policy, backend=self.backend, inference=inference)
         example = call if call is not None else args
         gm = capture(model, example, ctx, route=self.capture)
+        gm.meta[MODULE_PATHS] = module_paths(model)
         gm = run_passes(gm, ctx)
         static = "static shapes" in ctx.capture
         name = f"g{len(self.graphs)}"

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import operator
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -37,7 +38,7 @@ __all__ = [
     # constants
     "resolve_attr", "get_attr_value", "scalar_value", "UNKNOWN",
     # graph views and names
-    "to_networkx", "site_name", "describe",
+    "to_networkx", "site_name", "module_path", "module_paths", "MODULE_PATHS", "describe",
     # data movement and projections
     "view_kind", "view_input", "permutation", "exclusive_chain", "LinearInfo", "match_linear", "weight_users",
     "new_constant",
@@ -202,15 +203,81 @@ def to_networkx(graph: fx.Graph) -> nx.DiGraph:
     return g
 
 
+#: ``graph_module.meta`` key: ``{id(module): path}`` of the model a graph was captured from, set by the
+#: API before the passes run, so that site names are the paths ``model.named_modules()`` gives
+MODULE_PATHS = "attncomp_module_paths"
+
+# the root of a dynamo source: a frame's local or global (``L['self']``, ``L['args'][0]``, ``L['fn']``,
+# ``G['model']``) with the subscripts that pick an argument, or fx/dynamo's older flat spellings
+_SOURCE_ROOT = re.compile(r"""^(?:[LG]\[(['"])[^'"\]]*\1\](?:\[\d+\]|\[(['"])[^'"\]]*\2\])*(?=$|[.\[])"""
+                          r"""|self(?=$|\.)|L__self___?(?=$|[^_]))""")
+_GETATTR = re.compile(r"""getattr\(([^(),]+),\s*(['"])([^'"]*)\2\)""")
+_CONTAINERS = re.compile(r"""\._(?:modules|parameters|buffers)\[(['"])([^'"\]]+)\1\]""")
+_SUBSCRIPT = re.compile(r"""\[(['"]?)([^'"\]]+)\1\]""")
+
+
+def module_path(source: str) -> str:
+    """The module path a dynamo source or an fx/export stack entry spells: ``L['args'][0].h.0.attn``,
+    ``L['self']._modules['h'][0].attn``, ``getattr(L['self'].h, '0').attn``, ``G['model'].h.0.attn``,
+    ``self.h.0.attn`` and ``h.0.attn`` all give ``h.0.attn``; the frame's root module gives ``""``."""
+    path = str(source).strip()
+    while True:  # getattr(X, 'y') -> X.y, innermost first
+        new = _GETATTR.sub(r"\1.\3", path)
+        if new == path:
+            break
+        path = new
+    path = _SOURCE_ROOT.sub("", path, count=1)  # (L__self___h_0_attn leaves h_0_attn: flat, ambiguous)
+    path = _CONTAINERS.sub(r".\2", path)
+    path = _SUBSCRIPT.sub(r".\2", path)
+    return path.strip(".")
+
+
+def _known_path(path: str, stack_key: Any, paths: Dict[int, str]) -> Optional[str]:
+    """``path`` as a key of the model's ``named_modules()``: by the module's identity where the stack
+    entry's key is dynamo's ``id(module)``, else the path itself, its flat spelling (``h_0_attn``) or its
+    longest tail that names a module (a wrapper's prefix such as ``_orig_mod.`` or ``module.``)."""
+    key = str(stack_key).split("@")[0]
+    if key.isdigit() and int(key) in paths:
+        return paths[int(key)]
+    names = set(paths.values())
+    if path in names:
+        return path
+    flat = {n.replace(".", "_"): n for n in names}
+    if path in flat:
+        return flat[path]
+    parts = path.split(".")
+    for i in range(1, len(parts)):
+        if ".".join(parts[i:]) in names:
+            return ".".join(parts[i:])
+    return None
+
+
+def module_paths(model: nn.Module) -> Dict[int, str]:
+    """``{id(module): path}`` for every submodule of ``model`` (a module reached by two paths keeps the
+    first, as ``named_modules()`` does)."""
+    return {id(m): name for name, m in model.named_modules()}
+
+
 def site_name(n: fx.Node, default: str) -> str:
-    """Dotted path of the innermost user module that produced ``n`` (``encoder.layer.0.attention.self``)."""
+    """Dotted path of the innermost user module that produced ``n`` (``encoder.layer.0.attention.self``),
+    as ``model.named_modules()`` names it: dynamo's source spellings (``L['self']``, ``L['args'][0]``,
+    ``G[...]``, ``_modules[...]``) stripped and, where the graph carries the model's module paths
+    (:data:`MODULE_PATHS`), resolved to one of them; ``""`` for a site in the root module's own forward.
+    ``default`` where nothing says which module it is."""
+    owner = n.graph.owning_module
+    paths = owner.meta.get(MODULE_PATHS) if owner is not None else None
     stack = n.meta.get("nn_module_stack")
-    if stack:
-        path, _ = list(stack.values())[-1]
-        path = path if isinstance(path, str) else str(path)
-        path = path.replace("L['self'].", "").replace("L__self___", "")
-        return path or default
-    return default
+    if not stack:
+        return "" if paths else default
+    entries = [(key, module_path(p if isinstance(p, str) else str(p))) for key, (p, _) in stack.items()]
+    if paths:
+        # innermost first; a module the model does not register (held in a plain list) gives way to the
+        # nearest one that it does
+        for key, path in reversed(entries):
+            known = _known_path(path, key, paths)
+            if known is not None:
+                return known
+    return entries[-1][1] or default
 
 
 # kind of each pure data-movement op, by (op, target); "reshape" covers every row-major reshape

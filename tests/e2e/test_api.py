@@ -460,6 +460,158 @@ def test_report_of_something_else_is_a_type_error():
         attncomp.report(nn.Linear(2, 2))
 
 
+# -- site names are the module paths of model.named_modules() ------------------------------------
+
+
+@pytest.mark.parametrize("source, path", [
+    ("L['self'].transformer.h.0.attn", "transformer.h.0.attn"),
+    ("L['args'][0].transformer.h.0.attn.attention", "transformer.h.0.attn.attention"),
+    ("L['fn'].layers.0", "layers.0"),
+    ("G['model'].enc.0.attn", "enc.0.attn"),
+    ("L['kwargs']['model'].a", "a"),
+    ("self.layers.0.attn", "layers.0.attn"),
+    ("L['self']._modules['h']._modules['0'].attn", "h.0.attn"),
+    ("L['self']._modules['layers'][0]", "layers.0"),
+    ("getattr(L['self'].h, '0').attn", "h.0.attn"),
+    ("L['self'].h[0].attn", "h.0.attn"),
+    ("L['self']", ""),
+    ("layers.0.attn", "layers.0.attn"),
+    ("self_attn.q", "self_attn.q"),
+    ("L['self'].self_attn", "self_attn"),
+])
+def test_module_path_strips_dynamo_sources(source, path):
+    from attncomp.passes.node_info import module_path
+
+    assert module_path(source) == path
+
+
+class _Attn(nn.Module):
+    def __init__(self, d=32, h=4):
+        super().__init__()
+        self.h = h
+        self.qkv, self.o = nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(me, x):  # (not called self: dynamo's sources then read L['me'])
+        B, N, d = x.shape
+        q, k, v = me.qkv(x).view(B, N, 3, me.h, -1).permute(2, 0, 3, 1, 4)
+        return me.o(torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, N, d))
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = _Attn()
+
+    def forward(me, x):
+        return x + me.attn(x)
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([_Block(), _Block()])
+        self.enc = nn.Sequential(_Block())
+        self.root_attn = True
+
+    def forward(me, x):
+        for layer in me.layers:
+            x = layer(x)
+        x = me.enc(x)
+        if me.root_attn:  # a site in the root module's own forward: named "" as named_modules() names it
+            x = x + torch.softmax(x @ x.transpose(-2, -1) * 0.1, dim=-1) @ x
+        return x
+
+
+class _StarNet(_Net):
+    def forward(*args):  # dynamo's sources read L['args'][0]
+        return _Net.forward(*args)
+
+
+NET_SITES = ["layers.0.attn", "layers.1.attn", "enc.0.attn", ""]
+
+
+def _names(rep, model):
+    keys = dict(model.named_modules())
+    names = [s.name for s in rep.sites]
+    assert all(n in keys for n in names), f"site names that no module has: {names}"
+    return names
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("capture", ["dynamo", "export", "fx"])
+def test_site_names_are_module_paths(capture):
+    model = _Net().eval()
+    x = torch.randn(2, 5, 32)
+    fast = attncomp.compile(model, capture=capture, example_inputs=(x,))
+    rep = attncomp.report(fast)
+    assert _names(rep, model) == NET_SITES, str(rep)
+    assert "(root module)" in str(rep)
+    if capture == "dynamo":  # forward(*args)
+        star = _StarNet().eval()
+        fast = attncomp.compile(star, example_inputs=(x,))
+        assert _names(attncomp.report(fast), star) == NET_SITES
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_site_names_through_torch_compile():
+    """The torch.compile route knows no model: the sources alone give the paths, whatever the frame
+    calls the model (self, an argument, a global)."""
+    model = _Net().eval()
+    model.root_attn = False
+    x = torch.randn(2, 5, 32)
+    for fn in (lambda m: m, lambda m: (lambda mm, y: mm(y)), lambda m: (lambda y: _GLOBAL_NET[0](y))):
+        torch._dynamo.reset()
+        _GLOBAL_NET[:] = [model]
+        be = attncomp.backend()
+        target = fn(model)
+        with torch.no_grad():
+            if target is model:
+                torch.compile(model, backend=be)(x)
+            elif target.__code__.co_argcount == 2:
+                torch.compile(target, backend=be)(model, x)
+            else:
+                torch.compile(target, backend=be)(x)
+        assert _names(attncomp.report(be), model) == NET_SITES[:3]
+
+
+_GLOBAL_NET: list = []
+
+
+class _Twice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = _Attn()
+
+    def forward(self, x):
+        return self.attn(self.attn(x))
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_a_module_called_twice_is_two_sites():
+    """One module path, two calls in the graph: two sites, not one merged as if recompiled."""
+    model = _Twice().eval()
+    fast = attncomp.compile(model, example_inputs=(torch.randn(2, 5, 32),))
+    rep = attncomp.report(fast)
+    assert _names(rep, model) == ["attn", "attn"] and rep.rewritten == 2, str(rep)
+    with torch.no_grad():
+        fast(torch.randn(3, 7, 32))
+    assert len(attncomp.report(fast).sites) == 2
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("capture", ["dynamo", "export"])
+def test_site_names_hf_model(capture):
+    pytest.importorskip("transformers")
+    from tests.e2e.hf_zoo import ZOO
+
+    fam = ZOO["gpt2"]
+    torch.manual_seed(0)
+    model = fam.build()
+    x = dict(fam.inputs(2, 8), use_cache=False)
+    fast = attncomp.compile(model, capture=capture, example_inputs=x)
+    assert _names(attncomp.report(fast), model) == ["transformer.h.0.attn", "transformer.h.1.attn"]
+
+
 # ---------------------------------------------------------------------------------------------
 # Lazy compile, counters
 
