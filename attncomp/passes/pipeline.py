@@ -82,10 +82,12 @@ def _is_impure(node: fx.Node) -> bool:
 
 def default_passes() -> List[Tuple[str, Pass]]:
     """The compile pipeline after capture, in order."""
-    from . import analyze_mask, canonicalize, match_attention, scale_reorder, fold_wv_wo, sparsify, select_backend
+    from . import (analyze_mask, canonicalize, match_attention, scale_reorder, fold_wv_wo, sparsify, select_backend,
+                   unflatten_heads)
 
     return [
         ("canonicalize", canonicalize.canonicalize),
+        ("unflatten_heads", unflatten_heads.unflatten_heads),
         ("match_attention", match_attention.match_attention),
         ("analyze_mask", analyze_mask.analyze_mask),
         ("scale_reorder", scale_reorder.scale_reorder),

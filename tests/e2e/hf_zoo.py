@@ -104,9 +104,7 @@ ZOO: Dict[str, Family] = {
     "gpt_neox": Family(_causal(T.GPTNeoXConfig, T.GPTNeoXForCausalLM, **_DEC), text, 2, True),
     "bloom": Family(_causal(T.BloomConfig, T.BloomForCausalLM, hidden_size=64, n_layer=2, n_head=4,
                             vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2), text, 2, True,
-                    "alibi position bias added to the logits",
-                    gap="the eager attention reshapes scores to (B*H, Nq, Nk) around the softmax "
-                        "(baddbmm -> view -> softmax -> view -> bmm); the matcher does not follow those views"),
+                    "alibi position bias added to the logits (baddbmm on (B*H, Nq, Nk) logits, softmax in 4-D)"),
     "bert": Family(lambda: _eval(T.BertModel(T.BertConfig(**H, max_position_embeddings=128))), text, 2),
     "roberta": Family(lambda: _eval(T.RobertaModel(T.RobertaConfig(**H, max_position_embeddings=130, pad_token_id=1))),
                       text, 2),
