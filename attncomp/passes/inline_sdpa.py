@@ -58,6 +58,8 @@ def _choice(node: fx.Node, cuda_graphs: bool):
     """``(traced, why)`` for a site (``cuda_graphs``: the graph runs as a CUDA graph)."""
     if any(_arg(node, n) is not None for n in ("q_aux", "k_aux", "block_pattern")):
         return False, "the site brings policy tensors"
+    if any(_arg(node, n) is not None for n in ops.MOD_NAMES) or ops._parsed(node.args[spec_index(node)]).modifiers():
+        return False, "score modifiers (SDPA's kernels apply none of them)"
     dropout = _arg(node, "dropout_p")
     if not isinstance(dropout, (int, float)):
         return False, "dropout rate not a constant"

@@ -14,6 +14,11 @@ exclusions from ``where``/``masked_fill`` with a fill at or below -1e4 (``-inf``
 constant lower-triangular buffer sliced from the top left (GPT-2's registered ``bias``), which becomes
 ``causal=True``. GQA expansions of k and v (``repeat_interleave`` on dim 1, ``expand`` + ``reshape``)
 are undone so the op sees the KV heads. 3-D (``bmm``-style) sites run as 4-D with one head.
+Score modifiers (DESIGN.md §4.2, :mod:`.score_modifiers`): a soft-cap ``c * tanh(s / c)`` between the
+scaled product and the mask, and a per-head sink column concatenated before the softmax (less its row max)
+and dropped after it, go into the spec (``softcap``, ``sinks`` with the sink logits as the op's tensor);
+the report names them per site (``details["modifiers"]``). A bias or mask inside the tanh, or any other
+tanh, rejects the site with the reason.
 
 Requires: :mod:`.canonicalize` ran. Shape metadata (``val`` or ``tensor_meta``) where present is used
 to check ranks, softmax dim and GQA shapes; without it only the literal ``dim=-1`` is accepted.
@@ -43,6 +48,7 @@ from ..policy import Dense
 from ..spec import AttentionSpec, dtype_name
 from .base import SITE_META, CompileContext, PassResult, SiteReport
 from .canonicalize import ADD, DIV, DROPOUT, MATMUL, MUL, SDPA, SOFTMAX, TRANSPOSE, WHERE, is_cast
+from .score_modifiers import drops_last_column, is_tanh, peel_sinks, softcap_of
 from .node_info import (UNKNOWN, get_attr_value, is_symbolic_number, meta_dtype, meta_shape, same_dim, scalar_value,
                           site_name, static_int, to_networkx)
 
@@ -77,6 +83,8 @@ class Site:
     k_transposed: bool = False                             # k is (.., D, Nk) and needs a transpose
     groups: int = 1
     notes: List[str] = field(default_factory=list)
+    softcap: Optional[float] = None                        # c of c * tanh(s / c) (DESIGN.md §4.2)
+    sinks: Optional[fx.Node] = None                        # the per-head sink logits, (1, H, 1, 1) or (H, 1, 1)
 
 
 def match_attention(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
@@ -129,7 +137,9 @@ def _match_softmax(gm: fx.GraphModule, sm: fx.Node) -> Optional[Site]:
     scale_factors: List[object] = []
     biases: List[object] = []
     exclusions_raw: List[Tuple[fx.Node, bool]] = []
-    cur = x
+    # score modifiers (.score_modifiers): a sink column concatenated to the logits, a soft-cap
+    cur, sinks = peel_sinks(gm, x)
+    softcap, before_cap = None, None
     qk = None
     for _ in range(64):
         if not isinstance(cur, fx.Node):
@@ -140,6 +150,17 @@ def _match_softmax(gm: fx.GraphModule, sm: fx.Node) -> Optional[Site]:
         if is_cast(cur):
             cur = cur.args[0]
             continue
+        cap = softcap_of(gm, cur)
+        if cap is not None:
+            if softcap is not None:
+                raise NoMatch("two soft-caps between QK^T and the softmax")
+            if scale_factors:
+                raise NoMatch("the soft-capped logits are scaled again (not c * tanh(s / c) of the logits)")
+            cur, softcap = cap
+            before_cap = (len(biases), len(exclusions_raw))
+            continue
+        if is_tanh(cur):
+            raise NoMatch("tanh between QK^T and the softmax that is not a soft-cap c * tanh(s / c)")
         if _is(cur, MUL) or _is(cur, DIV):
             a, b = cur.args[0], cur.args[1]
             if _is(cur, MUL) and _reaches_matmul(b) and not _reaches_matmul(a):
@@ -182,6 +203,10 @@ def _match_softmax(gm: fx.GraphModule, sm: fx.Node) -> Optional[Site]:
                       f"{cur.op} {getattr(cur.target, '__name__', cur.target)}")
     if qk is None:
         raise NoMatch("not attention: no QK^T product before the softmax")
+    if softcap is not None and (len(biases), len(exclusions_raw)) != before_cap:
+        # the spec's order: additive modifiers, the soft-cap, then the mask; a bias inside the tanh is
+        # none of the modifiers the op carries, and a mask inside it is no longer a mask
+        raise NoMatch("a bias or mask is applied to the logits inside the soft-cap's tanh")
 
     qa, kb = qk.args[0], qk.args[1]
     # --- down: from the softmax to the AV matmul
@@ -189,12 +214,20 @@ def _match_softmax(gm: fx.GraphModule, sm: fx.Node) -> Optional[Site]:
     cur = sm
     dropout, dropout_node = 0.0, None
     av = None
+    sink_dropped = sinks is None
     for _ in range(8):
         us = _users(cur)
         if len(us) != 1:
             raise NoMatch(f"attention probabilities escape the site (used by {len(us)} nodes: "
                           f"{', '.join(u.name for u in us)}), e.g. returned as attention weights")
         u = us[0]
+        if not sink_dropped:
+            if not drops_last_column(u):
+                raise NoMatch("a sink column joins the softmax but its probability is not dropped ([..., :-1])")
+            sink_dropped = True
+            cur = u
+            chain.append(u)
+            continue
         if is_cast(u):
             cur = u
             chain.append(u)
@@ -267,8 +300,11 @@ def _match_softmax(gm: fx.GraphModule, sm: fx.Node) -> Optional[Site]:
         k, v, gk = k_full, v_full, 1
     groups = gk
 
+    if sinks is not None and rank != 4:
+        raise NoMatch("a sink column on 3-D logits (one head per batch entry)")
     site = Site(anchor=av, name="", pattern="", q=q, k=k, v=v, rank=rank, k_transposed=k_transposed,
-                groups=groups, biases=biases, dropout=dropout, dropout_node=dropout_node, notes=notes)
+                groups=groups, biases=biases, dropout=dropout, dropout_node=dropout_node, notes=notes,
+                softcap=softcap, sinks=sinks)
     # --- masks
     for cond, is_allowed in exclusions_raw:
         if _causal_buffer(gm, cond, is_allowed, s_shape):
@@ -288,6 +324,10 @@ def _match_softmax(gm: fx.GraphModule, sm: fx.Node) -> Optional[Site]:
         bits.append("bool mask")
     if site.causal:
         bits.append("causal buffer")
+    if softcap is not None:
+        bits.append("softcap")
+    if sinks is not None:
+        bits.append("sinks")
     if dropout_node is not None:
         bits.append("dropout")
     if groups > 1:
@@ -304,7 +344,7 @@ def _reaches_matmul(n, depth: int = 0) -> bool:
         return False
     if _is(n, MATMUL):
         return True
-    if is_cast(n):
+    if is_cast(n) or is_tanh(n):
         return _reaches_matmul(n.args[0], depth + 1)
     if _is(n, MUL) or _is(n, DIV) or _is(n, ADD):
         return any(_reaches_matmul(a, depth + 1) for a in n.args[:2])
@@ -667,7 +707,7 @@ def _check_convex(gm, qk: fx.Node, av: fx.Node, site: Site) -> None:
             raise NoMatch(f"{node.name} inside the attention site is also used outside it by "
                           f"{', '.join(u.name for u in outside)} (e.g. attention weights returned)")
     inputs = [site.q, site.k, site.v] + [b for b in site.biases if isinstance(b, fx.Node)] + \
-        [c[1] if isinstance(c, tuple) else c for c in site.allowed]
+        [c[1] if isinstance(c, tuple) else c for c in site.allowed] + [site.sinks]
     if isinstance(site.scale, tuple):
         inputs += [f[1] if isinstance(f, tuple) else f for _, f in site.scale[1]]
     desc = nx.descendants(g, qk) | {qk}
@@ -719,13 +759,16 @@ def _rewrite(gm: fx.GraphModule, site: Site, ctx: CompileContext) -> None:
                              dtype=dtype_name(dt) if dt in (torch.float16, torch.bfloat16, torch.float32,
                                                             torch.float64) else None,
                              head_dim=head_dim, gqa_groups=site.groups, policy=Dense(),
-                             backend=ctx.backend)
+                             backend=ctx.backend, softcap=site.softcap, sinks=site.sinks is not None)
+        sinks = None if site.sinks is None else g.call_method("reshape", (site.sinks, -1))
         p_arg = g.call_function(ops.site_dropout, (site.dropout,)) if site.dropout else 0.0
         seed_arg = g.call_function(ops.next_seed, (0,)) if site.dropout else 0
         op_args = [None] * len(ops.ARG_INDEX)
         for name, val in (("q", q), ("k", k), ("v", v), ("attn_mask", mask), ("spec", spec.to_json()),
-                          ("dropout_p", p_arg), ("seed", seed_arg)):
+                          ("dropout_p", p_arg), ("seed", seed_arg), ("sinks", sinks)):
             op_args[ops.ARG_INDEX[name]] = val
+        while op_args and op_args[-1] is None and len(op_args) > ops.ARG_INDEX["seed"] + 1:
+            op_args.pop()  # the modifier tensors are optional and last: a site without them omits them
         attn = g.call_function(torch.ops.attncomp.attention.default, tuple(op_args))
         out = g.call_function(operator.getitem, (attn, 0))
         if site.rank == 3:
@@ -740,6 +783,8 @@ def _rewrite(gm: fx.GraphModule, site: Site, ctx: CompileContext) -> None:
     report = SiteReport(name=site.name, rewritten=True, policy="dense", pattern=site.pattern,
                         rewrites=["attention -> attncomp::attention"], spec=spec.describe(),
                         details={"notes": site.notes} if site.notes else {})
+    if spec.modifiers():
+        report.details["modifiers"] = spec.describe_modifiers()
     attn.meta[SITE_META] = report
     ctx.sites.append(report)
     if site.dropout_node is not None and site.dropout_node.op == "call_module":

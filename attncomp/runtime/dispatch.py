@@ -598,6 +598,10 @@ def describe_choice(spec: AttentionSpec, device, dtype=None, preds=None, n_keys:
     device = torch.device(device)
     if spec.backend != "auto":
         return f"{spec.backend} (as asked)"
+    if spec.modifiers():
+        # SDPA's kernels apply no score modifier; the others say in supports() which they apply
+        return (f"a backend whose kernels apply the score modifiers ({spec.describe_modifiers()}), as its "
+                "supports() says; else the exact reference, which applies them all (SDPA's kernels apply none)")
     dropout = spec.dropout_p > 0
     every = keeps_all(spec)
     if device.type != "cuda":
