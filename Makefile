@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.attncomp-installed
 JOBS   ?= 2
 
-.PHONY: demo test test-gpu test-gpu-dist test-newest test-oldest venv clean
+.PHONY: demo test zoo test-gpu test-gpu-dist test-newest test-oldest venv clean
 
 $(STAMP): pyproject.toml requirements.lock
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,12 @@ demo: $(STAMP)
 # pytest exits 5 when it collects no test: make fails on that like on any other failure.
 test: $(STAMP)
 	$(PY) -m pytest -q -n $(JOBS) --durations=10 tests
+
+# The registry sweep: a tiny random-weight model of every causal-LM, masked-LM, seq2seq-LM and image-classification
+# family of the installed transformers, compiled and compared with eager, each in its own process (JOBS at a
+# time); writes tests/zoo/results.json and tests/zoo/RESULTS.md. ZOO_ARGS passes more, e.g. --families llama,bert.
+zoo: $(STAMP)
+	$(PY) -m tests.zoo --jobs $(JOBS) $(ZOO_ARGS)
 
 # On a GPU machine, with its own Python (torch and triton installed there): the GPU tests in their own
 # process (the CPU kernel tests switch Triton to its interpreter when imported).

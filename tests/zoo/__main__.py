@@ -1,0 +1,172 @@
+"""``python -m tests.zoo [--families a,b] [--registry causal-lm,...] [--jobs N] [--timeout S] [--inductor]
+[--train-every K]``: the registry sweep.
+
+Every family runs :func:`tests.zoo.check.check` in a subprocess of its own (a crash or a hang costs that
+family only), ``--jobs`` at a time, each within ``--timeout`` seconds. Results go to
+``tests/zoo/results.json`` and ``tests/zoo/RESULTS.md``; a run of some families (``--families``,
+``--registry``) merges into the results already there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor, as_completed
+
+from tests.zoo import families as Z
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+RESULTS_JSON = os.path.join(HERE, "results.json")
+RESULTS_MD = os.path.join(HERE, "RESULTS.md")
+
+
+def key(registry: str, model_type: str) -> str:
+    return f"{registry}/{model_type}"
+
+
+def run_one(registry, model_type, cls, timeout, train, env):
+    """One family in a subprocess: its result dict (``crash`` or ``timeout`` when the process gave none)."""
+    t0 = time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        cmd = [sys.executable, "-m", "tests.zoo.check", registry, model_type, out] + (["--train"] if train else [])
+        base = dict(registry=registry, model_type=model_type, cls=cls, eager_calls=None, sites=None,
+                    rewritten=None, op_calls=None, details={})
+        try:
+            p = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               timeout=timeout, text=True, errors="replace")
+        except subprocess.TimeoutExpired:
+            return dict(base, status="timeout", reason=f"no result within {timeout} s",
+                        seconds=round(time.time() - t0, 1))
+        if p.returncode == 0 and os.path.exists(out):
+            with open(out) as f:
+                return json.load(f)
+        tail = [ln for ln in p.stdout.strip().splitlines() if ln.strip()][-1:] or [""]
+        return dict(base, status="crash", reason=f"exit code {p.returncode}: {tail[0][:300]}",
+                    seconds=round(time.time() - t0, 1))
+
+
+def versions():
+    import torch
+    import transformers
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                text=True).stdout.strip()
+    except OSError:
+        commit = ""
+    return dict(transformers=transformers.__version__, torch=torch.__version__, commit=commit)
+
+
+def write_markdown(data, path=RESULTS_MD):
+    fams = data["families"]
+    regs = list(Z.REGISTRIES)
+    statuses = [s for s in ("pass", "eager-fails", "no-attention", "compile-error", "wrong-output",
+                            "sites-missing", "not-rewritten", "generate-error", "wrong-generate", "wrong-grad",
+                            "crash", "timeout") if any(r["status"] == s for r in fams.values())]
+    by = Counter((r["registry"], r["status"]) for r in fams.values())
+    lines = ["# Registry sweep results", "",
+             f"`python -m tests.zoo` (`make zoo`): transformers {data['transformers']}, torch {data['torch']}, "
+             f"commit {data['commit']}, {data['date']}; Inductor {'on' if data.get('inductor') else 'off'}; "
+             f"last full run {data.get('wall_s', '?')} s wall with {data.get('jobs', '?')} jobs.",
+             "", "Every family of transformers' causal-LM, masked-LM, seq2seq-LM and image-classification "
+             "registries, built tiny from its default config with random weights, compiled with "
+             "`attncomp.compile(model, policy=\"dense\")` and compared with eager (`tests/zoo/check.py` says "
+             "what each status means).", "",
+             "| registry | " + " | ".join(statuses) + " | total |",
+             "| --- | " + " | ".join("---:" for _ in statuses) + " | ---: |"]
+    for reg in regs + ["all"]:
+        row = [sum(v for (r, s), v in by.items() if s == st and (reg == "all" or r == reg)) for st in statuses]
+        lines.append(f"| {reg} | " + " | ".join(str(v) for v in row) + f" | {sum(row)} |")
+    lines += ["", "| family | registry | class | eager calls | sites | rewritten | status | reason |",
+              "| --- | --- | --- | ---: | ---: | ---: | --- | --- |"]
+    for k in sorted(fams, key=lambda k: (fams[k]["model_type"], regs.index(fams[k]["registry"]))):
+        r = fams[k]
+        reason = str(r.get("reason", "")).replace("|", "\\|").replace("\n", " ")
+        cells = [r["model_type"], r["registry"], r.get("cls", ""), r.get("eager_calls"), r.get("sites"),
+                 r.get("rewritten"), f"**{r['status']}**" if r["status"] != "pass" else "pass", reason]
+        lines.append("| " + " | ".join("" if c is None else str(c) for c in cells) + " |")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m tests.zoo", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--families", default="", help="comma-separated model types (default: all)")
+    ap.add_argument("--registry", default=",".join(Z.REGISTRIES),
+                    help="comma-separated registries among " + ", ".join(Z.REGISTRIES))
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--timeout", type=float, default=240, help="seconds per family")
+    ap.add_argument("--inductor", action="store_true", help="compile around the op with Inductor (slow on a CPU)")
+    ap.add_argument("--train-every", type=int, default=8,
+                    help="also check training gradients of every K-th family of the full list (0: none)")
+    args = ap.parse_args(argv)
+
+    regs = [r for r in args.registry.split(",") if r]
+    bad = [r for r in regs if r not in Z.REGISTRIES]
+    if bad:
+        ap.error(f"unknown registry {bad}; choose from {', '.join(Z.REGISTRIES)}")
+    every = Z.families(tuple(Z.REGISTRIES))
+    train_keys = {key(r, m) for i, (r, m, _) in enumerate(every) if args.train_every and i % args.train_every == 0}
+    todo = [f for f in every if f[0] in regs]
+    if args.families:
+        wanted = {m.strip() for m in args.families.split(",") if m.strip()}
+        unknown = wanted - {m for _, m, _ in todo}
+        if unknown:
+            ap.error(f"no such family in {', '.join(regs)}: {', '.join(sorted(unknown))}")
+        todo = [f for f in todo if f[1] in wanted]
+
+    env = dict(os.environ, ATTNCOMP_INDUCTOR="1" if args.inductor else "0", PYTHONWARNINGS="ignore",
+               TOKENIZERS_PARALLELISM="false")
+    threads = str(max(1, (os.cpu_count() or 1) // max(1, args.jobs)))
+    env.setdefault("OMP_NUM_THREADS", threads)
+    env.setdefault("ATTNCOMP_CACHE_DIR", tempfile.mkdtemp(prefix="attncomp-zoo-cache-"))
+
+    data = dict(families={})
+    if os.path.exists(RESULTS_JSON):
+        with open(RESULTS_JSON) as f:
+            data = json.load(f)
+    data.update(versions())
+    data["date"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    data["inductor"] = args.inductor
+    full = not args.families and set(regs) == set(Z.REGISTRIES)
+    if full:
+        data["families"] = {}  # a full run replaces families that left the registries too
+
+    t0 = time.time()
+    print(f"{len(todo)} families, {args.jobs} jobs, timeout {args.timeout:g} s, "
+          f"Inductor {'on' if args.inductor else 'off'}", flush=True)
+    width = len(str(len(todo)))
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        futs = {pool.submit(run_one, r, m, c, args.timeout, key(r, m) in train_keys, env): (r, m)
+                for r, m, c in todo}
+        for i, fut in enumerate(as_completed(futs), 1):
+            r, m = futs[fut]
+            res = fut.result()
+            data["families"][key(r, m)] = res
+            print(f"[{i:{width}}/{len(todo)}] {r:9} {m:28} {res['status']:14} {res.get('seconds', 0):6.1f}s  "
+                  f"{str(res.get('reason', ''))[:160]}", flush=True)
+            with open(RESULTS_JSON, "w") as f:  # written as it goes: an interrupted sweep keeps its results
+                json.dump(data, f, indent=1, sort_keys=True, default=str)
+    wall = round(time.time() - t0)
+    if full:
+        data["wall_s"], data["jobs"] = wall, args.jobs
+    with open(RESULTS_JSON, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True, default=str)
+    write_markdown(data)
+    counts = Counter(data["families"][key(r, m)]["status"] for r, m, _ in todo)
+    print(f"done in {wall} s: " + ", ".join(f"{s} {n}" for s, n in counts.most_common()), flush=True)
+    print(f"wrote {os.path.relpath(RESULTS_JSON, ROOT)} and {os.path.relpath(RESULTS_MD, ROOT)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,310 @@
+"""The check of one family: build, run eager, count its attention calls, compile with
+``policy="dense"``, compare outputs (and ``generate()`` for causal LMs, gradients where asked) with eager.
+
+``check(registry, model_type)`` returns a result dict whose ``status`` is ``pass`` or the first failure
+class met (:data:`STATUSES`); ``python -m tests.zoo.check REGISTRY MODEL_TYPE OUT.json [--train]`` runs it
+in a process of its own and writes the dict (the runner's subprocess).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import sys
+import time
+import warnings
+from typing import Any, Dict, List, Optional
+
+os.environ.setdefault("ATTNCOMP_INDUCTOR", "0")  # Inductor's compile dominates on a CPU; --inductor turns it on
+if "TRITON_INTERPRET" not in os.environ:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+
+from tests.utils import rel_err  # noqa: E402
+from tests.zoo import families as Z  # noqa: E402
+from tests.zoo.count import AttentionCounter  # noqa: E402
+
+TOL = 1e-4
+#: (batch, length, padding side) of the two forward comparisons
+SHAPES = ((2, 12, "right"), (3, 17, "left"))
+
+STATUSES = ("pass", "eager-fails", "no-attention", "compile-error", "wrong-output", "sites-missing",
+            "not-rewritten", "generate-error", "wrong-generate", "wrong-grad", "crash", "timeout")
+
+
+def first_line(e: BaseException, limit: int = 300) -> str:
+    msg = str(e).strip()
+    line = next((ln.strip() for ln in msg.splitlines() if ln.strip()), "")
+    return f"{type(e).__name__}: {line}"[:limit]
+
+
+def tensors(out) -> List[torch.Tensor]:
+    """Every tensor of a model output, in order (tensors, tuples, dicts, ModelOutputs, cache objects)."""
+    if out is None:
+        return []
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if hasattr(out, "self_attention_cache"):  # EncoderDecoderCache
+        return tensors(out.self_attention_cache) + tensors(out.cross_attention_cache)
+    if hasattr(out, "layers") and hasattr(out, "get_seq_length"):  # Cache
+        res = []
+        for layer in out.layers:
+            res += tensors(getattr(layer, "keys", None)) + tensors(getattr(layer, "values", None))
+        return res
+    if hasattr(out, "to_tuple"):
+        out = out.to_tuple()
+    if isinstance(out, dict):
+        out = list(out.values())
+    if isinstance(out, (list, tuple)):
+        return [t for o in out for t in tensors(o)]
+    return []
+
+
+def _valid_view(t: torch.Tensor, valid: Optional[torch.Tensor]) -> torch.Tensor:
+    """The entries of ``t`` at the valid (attending) positions: ``t``'s batch dim is dim 0 and its first
+    dim of the sequence's length is the position dim (token outputs, cache keys and values)."""
+    if valid is None or t.dim() < 2 or t.shape[0] != valid.shape[0]:
+        return t
+    n = valid.shape[1]
+    for d in range(1, t.dim()):
+        if t.shape[d] == n:
+            m = valid.view(valid.shape[0], *([1] * (d - 1)), n, *([1] * (t.dim() - d - 1)))
+            return t.masked_select(m.expand_as(t)) if t.dtype != torch.bool else t
+    return t
+
+
+def compare(got, want, valid) -> Dict[str, Any]:
+    """``{"err": largest relative error over the output tensors, "problem": str or None}``."""
+    g, w = tensors(got), tensors(want)
+    if len(g) != len(w) or not w:
+        return dict(err=None, problem=f"{len(g)} output tensors, eager gives {len(w)}")
+    worst = 0.0
+    for i, (a, b) in enumerate(zip(g, w)):
+        if a.shape != b.shape:
+            return dict(err=None, problem=f"output {i} has shape {tuple(a.shape)}, eager {tuple(b.shape)}")
+        if not b.is_floating_point():
+            if not torch.equal(a, b):
+                return dict(err=None, problem=f"output {i} ({b.dtype}) differs from eager")
+            continue
+        a, b = _valid_view(a, valid), _valid_view(b, valid)
+        finite = torch.isfinite(b)
+        if not torch.equal(torch.isfinite(a), finite):
+            return dict(err=None, problem=f"output {i}: NaN/inf where eager has none (or the reverse)")
+        if finite.any():
+            worst = max(worst, rel_err(a[finite], b[finite]))
+    return dict(err=worst, problem=None)
+
+
+@contextlib.contextmanager
+def count_op_calls():
+    """The number of attncomp::attention calls in the block (``calls[0]``)."""
+    from attncomp import ops
+
+    calls = [0]
+    real = ops._attention_impl
+
+    def counted(*args):
+        calls[0] += 1
+        return real(*args)
+
+    saved = ops._attention_impl, ops._direct_impl
+    ops._attention_impl, ops._direct_impl = counted, torch._disable_dynamo(counted)
+    try:
+        yield calls
+    finally:
+        ops._attention_impl, ops._direct_impl = saved
+
+
+def _no_dropout(model):
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+        for attr in ("dropout", "attention_dropout", "dropout_rate", "dropout_p"):  # rates read at call time
+            if isinstance(getattr(m, attr, None), float):
+                setattr(m, attr, 0.0)
+    return model
+
+
+def _generate_inputs(cfg):
+    """Two rows of 10 tokens, row 1 left-padded with 5 pad tokens."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(Z.TOKEN_LOW, Z.TOKEN_HIGH, (2, 10), generator=g)
+    am = torch.ones(2, 10, dtype=torch.long)
+    am[1, :5] = 0
+    pad = cfg.pad_token_id if isinstance(getattr(cfg, "pad_token_id", None), int) else 0
+    ids[1, :5] = pad
+    return dict(input_ids=ids, attention_mask=am)
+
+
+def _generate(model, cfg):
+    x = _generate_inputs(cfg)
+    pad = x["input_ids"][1, 0].item()
+    return model.generate(**x, max_new_tokens=5, min_new_tokens=5, do_sample=False, output_logits=True,
+                          return_dict_in_generate=True, pad_token_id=pad)
+
+
+def check(registry: str, model_type: str, class_name: Optional[str] = None, train: bool = False,
+          generate: Optional[bool] = None) -> Dict[str, Any]:
+    """Run the family's checks; see the module docstring. ``generate`` defaults to causal LMs."""
+    import attncomp
+
+    t0 = time.time()
+    class_name = class_name or Z.registry(registry)[model_type]
+    res: Dict[str, Any] = dict(registry=registry, model_type=model_type, cls=class_name, status=None,
+                               eager_calls=None, sites=None, rewritten=None, op_calls=None, reason="",
+                               details={})
+    det = res["details"]
+
+    def done(status, reason=""):
+        res["status"], res["reason"] = status, reason
+        res["seconds"] = round(time.time() - t0, 1)
+        return res
+
+    # 1. build and eager
+    try:
+        model, cfg = Z.build(registry, model_type, class_name)
+    except Exception as e:  # noqa: BLE001 (every failure is a result)
+        return done("eager-fails", "build: " + first_line(e))
+    det["attn_implementation"] = getattr(cfg, "_attn_implementation", None)
+    det["parameters"] = sum(p.numel() for p in model.parameters())
+    inputs, wants = [], []
+    try:
+        for i, (b, n, side) in enumerate(SHAPES):
+            x, valid = Z.make_inputs(registry, model, cfg, b, n, side, seed=i)
+            with torch.no_grad():
+                if i == 0:
+                    with AttentionCounter() as counter:
+                        want = model(**x)
+                else:
+                    want = model(**x)
+            inputs.append((x, valid))
+            wants.append(want)
+    except Exception as e:  # noqa: BLE001
+        return done("eager-fails", first_line(e))
+    res["eager_calls"] = counter.calls
+    det["eager_kinds"] = dict(sdpa=counter.sdpa, softmax=counter.softmax, flex=counter.flex)
+    if counter.calls == 0:
+        return done("no-attention", "no SDPA call and no last-dim softmax feeding a matmul in an eager forward")
+
+    # 2. compile and compare
+    try:
+        fast = attncomp.compile(model, policy="dense")
+        errs = []
+        for i, ((x, valid), want) in enumerate(zip(inputs, wants)):
+            with torch.no_grad():
+                if i == 0:
+                    with count_op_calls() as calls:
+                        got = fast(**x)
+                else:
+                    got = fast(**x)
+            errs.append(compare(got, want, valid))
+        rep = attncomp.report(fast)
+    except Exception as e:  # noqa: BLE001
+        return done("compile-error", first_line(e))
+    res["op_calls"] = calls[0]
+    res["sites"] = len(rep.sites)
+    res["rewritten"] = rep.rewritten
+    bad = [f"{s.name}: {s.reason}" for s in rep.sites if not s.rewritten]
+    det["not_rewritten"] = bad
+    det["notes"] = [n[:300] for n in rep.notes]
+    det["graphs"] = rep.graphs
+    det["errors"] = [e["err"] for e in errs]
+    shape_txt = [f"({b}, {n}, {side}-padded)" if registry != "image" else f"batch {b}" for b, n, side in SHAPES]
+    problems = [f"{s}: {e['problem']}" for s, e in zip(shape_txt, errs) if e["problem"]]
+    if problems:
+        return done("wrong-output", "; ".join(problems))
+    if any(e["err"] >= TOL for e in errs):
+        return done("wrong-output", "relative error " + ", ".join(f"{e['err']:.2g} at {s}"
+                                                                  for s, e in zip(shape_txt, errs)))
+    counts = f"eager {counter.calls} attention calls, {len(rep.sites)} sites ({rep.rewritten} rewritten), " \
+             f"{calls[0]} op calls per forward"
+    if bad:
+        reasons = sorted({b.split(": ", 1)[1] for b in bad})
+        return done("not-rewritten", f"{len(bad)} of {len(rep.sites)} sites not rewritten: "
+                                     + " | ".join(r[:200] for r in reasons) + f" ({counts})")
+    if calls[0] < counter.calls:
+        return done("sites-missing", counts)
+    err_txt = ", ".join(f"{e['err']:.1g}" for e in errs)
+
+    # 3. generate (causal LMs)
+    if generate is None:
+        generate = registry == "causal-lm" and hasattr(model, "generate") and model.can_generate()
+    if generate:
+        try:
+            with torch.no_grad():
+                want = _generate(model, cfg)
+        except Exception as e:  # noqa: BLE001
+            det["generate"] = "eager generate fails: " + first_line(e)
+            want = None
+        if want is not None:
+            try:
+                with torch.no_grad():
+                    got = _generate(fast, cfg)
+            except Exception as e:  # noqa: BLE001
+                return done("generate-error", first_line(e))
+            if not torch.equal(got.sequences, want.sequences):
+                return done("wrong-generate", f"greedy tokens differ: {got.sequences.tolist()} vs eager "
+                                              f"{want.sequences.tolist()}")
+            worst = (0.0, 0, 0)
+            for step, (a, b) in enumerate(zip(got.logits, want.logits)):
+                for row in range(a.shape[0]):
+                    e = rel_err(a[row], b[row])
+                    worst = max(worst, (e, step, row))
+            det["generate_err"] = worst[0]
+            if worst[0] >= TOL:
+                return done("wrong-generate", f"tokens equal; logits of step {worst[1]}, row {worst[2]} differ "
+                                              f"by {worst[0]:.2g}")
+            det["generate"] = f"tokens equal, logits within {worst[0]:.1g}"
+
+    # 4. training gradients
+    if train:
+        try:
+            tmodel, _ = Z.build(registry, model_type, class_name)
+            _no_dropout(tmodel).train()
+            tfast = attncomp.compile(tmodel, policy="dense")
+            x, valid = inputs[0]
+            proj, grads = None, []
+            for run in (tmodel, tfast):
+                tmodel.zero_grad(set_to_none=True)
+                out = next(t for t in tensors(run(**x)) if t.is_floating_point() and t.requires_grad)
+                if proj is None:
+                    proj = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
+                (out * proj).sum().backward()
+                grads.append({k: p.grad.clone() for k, p in tmodel.named_parameters() if p.grad is not None})
+        except Exception as e:  # noqa: BLE001
+            return done("wrong-grad", "training: " + first_line(e))
+        want_g, got_g = grads
+        if want_g.keys() != got_g.keys():
+            return done("wrong-grad", f"{len(got_g)} parameters got gradients, eager {len(want_g)}")
+        scale = max(g.norm() for g in want_g.values())
+        worst = max((float((got_g[k] - want_g[k]).norm() / scale), k) for k in want_g)
+        det["grad_err"] = worst[0]
+        if worst[0] >= TOL:
+            return done("wrong-grad", f"gradient of {worst[1]} differs: {worst[0]:.2g} of the largest gradient's norm")
+        det["train"] = f"gradients within {worst[0]:.1g}"
+    return done("pass", f"{counts}; rel. err {err_txt}")
+
+
+def main(argv=None):
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("registry")
+    ap.add_argument("model_type")
+    ap.add_argument("out")
+    ap.add_argument("--train", action="store_true")
+    args = ap.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    res = check(args.registry, args.model_type, train=args.train)
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()

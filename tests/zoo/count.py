@@ -1,0 +1,95 @@
+"""Counts the attention calls of one eager forward without attncomp's matcher.
+
+A call is counted when the model calls ``F.scaled_dot_product_attention`` or flex attention, or when it
+takes a softmax over the last dim of a tensor of 3 or more dims whose result (directly, or through ops
+that keep its number of elements: dropout, casts, views, masking; or slices of it) is an operand of a matmul (``matmul``,
+``@``, ``bmm``, ``baddbmm``, ``einsum``). The matmul condition keeps out the softmaxes that are not
+attention (MoE routers, gates, the final vocabulary softmax of a sampler).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Dict, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+_SOFTMAX = {"softmax", "_softmax"}
+_MATMUL = {"matmul", "__matmul__", "__rmatmul__", "bmm", "baddbmm", "einsum"}
+_FLEX = {"flex_attention"}
+# a slice of the probabilities (a learned sink's column dropped after the softmax) stays attention
+_SLICE = {"__getitem__", "narrow"}
+# a padded or strided view of the probabilities (chunked sliding windows) stays attention
+_RESHAPE = {"pad", "as_strided", "unfold"}
+
+
+def _softmax_dim(args, kwargs):
+    if "dim" in kwargs:
+        return kwargs["dim"]
+    return args[1] if len(args) > 1 and isinstance(args[1], int) else None
+
+
+class AttentionCounter(TorchFunctionMode):
+    """``with AttentionCounter() as c: model(**x)``; then ``c.calls`` is the number of attention calls
+    (``c.sdpa``, ``c.softmax``, ``c.flex`` by kind)."""
+
+    def __init__(self):
+        super().__init__()
+        self.sdpa = 0
+        self.flex = 0
+        self._softmax_outputs = 0
+        self._attending = set()
+        # id(tensor) -> (weak reference, index of the softmax it derives from)
+        self._tracked: Dict[int, Tuple[weakref.ref, int]] = {}
+
+    @property
+    def softmax(self) -> int:
+        return len(self._attending)
+
+    @property
+    def calls(self) -> int:
+        return self.sdpa + self.flex + self.softmax
+
+    def _origin(self, t):
+        entry = self._tracked.get(id(t))
+        if entry is not None and entry[0]() is t:
+            return entry[1]
+        return None
+
+    def _track(self, t, origin):
+        self._tracked[id(t)] = (weakref.ref(t), origin)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = getattr(func, "__name__", "")
+        if func is F.scaled_dot_product_attention:
+            self.sdpa += 1
+            return out
+        if name in _FLEX:
+            self.flex += 1
+            return out
+        if name in _SOFTMAX:
+            x = args[0] if args else kwargs.get("input")
+            dim = _softmax_dim(args, kwargs)
+            if isinstance(x, torch.Tensor) and isinstance(out, torch.Tensor) and x.dim() >= 3 and dim is not None \
+                    and dim in (-1, x.dim() - 1):
+                self._track(out, self._softmax_outputs)
+                self._softmax_outputs += 1
+            return out
+        flat, _ = tree_flatten((args, kwargs))
+        origins = [(o, t) for t in flat if isinstance(t, torch.Tensor) for o in [self._origin(t)] if o is not None]
+        if not origins:
+            return out
+        if name in _MATMUL:
+            self._attending.update(o for o, _ in origins)
+        elif isinstance(out, torch.Tensor):
+            for o, t in origins:
+                if out.numel() == t.numel() or (name in _SLICE and out.numel() <= t.numel()) \
+                        or name in _RESHAPE:
+                    self._track(out, o)
+                    break
+        return out
