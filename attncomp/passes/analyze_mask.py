@@ -1515,6 +1515,8 @@ def _rewrite(gm: fx.GraphModule, node: fx.Node, idx: Dict[str, int], res: MaskAn
                     raise _Fail("the site is causal (is_causal or a causal buffer) on default positions and "
                                 "the mask bounds other positions")
                 right = 0 if right is None else min(right, 0)
+                if spec.window_left is not None:   # a banded buffer (GPT-Neo's local layers) AND-ed
+                    left = spec.window_left if left is None else min(left, spec.window_left)
             if align is None:
                 new["q_pos"] = em.vector(qt, syms, 0, ("b", "i"))
                 new["k_pos"] = em.vector(kt, (), 0, ("b", "j"))

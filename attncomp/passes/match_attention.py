@@ -75,6 +75,7 @@ class Site:
     rank: int = 4
     scale: object = None     # float, None (default 1/sqrt(D)), or a node to multiply q by
     causal: bool = False
+    window_left: Optional[int] = None                      # a banded causal buffer: i - j <= window_left
     biases: List[object] = field(default_factory=list)    # float tensors added to the logits
     allowed: List[fx.Node] = field(default_factory=list)  # bool tensors, True = may attend
     mask: Optional[fx.Node] = None                         # an SDPA attn_mask as given
@@ -307,8 +308,11 @@ def _match_softmax(gm: fx.GraphModule, sm: fx.Node) -> Optional[Site]:
                 softcap=softcap, sinks=sinks)
     # --- masks
     for cond, is_allowed in exclusions_raw:
-        if _causal_buffer(gm, cond, is_allowed, s_shape):
+        band = _causal_buffer(gm, cond, is_allowed, s_shape)
+        if band is not None:
             site.causal = True
+            if band != "causal":
+                site.window_left = band if site.window_left is None else min(site.window_left, band)
             continue
         site.allowed.append(cond if is_allowed else ("not", cond))
     site.scale = _resolve_scale(gm, factors, site)
@@ -323,7 +327,7 @@ def _match_softmax(gm: fx.GraphModule, sm: fx.Node) -> Optional[Site]:
     if site.allowed:
         bits.append("bool mask")
     if site.causal:
-        bits.append("causal buffer")
+        bits.append("causal buffer" if site.window_left is None else f"local buffer (window {site.window_left + 1})")
     if softcap is not None:
         bits.append("softcap")
     if sinks is not None:
@@ -581,13 +585,15 @@ def _skip_noop_slices(n):
     return n
 
 
-def _causal_buffer(gm, cond, is_allowed: bool, s_shape) -> bool:
-    """Whether ``cond`` selects exactly the causal (j <= i) entries, from a sliced tril buffer."""
+def _causal_buffer(gm, cond, is_allowed: bool, s_shape):
+    """``"causal"`` when ``cond`` selects exactly the causal (``j <= i``) entries, from a tril buffer
+    sliced from the top left; the window's ``left`` when it selects a band (``0 <= i - j <= left``,
+    GPT-Neo's local layers); None otherwise."""
     pol = is_allowed
     n = cond
     for _ in range(8):
         if not isinstance(n, fx.Node):
-            return False
+            return None
         if n.op == "call_method" and n.target in ("bool", "to") or (n.op == "call_method" and n.target == "to"):
             n = n.args[0]
             continue
@@ -603,14 +609,14 @@ def _causal_buffer(gm, cond, is_allowed: bool, s_shape) -> bool:
         if (n.op == "call_function" and n.target in (operator.eq, torch.eq, aten.eq.Scalar)) or \
                 (n.op == "call_method" and n.target == "eq"):
             if n.args[1] != 0:
-                return False
+                return None
             pol = not pol
             n = n.args[0]
             continue
         if (n.op == "call_function" and n.target in (operator.ne, torch.ne, aten.ne.Scalar)) or \
                 (n.op == "call_method" and n.target == "ne"):
             if n.args[1] != 0:
-                return False
+                return None
             n = n.args[0]
             continue
         break
@@ -620,11 +626,11 @@ def _causal_buffer(gm, cond, is_allowed: bool, s_shape) -> bool:
         if n.target is operator.getitem and isinstance(n.args[1], tuple):
             for d, sl in enumerate(n.args[1]):
                 if sl is Ellipsis:
-                    return False
+                    return None
                 if isinstance(sl, slice):
                     slices[d] = (sl.start, sl.step)
                 elif sl is not None:
-                    return False
+                    return None
             n = n.args[0]
             continue
         if n.target is aten.slice.Tensor:
@@ -636,25 +642,39 @@ def _causal_buffer(gm, cond, is_allowed: bool, s_shape) -> bool:
             continue
         break
     if not isinstance(n, fx.Node) or n.op != "get_attr":
-        return False
+        return None
     buf = get_attr_value(gm, n)
     if not isinstance(buf, torch.Tensor) or buf.dim() < 2 or buf.shape[-1] != buf.shape[-2]:
-        return False
+        return None
     nd = buf.dim()
     for d, (start, step) in slices.items():
         d = d % nd
+        if isinstance(start, fx.Node):  # GPT-Neo's key_length - query_length: 0 when dynamo proves it
+            start = start.meta.get("example_value", start.meta.get("val"))
+            start = 0 if start is not None and same_dim(start, 0) else start
         if start not in (None, 0) or step not in (None, 1):
-            return False
-    mask = buf != 0
-    tril = torch.ones(buf.shape[-2:], dtype=torch.bool, device=buf.device).tril()
-    want = tril if pol else ~tril
-    if not bool((mask == want).all()):
-        return False
+            return None
+    mask = (buf != 0).reshape(-1, *buf.shape[-2:])
+    if not bool((mask == mask[:1]).all()):
+        return None
+    mask = mask[0] if pol else ~mask[0]
+    ones = torch.ones(buf.shape[-2:], dtype=torch.bool, device=buf.device)
+    tril = ones.tril()
+    if bool((mask == tril).all()):
+        band = "causal"
+    else:
+        gap = tril & ~mask   # causal entries the buffer excludes: the nearest one bounds the window
+        if bool((mask & ~tril).any()) or not bool(gap.any()):
+            return None
+        idx = gap.nonzero()
+        band = int((idx[:, 0] - idx[:, 1]).min()) - 1
+        if band < 0 or not bool((mask == (tril & ~ones.tril(-band - 1))).all()):
+            return None
     # the sliced mask must cover the logits' last two dims exactly (a size-1 slice would broadcast)
     cshape = meta_shape(cond)
     if s_shape is None or cshape is None or len(cshape) < 2:
-        return False
-    return same_dim(cshape[-1], s_shape[-1]) and same_dim(cshape[-2], s_shape[-2])
+        return None
+    return band if same_dim(cshape[-1], s_shape[-1]) and same_dim(cshape[-2], s_shape[-2]) else None
 
 
 def _match_sdpa(gm: fx.GraphModule, n: fx.Node) -> Site:
@@ -755,7 +775,8 @@ def _rewrite(gm: fx.GraphModule, site: Site, ctx: CompileContext) -> None:
             mask_kind = "bool" if md == torch.bool else "float"
             if md is None:
                 mask_kind = "float"  # refined at run time: backends check the tensor's dtype
-        spec = AttentionSpec(causal=site.causal, mask_kind=mask_kind, scale=scale, dropout_p=site.dropout,
+        spec = AttentionSpec(causal=site.causal, window_left=site.window_left, mask_kind=mask_kind, scale=scale,
+                             dropout_p=site.dropout,
                              dtype=dtype_name(dt) if dt in (torch.float16, torch.bfloat16, torch.float32,
                                                             torch.float64) else None,
                              head_dim=head_dim, gqa_groups=site.groups, policy=Dense(),

@@ -165,6 +165,33 @@ def test_causal_buffer_becomes_causal_spec():
     assert spec.causal and op_nodes(gm)[0].args[ops.ARG_INDEX["attn_mask"]] is None
 
 
+@pytest.mark.parametrize("window", [1, 3, 40])
+def test_banded_buffer_becomes_a_window(window):
+    """GPT-Neo's local layers: a constant buffer ``tril ^ tril(-w)`` sliced from the top left allows
+    ``0 <= i - j < w``: the spec gets ``causal`` and ``window_left = w - 1`` (a window wider than the
+    buffer is plain causal), no mask tensor, values equal; a buffer that is not a band stays a mask."""
+    n_max = 32
+
+    def fn(self, q, k, v, m):
+        nq, nk = q.shape[-2], k.shape[-2]
+        s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+        s = torch.where(self.local[:, :, :nq, :nk], s, torch.finfo(s.dtype).min)
+        return torch.softmax(s, -1) @ v
+
+    site = Site(fn, n_max).double()
+    band = torch.tril(torch.ones(n_max, n_max, dtype=torch.bool))
+    site.register_buffer("local", torch.bitwise_xor(band, torch.tril(band, -window))[None, None])
+    ctx = CompileContext()
+    gm = run_passes(capture(site, inputs("causal_buffer"), ctx), ctx, PASSES)
+    spec = _spec(gm)
+    want_left = None if window >= n_max else window - 1
+    assert spec.causal and spec.window_left == want_left, (spec, ctx.sites[0].pattern)
+    assert op_nodes(gm)[0].args[ops.ARG_INDEX["attn_mask"]] is None
+    for nq in (N, 7):
+        x = inputs("causal_buffer", nq, nq)
+        torch.testing.assert_close(gm(*x), site(*x), rtol=1e-6, atol=1e-8)
+
+
 def test_scales_fold_into_spec():
     assert _spec(compile_site(CASES["scale_on_both"], inputs("scale_on_both"))[0]).scale is None  # 1/sqrt(D)
     assert _spec(compile_site(CASES["no_scale"], inputs("no_scale"))[0]).scale == 1.0
