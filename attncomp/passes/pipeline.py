@@ -80,12 +80,6 @@ def _is_impure(node: fx.Node) -> bool:
             or (node.op == "call_function" and node.target in _SIDE_EFFECTS))
 
 
-def _relative_bias(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
-    from .relative_bias import relative_bias
-
-    return relative_bias(gm, ctx)
-
-
 def default_passes() -> List[Tuple[str, Pass]]:
     """The compile pipeline after capture, in order."""
     from . import (analyze_mask, canonicalize, decompose_mha, match_attention, scale_reorder, fold_wv_wo, sparsify,
@@ -97,7 +91,6 @@ def default_passes() -> List[Tuple[str, Pass]]:
         ("unflatten_heads", unflatten_heads.unflatten_heads),
         ("match_attention", match_attention.match_attention),
         ("analyze_mask", analyze_mask.analyze_mask),
-        ("relative_bias", _relative_bias),
         ("scale_reorder", scale_reorder.scale_reorder),
         ("fold_wv_wo", fold_wv_wo.fold_wv_wo),
         ("sparsify", sparsify.sparsify),
