@@ -7,7 +7,11 @@ Matches (before :mod:`.canonicalize`), whichever way the capture spelt the call:
   fused fast path is never taken under dynamo, which reports itself as make_fx tracing);
 * ``call_module`` of an ``nn.MultiheadAttention`` (a leaf module of ``torch.fx.symbolic_trace``);
 * ``torch._native_multi_head_attention`` / ``aten._native_multi_head_attention``, the fused op of the
-  fast path (eval mode, self-attention, batch first, no autograd), where a graph calls it directly.
+  fast path (eval mode, self-attention, batch first, no autograd), where a graph calls it directly;
+* ``torch._transformer_encoder_layer_fwd``, ``nn.TransformerEncoderLayer``'s fast path (one op for the
+  whole layer), which dynamo does capture (eval, batch first, no autograd): its attention becomes the
+  decomposition below, between the layer's layer norms, residuals and feed-forward block, and the site is
+  named after the layer's ``self_attn``.
 
 ``torch.export`` traces through all of them into aten ops, which :mod:`.match_attention` matches as they are.
 
@@ -27,6 +31,9 @@ default ``need_weights=True`` with the weights dropped), to::
 ``(B*H, L, S)``) combined as PyTorch combines them: a boolean "may attend" mask when both are boolean, else
 the sum of their additive forms. The result equals the call's output in exact arithmetic (PyTorch's
 weights path scales q before ``q @ k^T``; its SDPA path is this one).
+
+Counters: ``decompose_mha``: ``decomposed``, ``left_alone`` and per form (``form:functional``,
+``form:module``, ``form:fused_mha``, ``form:fused_layer``).
 
 Guarantees: the call node and its ``getitem(·, 0)`` are replaced; new nodes carry the call's
 ``nn_module_stack`` (the site is named after the ``MultiheadAttention`` module) and fake values.
@@ -57,6 +64,7 @@ NAME = "decompose_mha"
 PATTERN = "nn.MultiheadAttention"
 
 _NATIVE = (torch._native_multi_head_attention, torch.ops.aten._native_multi_head_attention.default)
+_NATIVE_LAYER = (torch._transformer_encoder_layer_fwd, torch.ops.aten._transformer_encoder_layer_fwd.default)
 # F.multi_head_attention_forward's parameters, in order
 _MHA_PARAMS = ("query", "key", "value", "embed_dim_to_check", "num_heads", "in_proj_weight", "in_proj_bias",
                "bias_k", "bias_v", "add_zero_attn", "dropout_p", "out_proj_weight", "out_proj_bias", "training",
@@ -67,6 +75,9 @@ _MHA_DEFAULTS = dict(training=True, key_padding_mask=None, need_weights=True, at
                      static_k=None, static_v=None, average_attn_weights=True, is_causal=False)
 _NATIVE_PARAMS = ("query", "key", "value", "embed_dim", "num_head", "qkv_weight", "qkv_bias", "proj_weight",
                   "proj_bias", "mask", "need_weights", "average_attn_weights", "mask_type")
+_LAYER_PARAMS = ("src", "embed_dim", "num_heads", "qkv_weight", "qkv_bias", "proj_weight", "proj_bias", "use_gelu",
+                 "norm_first", "eps", "norm_weight_1", "norm_bias_1", "norm_weight_2", "norm_bias_2", "ffn_weight_1",
+                 "ffn_bias_1", "ffn_weight_2", "ffn_bias_2", "mask", "mask_type")
 _MODULE_PARAMS = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask", "average_attn_weights",
                   "is_causal")
 
@@ -92,16 +103,21 @@ def _call(gm: fx.GraphModule, node: fx.Node) -> Optional[Dict[str, Any]]:
     if node.op == "call_function" and node.target in _NATIVE:
         n = _bind(node, _NATIVE_PARAMS, dict(mask=None, need_weights=True, average_attn_weights=True,
                                               mask_type=None))
-        mask, kind = n["mask"], n["mask_type"]
-        if mask is not None and kind not in (0, 1, 2):
-            kind = 1 if _rank(mask) == 2 and _rank(n["query"]) == 3 and not _is_lxs(mask, n) else 0
-        return dict(query=n["query"], key=n["key"], value=n["value"], num_heads=n["num_head"],
-                    in_proj_weight=n["qkv_weight"], in_proj_bias=n["qkv_bias"], bias_k=None, bias_v=None,
-                    add_zero_attn=False, dropout_p=0.0, out_proj_weight=n["proj_weight"],
-                    out_proj_bias=n["proj_bias"], training=False,
-                    key_padding_mask=mask if kind == 1 else None, attn_mask=mask if kind in (0, 2) else None,
+        return dict(_fused_masks(n["mask"], n["mask_type"], n["query"]), query=n["query"], key=n["key"],
+                    value=n["value"], num_heads=n["num_head"], in_proj_weight=n["qkv_weight"],
+                    in_proj_bias=n["qkv_bias"], bias_k=None, bias_v=None, add_zero_attn=False, dropout_p=0.0,
+                    out_proj_weight=n["proj_weight"], out_proj_bias=n["proj_bias"], training=False,
                     need_weights=n["need_weights"], use_separate_proj_weight=False, static_k=None,
                     static_v=None, batch_first=True)
+    if node.op == "call_function" and node.target in _NATIVE_LAYER:
+        n = _bind(node, _LAYER_PARAMS, dict(mask=None, mask_type=None))
+        mha = dict(_fused_masks(n["mask"], n["mask_type"], n["src"]), query=n["src"], key=n["src"],
+                   value=n["src"], num_heads=n["num_heads"], in_proj_weight=n["qkv_weight"],
+                   in_proj_bias=n["qkv_bias"], bias_k=None, bias_v=None, add_zero_attn=False, dropout_p=0.0,
+                   out_proj_weight=n["proj_weight"], out_proj_bias=n["proj_bias"], training=False,
+                   need_weights=False, use_separate_proj_weight=False, static_k=None, static_v=None,
+                   batch_first=True)
+        return dict(mha, layer=n)
     if node.op == "call_module":
         mod = resolve_attr(gm, node.target)
         if not isinstance(mod, nn.MultiheadAttention):
@@ -133,6 +149,14 @@ def _call(gm: fx.GraphModule, node: fx.Node) -> Optional[Dict[str, Any]]:
     return None
 
 
+def _fused_masks(mask, kind, query) -> Dict[str, Any]:
+    """The fused ops' one mask as ``key_padding_mask``/``attn_mask``: ``mask_type`` 1 is a key padding mask
+    ``(B, S)``, 0 an ``(L, S)`` mask and 2 one merged by ``MultiheadAttention.merge_masks`` ``(B, H, L, S)``."""
+    if mask is not None and kind not in (0, 1, 2):
+        kind = 1 if _rank(mask) == 2 and not _is_lxs(mask, query) else 0
+    return dict(key_padding_mask=mask if kind == 1 else None, attn_mask=mask if kind in (0, 2) else None)
+
+
 def _rank(n) -> Optional[int]:
     v = n.meta.get("val") if isinstance(n, fx.Node) else None
     if isinstance(v, torch.Tensor):
@@ -141,8 +165,8 @@ def _rank(n) -> Optional[int]:
     return len(tm.shape) if tm is not None and hasattr(tm, "shape") else None
 
 
-def _is_lxs(mask, n) -> bool:
-    v, q = (x.meta.get("val") for x in (mask, n["query"]))
+def _is_lxs(mask, query) -> bool:
+    v, q = (x.meta.get("val") for x in (mask, query))
     return isinstance(v, torch.Tensor) and isinstance(q, torch.Tensor) and v.shape[0] == q.shape[1]
 
 
@@ -170,16 +194,19 @@ def _check(a: Dict[str, Any]) -> None:
     for m in ("key_padding_mask", "attn_mask"):
         if isinstance(a.get(m), fx.Node) and dtype_of(a[m]) is None:
             raise _Skip(f"{m} has no dtype metadata")
-    if isinstance(a.get("attn_mask"), fx.Node) and _rank(a["attn_mask"]) not in (2, 3):
-        raise _Skip("attn_mask is neither (L, S) nor (B*H, L, S)")
+    if isinstance(a.get("attn_mask"), fx.Node) and _rank(a["attn_mask"]) not in (2, 3, 4):
+        raise _Skip("attn_mask is neither (L, S), (B*H, L, S) nor (B, H, L, S)")
 
 
-def _emit(g: fx.Graph, a: Dict[str, Any]) -> fx.Proxy:
+def _emit(g: fx.Graph, a: Dict[str, Any], tracer=None) -> fx.Proxy:
     """The decomposition, written on proxies that append nodes to ``g`` at its insertion point."""
-    tracer = fx.proxy.GraphAppendingTracer(g)
+    tracer = tracer or fx.proxy.GraphAppendingTracer(g)
 
     def P(x):
         return fx.Proxy(x, tracer) if isinstance(x, fx.Node) else x
+
+    if "layer" in a:
+        return _emit_layer(g, a, tracer, P)
 
     query, key, value = a["query"], a["key"], a["value"]
     H = int(a["num_heads"])
@@ -202,6 +229,7 @@ def _emit(g: fx.Graph, a: Dict[str, Any]) -> fx.Proxy:
         bs = [None] * 3 if in_b is None else [in_b.chunk(3)[i] for i in range(3)]
         q, k, v = (F.linear(x, w[i], bs[i]) for i, x in enumerate((q_in, k_in, v_in)))
     E = _last_dim(a["out_proj_weight"], 1)
+    query = query.node if isinstance(query, fx.Proxy) else query
     q, k, v = (t.unflatten(-1, (H, E // H)).transpose(1, 2) for t in (q, k, v))
 
     kpm, am = a.get("key_padding_mask"), a.get("attn_mask")
@@ -221,12 +249,38 @@ def _emit(g: fx.Graph, a: Dict[str, Any]) -> fx.Proxy:
     else:
         for m, is_bool in masks:
             if is_bool:
-                m = torch.zeros_like(m, dtype=_dtype(query)).masked_fill(m, float("-inf"))
+                m = torch.zeros_like(m, dtype=_dtype(query, a["out_proj_weight"])).masked_fill(m, float("-inf"))
             mask = m if mask is None else mask + m
     p = float(a["dropout_p"]) if a["training"] else 0.0
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
     out = F.linear(o.transpose(1, 2).flatten(2), P(a["out_proj_weight"]), P(a.get("out_proj_bias")))
     return out if a["batch_first"] else out.transpose(0, 1)
+
+
+def _emit_layer(g: fx.Graph, a: Dict[str, Any], tracer, P) -> fx.Proxy:
+    """``torch._transformer_encoder_layer_fwd`` (``nn.TransformerEncoderLayer``'s fast path, one op for the
+    whole layer): the attention above between the layer's norms, residuals and feed-forward block."""
+    n = a["layer"]
+    E = int(n["embed_dim"])
+    mha = {k: v for k, v in a.items() if k != "layer"}
+
+    def norm(x, i):
+        return F.layer_norm(x, (E,), P(n[f"norm_weight_{i}"]), P(n[f"norm_bias_{i}"]), float(n["eps"]))
+
+    def sa(x):
+        return _emit(g, dict(mha, query=x, key=x, value=x), tracer)
+
+    def ff(x):
+        h = F.linear(x, P(n["ffn_weight_1"]), P(n["ffn_bias_1"]))
+        h = F.gelu(h) if n["use_gelu"] else F.relu(h)
+        return F.linear(h, P(n["ffn_weight_2"]), P(n["ffn_bias_2"]))
+
+    src = P(n["src"])
+    if n["norm_first"]:
+        x = src + sa(norm(src, 1))
+        return x + ff(norm(x, 2))
+    x = norm(src + sa(src), 1)
+    return norm(x + ff(x), 2)
 
 
 def _meta_tensor(n) -> Optional[torch.Tensor]:
@@ -245,8 +299,16 @@ def _last_dim(n, i: int) -> int:
     return int(v.shape[i])
 
 
-def _dtype(n) -> torch.dtype:
-    return dtype_of(n) or torch.float32
+def _dtype(*nodes) -> torch.dtype:
+    """The first known dtype of ``nodes`` (graph values, or module tensors read by ``get_attr``)."""
+    for n in nodes:
+        if not isinstance(n, fx.Node):
+            continue
+        if dtype_of(n) is not None:
+            return dtype_of(n)
+        if n.op == "get_attr":
+            return resolve_attr(n.graph.owning_module, n.target).dtype
+    return torch.float32
 
 
 def _fake_values(gm: fx.GraphModule, nodes: List[fx.Node]) -> None:
@@ -290,6 +352,13 @@ def _fake_values(gm: fx.GraphModule, nodes: List[fx.Node]) -> None:
             cache[n] = out
 
 
+def _form(node: fx.Node) -> str:
+    if node.op == "call_module":
+        return "module"
+    return {F.multi_head_attention_forward: "functional"}.get(
+        node.target, "fused_layer" if node.target in _NATIVE_LAYER else "fused_mha")
+
+
 def decompose_mha(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
     """Open every multi-head attention call whose weights are unused into projections around SDPA."""
     g = gm.graph
@@ -313,7 +382,7 @@ def decompose_mha(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
         try:
             if why is not None:
                 raise _Skip(why)
-            if _weights_used(node):
+            if "layer" not in a and _weights_used(node):
                 raise _Skip("the attention weights it returns are used (need_weights=True and read): the "
                             "op does not return them")
             _check(a)
@@ -327,15 +396,24 @@ def decompose_mha(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
             out = _emit(g, a).node
         new = [n for n in g.nodes if n not in before]
         keep = {k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")}
+        if "layer" in a and keep.get("nn_module_stack"):
+            # the fused layer op runs the layer's self_attn: the site is named after it, as in other captures
+            stack = dict(keep["nn_module_stack"])
+            key, (path, _) = list(stack.items())[-1]
+            stack[f"{key}.self_attn"] = (f"{path}.self_attn", nn.MultiheadAttention)
+            keep["nn_module_stack"] = stack
         for n in new:
             n.meta.update(keep)
         _fake_values(gm, new)
+        if "layer" in a:  # one output, the layer's
+            node.replace_all_uses_with(out)
         for u in list(node.users):
             if u.args[1] == 0:
                 u.replace_all_uses_with(out)
             g.erase_node(u)
         g.erase_node(node)
         ctx.count(NAME, "decomposed")
+        ctx.count(NAME, "form:" + _form(node))
         modified = True
     if modified:
         g.lint()

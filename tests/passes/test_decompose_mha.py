@@ -206,6 +206,48 @@ def test_weights_used_left_alone_with_reason(capture):
     assert "weights it returns are used" in str(rep)
 
 
+def encoder(norm_first, activation, batch_first=True):
+    torch.manual_seed(5)
+    layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, activation=activation, batch_first=batch_first,
+                                       norm_first=norm_first)
+    return nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_transformer_encoder_fused_layer(norm_first, activation, causal):
+    """Eval, batch first, no grad: the layer's fast path is one op, torch._transformer_encoder_layer_fwd,
+    which dynamo captures as it is; its attention is opened up like the others."""
+    model = encoder(norm_first, activation).eval()
+    x, kpm = inputs()
+    # a bool mask, as the key padding mask (mixing a float one with it makes the layer warn: a graph break),
+    # and is_causal said (else the encoder tests the mask's values: a graph break)
+    kw = dict(mask=torch.ones(7, 7, dtype=torch.bool).triu(1), is_causal=True) if causal else {}
+    fast = attncomp.compile(model)
+    with torch.no_grad():
+        got, want = fast(x, src_key_padding_mask=kpm, **kw), model(x, src_key_padding_mask=kpm, **kw)
+    rep = attncomp.report(fast)
+    assert [s.name for s in rep.sites] == ["layers.0.self_attn", "layers.1.self_attn"] and rep.rewritten == 2, str(rep)
+    assert rep.counters["decompose_mha"]["form:fused_layer"] == 2, rep.counters
+    assert rel_err(got, want) < TOL
+
+
+def test_transformer_encoder_training():
+    model = encoder(False, "relu", batch_first=False)
+    x, kpm = inputs(False)
+    kw = dict(mask=torch.ones(7, 7, dtype=torch.bool).triu(1), src_key_padding_mask=kpm, is_causal=True)
+    model.train()
+    fast = attncomp.compile(model)
+    params = list(model.parameters())
+    want = model(x, **kw).square().sum()
+    got = fast(x, **kw).square().sum()
+    for a, b in zip(torch.autograd.grad(got, params), torch.autograd.grad(want, params)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    rep = attncomp.report(fast)
+    assert rep.rewritten == 2 and rep.counters["decompose_mha"]["form:functional"] == 2, str(rep)
+
+
 def test_siglip_attention_pooling_head():
     transformers = pytest.importorskip("transformers")
     cfg = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
