@@ -352,6 +352,15 @@ def _fake_values(gm: fx.GraphModule, nodes: List[fx.Node]) -> None:
             cache[n] = out
 
 
+def _drop_unused_reads(g: fx.Graph, node: fx.Node) -> None:
+    """Erase the ``get_attr`` nodes :func:`_call` put before a module call that is then left alone."""
+    prev = node.prev
+    while prev.op == "get_attr" and not prev.users:
+        nxt = prev.prev
+        g.erase_node(prev)
+        prev = nxt
+
+
 def _form(node: fx.Node) -> str:
     if node.op == "call_module":
         return "module"
@@ -390,6 +399,7 @@ def decompose_mha(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
             ctx.sites.append(SiteReport(name=name, rewritten=False, policy=ctx.policy.name, pattern=PATTERN,
                                         reason=str(e)))
             ctx.count(NAME, "left_alone")
+            _drop_unused_reads(g, node)
             continue
         before = set(g.nodes)
         with g.inserting_before(node):

@@ -248,6 +248,20 @@ def test_transformer_encoder_training():
     assert rep.rewritten == 2 and rep.counters["decompose_mha"]["form:functional"] == 2, str(rep)
 
 
+@pytest.mark.parametrize("option, needle", [(dict(add_bias_kv=True), "bias_k"),
+                                            (dict(add_zero_attn=True), "add_zero_attn")])
+def test_unsupported_options_left_alone_with_reason(option, needle):
+    model = SelfAttn()
+    model.mha = nn.MultiheadAttention(32, 4, batch_first=True, **option)
+    model.eval()
+    x, kpm = inputs()
+    fast = attncomp.compile(model)
+    with torch.no_grad():
+        assert rel_err(fast(x, kpm), model(x, kpm)) < TOL
+    rep = attncomp.report(fast)
+    assert len(rep.sites) == 1 and not rep.sites[0].rewritten and needle in rep.sites[0].reason, str(rep)
+
+
 def test_siglip_attention_pooling_head():
     transformers = pytest.importorskip("transformers")
     cfg = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
