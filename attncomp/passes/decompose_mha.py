@@ -27,10 +27,11 @@ default ``need_weights=True`` with the weights dropped), to::
     o = scaled_dot_product_attention(q, k, v, mask, dropout_p if training else 0)
     out = linear(o.transpose(1, 2).flatten(2), W_out, b_out)    (transposed back to (L, B, E) if so called)
 
-``mask``: ``key_padding_mask`` (``(B, S)``, True or ``-inf`` = ignore) and ``attn_mask`` (``(L, S)`` or
-``(B*H, L, S)``) combined as PyTorch combines them: a boolean "may attend" mask when both are boolean, else
-the sum of their additive forms. The result equals the call's output in exact arithmetic (PyTorch's
-weights path scales q before ``q @ k^T``; its SDPA path is this one).
+``mask``: ``key_padding_mask`` (``(B, S)``, True or ``-inf`` = ignore) and ``attn_mask`` (``(L, S)``,
+``(B*H, L, S)``, or the fused ops' merged ``(B, H, L, S)``) combined as PyTorch combines them: a boolean
+"may attend" mask when both are boolean, else the sum of their additive forms. ``is_causal`` is a hint in
+PyTorch (it requires ``attn_mask``, which is what applies) and is not read. The result equals the call's
+output in exact arithmetic (PyTorch's weights path scales q before ``q @ k^T``; its SDPA path is this one).
 
 Counters: ``decompose_mha``: ``decomposed``, ``left_alone`` and per form (``form:functional``,
 ``form:module``, ``form:fused_mha``, ``form:fused_layer``).
