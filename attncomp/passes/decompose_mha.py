@@ -38,8 +38,8 @@ Counters: ``decompose_mha``: ``decomposed``, ``left_alone`` and per form (``form
 
 Guarantees: the call node and its ``getitem(·, 0)`` are replaced; new nodes carry the call's
 ``nn_module_stack`` (the site is named after the ``MultiheadAttention`` module) and fake values.
-Calls left alone, each with its reason in the report (``SiteReport`` with ``rewritten=False``): the
-weights are used, unbatched inputs, ``bias_k``/``bias_v``, ``add_zero_attn``, ``static_k``/``static_v``,
+Unbatched calls (``(L, E)`` inputs) run as a batch of one. Calls left alone, each with its reason in the
+report (``SiteReport`` with ``rewritten=False``): the weights are used, ``bias_k``/``bias_v``, ``add_zero_attn``, ``static_k``/``static_v``,
 a mask of unknown dtype.
 """
 
@@ -188,8 +188,8 @@ def _check(a: Dict[str, Any]) -> None:
         raise _Skip("add_zero_attn appends a zero key and value")
     if a.get("static_k") is not None or a.get("static_v") is not None:
         raise _Skip("static_k/static_v replace the projected keys and values")
-    if _rank(a["query"]) != 3:
-        raise _Skip("unbatched (2-D) or shapes unknown: inputs must be 3-D with shape metadata")
+    if _rank(a["query"]) not in (2, 3):
+        raise _Skip("no shape metadata on the query (or it is neither 2-D nor 3-D)")
     if not isinstance(a.get("dropout_p"), (int, float)) or not isinstance(a.get("training"), bool):
         raise _Skip("dropout rate or training flag is not a constant")
     for m in ("key_padding_mask", "attn_mask"):
@@ -213,7 +213,12 @@ def _emit(g: fx.Graph, a: Dict[str, Any], tracer=None) -> fx.Proxy:
     H = int(a["num_heads"])
     self_attn = query is key and key is value
     q_in, k_in, v_in = P(query), P(key), P(value)
-    if not a["batch_first"]:  # (L, B, E) -> (B, L, E)
+    unbatched = isinstance(query, fx.Node) and _rank(query) == 2
+    if unbatched:  # (L, E) -> (1, L, E)
+        q_in = q_in.unsqueeze(0)
+        k_in = q_in if self_attn else k_in.unsqueeze(0)
+        v_in = q_in if self_attn else (k_in if value is key else v_in.unsqueeze(0))
+    elif not a["batch_first"]:  # (L, B, E) -> (B, L, E)
         q_in = q_in.transpose(0, 1)
         k_in = q_in if self_attn else k_in.transpose(0, 1)
         v_in = q_in if self_attn else (k_in if value is key else v_in.transpose(0, 1))
@@ -236,7 +241,8 @@ def _emit(g: fx.Graph, a: Dict[str, Any], tracer=None) -> fx.Proxy:
     kpm, am = a.get("key_padding_mask"), a.get("attn_mask")
     masks = []  # (proxy, is_bool), each broadcastable to (B, H, L, S), True / -inf = excluded
     if isinstance(kpm, fx.Node):
-        masks.append((P(kpm).unsqueeze(1).unsqueeze(2), dtype_of(kpm) == torch.bool))
+        m = P(kpm).unsqueeze(0) if unbatched else P(kpm)
+        masks.append((m.unsqueeze(1).unsqueeze(2), dtype_of(kpm) == torch.bool))
     if isinstance(am, fx.Node):
         m = P(am)
         if _rank(am) == 3:
@@ -255,6 +261,8 @@ def _emit(g: fx.Graph, a: Dict[str, Any], tracer=None) -> fx.Proxy:
     p = float(a["dropout_p"]) if a["training"] else 0.0
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
     out = F.linear(o.transpose(1, 2).flatten(2), P(a["out_proj_weight"]), P(a.get("out_proj_bias")))
+    if unbatched:
+        return out.squeeze(0)
     return out if a["batch_first"] else out.transpose(0, 1)
 
 

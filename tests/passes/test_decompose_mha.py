@@ -248,6 +248,36 @@ def test_transformer_encoder_training():
     assert rep.rewritten == 2 and rep.counters["decompose_mha"]["form:functional"] == 2, str(rep)
 
 
+class Unbatched(nn.Module):
+    """(L, E) inputs, self-attention with a (S,) key padding mask and cross-attention with (H, L, S) masks."""
+
+    def __init__(self, batch_first):
+        super().__init__()
+        self.sa = nn.MultiheadAttention(32, 4, batch_first=batch_first)
+        self.ca = nn.MultiheadAttention(32, 4, batch_first=batch_first, kdim=24, vdim=24)
+
+    def forward(self, x, mem, kpm, am):
+        y = self.sa(x, x, x, key_padding_mask=kpm, need_weights=False)[0]
+        return self.ca(y, mem, mem, attn_mask=am)[0]
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_unbatched_inputs(batch_first):
+    torch.manual_seed(6)
+    x, mem = torch.randn(7, 32), torch.randn(5, 24)
+    kpm = torch.zeros(7, dtype=torch.bool)
+    kpm[-2:] = True
+    am = torch.zeros(4, 7, 5, dtype=torch.bool)
+    am[1, :, 0] = True
+    model = Unbatched(batch_first).eval()
+    fast = attncomp.compile(model)
+    with torch.no_grad():
+        got, want = fast(x, mem, kpm, am), model(x, mem, kpm, am)
+    rep = attncomp.report(fast)
+    assert [s.name for s in rep.sites] == ["sa", "ca"] and rep.rewritten == 2, str(rep)
+    assert rel_err(got, want) < TOL
+
+
 @pytest.mark.parametrize("option, needle", [(dict(add_bias_kv=True), "bias_k"),
                                             (dict(add_zero_attn=True), "add_zero_attn")])
 def test_unsupported_options_left_alone_with_reason(option, needle):
