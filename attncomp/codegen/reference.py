@@ -318,29 +318,81 @@ def _sum_groups(x: torch.Tensor, hk: int) -> torch.Tensor:
 def attention_backward_mods(q, k, v, attn_mask, grad_out, *, spec: AttentionSpec, mods: Modifiers, q_aux=None,
                             k_aux=None, block_pattern=None, dropout_p: float = 0.0, seed: int = 0,
                             need_mask_grad: bool = False, preds: Optional[Predicates] = None):
-    """Gradients of :func:`attention` for a spec with score modifiers, by autograd through it (the
-    policy's selection held fixed, as in :func:`attention_backward`). Returns ``(dq, dk, dv, dbias | None,
-    dmods)``, ``dmods`` a :class:`Modifiers` of the gradients of the slopes, the table and the sinks
-    (None where absent); ``dbias`` has the mask's shape."""
-    ct = _compute_dtype(q.dtype)
-    leaves = [t.detach().to(ct).requires_grad_(True) for t in (q, k, v)]
-    mask = attn_mask
-    if need_mask_grad and attn_mask is not None:
-        mask = attn_mask.detach().to(ct).requires_grad_(True)
-        leaves.append(mask)
-    mt = [None if t is None else t.detach().to(ct).requires_grad_(True) for t in mods]
-    with torch.enable_grad():
-        out, _ = attention(*leaves[:3], mask, spec=spec.replace(dtype=spec.dtype or dtype_name_of(q)),
-                           q_aux=q_aux, k_aux=k_aux, block_pattern=block_pattern, dropout_p=dropout_p, seed=seed,
-                           preds=preds, mods=Modifiers(*mt))
-        inputs = leaves + [t for t in mt if t is not None]
-        grads = torch.autograd.grad(out, inputs, grad_out.to(out.dtype), allow_unused=True)
-    grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, inputs)]
-    dq, dk, dv = (g.to(t.dtype) for g, t in zip(grads[:3], (q, k, v)))
-    dm = grads[3] if len(leaves) == 4 else None
-    it = iter(grads[len(leaves):])
-    dmods = Modifiers(*(None if t is None else next(it).to(t.dtype) for t in mods))
-    return dq, dk, dv, dm, dmods
+    """Analytic gradients of :func:`attention` for a spec with score modifiers (the policy's selection
+    held fixed, as in :func:`attention_backward`; no autograd, so it runs inside the op's backward as
+    recorded). Returns ``(dq, dk, dv, dbias | None, dmods)``, ``dmods`` a :class:`Modifiers` of the
+    gradients of the slopes, the table and the sinks (None where absent); ``dbias`` ``(B, Hq, Nq, Nk)``.
+
+    With ``ds`` the gradient of the softmax's logits (``p * (dp - rowsum(p * dp))``, the sink's column
+    having no value, so ``dp = 0`` there): the float mask gets ``ds``; through the soft-cap
+    ``ds * (1 - tanh(s / c)^2)`` reaches the additive modifiers and ``q·k``; the slopes get its sum
+    times ``k_pos - q_pos``, the table its sum per bucket, each sink ``-sum(p_sink * rowsum(p * dp))``."""
+    mods = mods if mods is not None else Modifiers()
+    if spec.policy.name == "dfss" and spec.dtype is None:
+        spec = spec.replace(dtype=dtype_name_of(q))
+    D = q.shape[-1]
+    B, Hq, Nq, _ = q.shape
+    Hk, Nk = k.shape[1], k.shape[2]
+    scale = spec.scale if spec.scale is not None else 1.0 / math.sqrt(D)
+    s, allowed = logits(spec, q, k, attn_mask, preds, mods)
+    ct = s.dtype
+    keep = keep_mask(spec, s, allowed, q_aux, k_aux, block_pattern)
+    sk = torch.where(keep, s, torch.full_like(s, float("-inf")))
+    m = sk.amax(dim=-1, keepdim=True)
+    sink = None
+    if spec.sinks:
+        sink = mods.sinks.to(device=s.device, dtype=ct).reshape(1, -1, 1, 1)
+        m = torch.maximum(m, sink.expand_as(m))
+    m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+    p = torch.where(keep, torch.exp(sk - m), torch.zeros_like(s))
+    l = p.sum(dim=-1, keepdim=True)
+    if sink is not None:
+        ls = torch.exp(sink - m)
+        p, p_sink = p / (l + ls), ls / (l + ls)
+    else:
+        p = p / torch.where(l > 0, l, torch.ones_like(l))
+    do = grad_out.to(ct)
+    vv = _expand_kv(v, Hq).to(ct)
+    dk_mask = None
+    if dropout_p > 0.0:
+        dk_mask = dropout_keep(seed, dropout_p, p.shape, p.device).to(ct) / (1.0 - dropout_p)
+    pd = p if dk_mask is None else p * dk_mask
+    dv = _sum_groups(torch.matmul(pd.transpose(-1, -2), do), Hk)
+    dp = torch.matmul(do, vv.transpose(-1, -2))
+    if dk_mask is not None:
+        dp = dp * dk_mask
+    delta = (dp * p).sum(dim=-1, keepdim=True)
+    ds = p * (dp - delta)
+    dmask = ds if need_mask_grad else None
+    if spec.softcap is not None:
+        c = float(spec.softcap)
+        # s (less the float mask) is c * tanh(s1 / c): the derivative 1 - tanh^2 from it
+        capped = s - attn_mask.to(ct) if attn_mask is not None and attn_mask.dtype != torch.bool else s
+        ds = ds * (1.0 - (capped / c) ** 2)
+        ds = torch.where(keep, ds, torch.zeros_like(ds))
+    dslopes = dtable = dsinks = None
+    if spec.alibi or spec.rel_buckets is not None:
+        dq_, dk_ = default_positions(spec, Nq, Nk, q.device)
+        pr = preds if preds is not None else Predicates.none()
+        qp = (pr.q_pos if pr.q_pos is not None else dq_).to(device=q.device, dtype=torch.int64)
+        kp = (pr.k_pos if pr.k_pos is not None else dk_).to(device=q.device, dtype=torch.int64)
+        rel = kp[:, None, :] - qp[:, :, None]  # (B or 1, Nq, Nk)
+        if spec.alibi:
+            dslopes = (ds * rel[:, None].to(ct)).sum(dim=(0, 2, 3)).to(mods.alibi_slopes.dtype)
+        if spec.rel_buckets is not None:
+            bk = rel_bucket(rel, spec.rel_buckets, spec.rel_max_distance, spec.rel_bidirectional)
+            bk = bk.expand(B, Nq, Nk).reshape(-1)
+            dtable = torch.zeros((spec.rel_buckets, Hq), dtype=ct, device=q.device)
+            dtable.index_add_(0, bk, ds.permute(0, 2, 3, 1).reshape(-1, Hq))
+            dtable = dtable.to(mods.rel_table.dtype)
+    if sink is not None:
+        dsinks = -(p_sink * delta).sum(dim=(0, 2, 3)).to(mods.sinks.dtype)
+    dq = torch.matmul(ds, _expand_kv(k, Hq).to(ct)) * scale
+    dkk = _sum_groups(torch.matmul(ds.transpose(-1, -2), q.to(ct)), Hk) * scale
+    return (dq.to(q.dtype), dkk.to(k.dtype), dv.to(v.dtype), dmask,
+            Modifiers(dslopes if mods.alibi_slopes is not None else None,
+                      dtable if mods.rel_table is not None else None,
+                      dsinks if mods.sinks is not None else None))
 
 
 def dtype_name_of(t: torch.Tensor) -> str:

@@ -22,7 +22,7 @@ Guarantees (same values, canonical spelling, as ``call_function`` nodes):
 * casts ``x.to(dtype)`` (``call_method`` ``to`` with one dtype argument): from ``float()``, ``half()``,
   ``bfloat16()``, ``type(dtype)``, aten ``to``/``_to_copy``;
 * export's ``_assert_tensor_metadata`` checks are dropped (they only re-check dtypes the graph fixes);
-* in-place ``masked_fill_``/``add_``/``mul_``/``div_`` on a value become out-of-place, and later readers
+* in-place ``masked_fill_``/``add_``/``mul_``/``div_`` (and ``+=``/``*=``/``/=``) on a value become out-of-place, and later readers
   of the mutated value read the new node (functionalisation of those four), unless the written memory is
   a graph input or attribute, or another view of it is read after the write (then the write stays).
 """
@@ -76,6 +76,8 @@ _METHOD_MAP = {
     "softmax": SOFTMAX,
 }
 _INPLACE = {"masked_fill_": "masked_fill", "add_": "add", "mul_": "mul", "div_": "div"}
+# ``x += y`` as dynamo records it (MPNet's ``attention_scores += position_bias``)
+_INPLACE_OPERATORS = {operator.iadd: operator.add, operator.imul: operator.mul, operator.itruediv: operator.truediv}
 _CAST_METHODS = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16, "double": torch.float64}
 
 
@@ -195,7 +197,8 @@ def _functionalize_inplace(gm: fx.GraphModule, ctx: CompileContext) -> int:
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     n_done = 0
     for n in list(gm.graph.nodes):
-        if n.op == "call_method" and n.target in _INPLACE:
+        method = n.op == "call_method" and n.target in _INPLACE
+        if method or (n.op == "call_function" and n.target in _INPLACE_OPERATORS):
             base = n.args[0]
             if not isinstance(base, fx.Node):
                 continue
@@ -205,7 +208,8 @@ def _functionalize_inplace(gm: fx.GraphModule, ctx: CompileContext) -> int:
                 continue
             later = [u for u in base.users if u is not n and order.get(u, -1) > order[n]]
             with gm.graph.inserting_after(n):
-                new = gm.graph.call_method(_INPLACE[n.target], n.args, n.kwargs)
+                new = (gm.graph.call_method(_INPLACE[n.target], n.args, n.kwargs) if method
+                       else gm.graph.call_function(_INPLACE_OPERATORS[n.target], n.args, n.kwargs))
             new.meta.update(n.meta)
             n.replace_all_uses_with(new)
             for u in later:

@@ -82,8 +82,8 @@ def _is_impure(node: fx.Node) -> bool:
 
 def default_passes() -> List[Tuple[str, Pass]]:
     """The compile pipeline after capture, in order."""
-    from . import (analyze_mask, canonicalize, decompose_mha, match_attention, scale_reorder, fold_wv_wo, sparsify,
-                   select_backend, unflatten_heads)
+    from . import (analyze_mask, canonicalize, decompose_mha, match_attention, relative_bias, scale_reorder,
+                   fold_wv_wo, sparsify, select_backend, unflatten_heads)
 
     return [
         ("decompose_mha", decompose_mha.decompose_mha),
@@ -91,6 +91,7 @@ def default_passes() -> List[Tuple[str, Pass]]:
         ("unflatten_heads", unflatten_heads.unflatten_heads),
         ("match_attention", match_attention.match_attention),
         ("analyze_mask", analyze_mask.analyze_mask),
+        ("relative_bias", relative_bias.relative_bias),
         ("scale_reorder", scale_reorder.scale_reorder),
         ("fold_wv_wo", fold_wv_wo.fold_wv_wo),
         ("sparsify", sparsify.sparsify),

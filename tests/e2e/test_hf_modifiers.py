@@ -1,9 +1,9 @@
 """Hugging Face families whose attention modifies the logits (DESIGN.md §4.2), compiled with
 ``attncomp.compile`` (dynamo): Gemma2 with eager attention (tanh soft-capping) and GPT-OSS (attention
-sinks). Every site is rewritten with its modifier in the spec (no tanh or sink column left to the
+sinks); T5 and MPNet (a learned relative-position bias, looked up by T5's buckets). Every site is rewritten with its modifier in the spec (no tanh or sink column left to the
 graph), outputs equal eager at two batch sizes and lengths, ``generate()`` equals eager's tokens and
-per-step logits on a left-padded batch, and GPT-OSS trains: gradients (the sinks' included) equal
-eager's.
+per-step logits on a left-padded batch, and GPT-OSS, T5 and MPNet train: gradients (the sinks' and the
+bias tables' included) equal eager's.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from tests.utils import rel_err
 
 transformers = pytest.importorskip("transformers")
 
-from tests.e2e.hf_zoo import _GQA, text  # noqa: E402
-from tests.e2e.test_hf_families import TOL, assert_outputs_match, tensors  # noqa: E402
+from tests.e2e.hf_zoo import _GQA, H, VOCAB, seq2seq, text  # noqa: E402
+from tests.e2e.test_hf_families import TOL, _no_dropout, assert_outputs_match, tensors  # noqa: E402
 
 T = transformers
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
@@ -30,6 +30,47 @@ FAMILIES = {
                                                            num_local_experts=4, num_experts_per_tok=2)).eval(),
                 "sinks"),
 }
+
+
+REL = "relative bias(32 buckets, max distance 128, {}) (checked against the graph's bias index)"
+ENCODERS = {
+    # T5: encoder self-attention bidirectional, decoder self-attention causal, cross-attention without a bias
+    "t5": (lambda: T.T5Model(T.T5Config(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, vocab_size=VOCAB,
+                                        decoder_start_token_id=0)).eval(), seq2seq,
+           [REL.format("bidirectional")] * 2 + [REL.format("causal"), None] * 2),
+    "mpnet": (lambda: T.MPNetModel(T.MPNetConfig(**H, max_position_embeddings=128, pad_token_id=1)).eval(), text,
+              [REL.format("bidirectional")] * 2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ENCODERS))
+def test_relative_bias_family_matches_eager_and_trains(name):
+    build, inputs, modifiers = ENCODERS[name]
+    torch.manual_seed(0)
+    model = build()
+    fast = attncomp.compile(model, policy="dense")
+    for b, n in ((2, 12), (3, 17)):
+        x = inputs(b, n)
+        with torch.no_grad():
+            assert_outputs_match(fast(**x), model(**x), f"{name} at ({b}, {n})")
+    rep = attncomp.report(fast)
+    assert [s.details.get("modifiers") for s in rep.sites] == modifiers, str(rep)
+    assert all(s.rewritten for s in rep.sites)
+    _no_dropout(model).train()
+    x = inputs(2, 11)
+    grads, proj = [], None
+    for run in (model, fast):
+        model.zero_grad(set_to_none=True)
+        out = tensors(run(**x))[0]
+        proj = torch.randn_like(out) if proj is None else proj
+        (out * proj).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    want, got = grads
+    assert want.keys() == got.keys() and any("relative_attention_bias" in n for n in want)
+    scale = max(g.norm() for g in want.values())
+    for n in want:
+        err = float((got[n] - want[n]).norm() / scale)
+        assert err < 1e-4, f"{name}: gradient of {n} differs: {err:.3g} of the largest gradient's norm"
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
