@@ -82,7 +82,7 @@ def _is_impure(node: fx.Node) -> bool:
 
 def default_passes() -> List[Tuple[str, Pass]]:
     """The compile pipeline after capture, in order."""
-    from . import (analyze_mask, canonicalize, decompose_mha, match_attention, relative_bias, scale_reorder,
+    from . import (alibi, analyze_mask, canonicalize, decompose_mha, match_attention, relative_bias, scale_reorder,
                    fold_wv_wo, sparsify, select_backend, unflatten_heads)
 
     return [
@@ -92,6 +92,7 @@ def default_passes() -> List[Tuple[str, Pass]]:
         ("match_attention", match_attention.match_attention),
         ("analyze_mask", analyze_mask.analyze_mask),
         ("relative_bias", relative_bias.relative_bias),
+        ("alibi", alibi.alibi),
         ("scale_reorder", scale_reorder.scale_reorder),
         ("fold_wv_wo", fold_wv_wo.fold_wv_wo),
         ("sparsify", sparsify.sparsify),

@@ -1,6 +1,6 @@
 """Hugging Face families whose attention modifies the logits (DESIGN.md §4.2), compiled with
 ``attncomp.compile`` (dynamo): Gemma2 with eager attention (tanh soft-capping) and GPT-OSS (attention
-sinks); T5 and MPNet (a learned relative-position bias, looked up by T5's buckets). Every site is rewritten with its modifier in the spec (no tanh or sink column left to the
+sinks); Bloom (ALiBi); T5 and MPNet (a learned relative-position bias, looked up by T5's buckets). Every site is rewritten with its modifier in the spec (no tanh or sink column left to the
 graph), outputs equal eager at two batch sizes and lengths, ``generate()`` equals eager's tokens and
 per-step logits on a left-padded batch, and GPT-OSS, T5 and MPNet train: gradients (the sinks' and the
 bias tables' included) equal eager's.
@@ -71,6 +71,31 @@ def test_relative_bias_family_matches_eager_and_trains(name):
     for n in want:
         err = float((got[n] - want[n]).norm() / scale)
         assert err < 1e-4, f"{name}: gradient of {n} differs: {err:.3g} of the largest gradient's norm"
+
+
+def test_bloom_alibi_is_the_modifier():
+    """Bloom's ALiBi (slopes from torch.pow times positions counted from each row's first valid key, added
+    with baddbmm on (B*H, Nq, Nk) logits) becomes the spec's modifier; outputs and generate() equal eager."""
+    from tests.e2e.hf_zoo import ZOO
+
+    fam = ZOO["bloom"]
+    torch.manual_seed(0)
+    model = fam.build()
+    fast = attncomp.compile(model, policy="dense")
+    for b, n in ((2, 12), (3, 17)):
+        x = fam.inputs(b, n)
+        with torch.no_grad():
+            assert_outputs_match(fast(**x), model(**x), f"bloom at ({b}, {n})")
+    rep = attncomp.report(fast)
+    assert [s.details.get("modifiers") for s in rep.sites] == [
+        "alibi (checked against the graph's bias on the example inputs)"] * 2, str(rep)
+    x = text(3, 9, side="left")
+    opts = dict(max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        want, got = model.generate(**x, **opts), fast.generate(**x, **opts)
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(got.logits, want.logits):
+        assert rel_err(a, b) < TOL
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
