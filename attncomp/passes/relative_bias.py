@@ -94,12 +94,11 @@ def _lookup(gm: fx.GraphModule, mask) -> Optional[Tuple[object, tuple, fx.Node]]
         return None
     if e.target is torch.nn.functional.embedding:
         idx, table = e.args[0], e.args[1]
-        extra = list(e.args[2:]) + list(e.kwargs.values())
-        # padding_idx / max_norm change the lookup or the table: not a plain lookup
-        if len(e.args) > 3 and e.args[3] is not None or any(
-                k in ("max_norm",) and v is not None for k, v in e.kwargs.items()):
+        # padding_idx (its row gets no gradient) and max_norm (renormalises the table): not a plain lookup
+        padding_idx = e.args[2] if len(e.args) > 2 else e.kwargs.get("padding_idx")
+        max_norm = e.args[3] if len(e.args) > 3 else e.kwargs.get("max_norm")
+        if padding_idx is not None or max_norm is not None:
             return None
-        del extra
     elif e.target is aten.embedding.default:
         table, idx = e.args[0], e.args[1]
     else:
