@@ -1,8 +1,8 @@
 """``python -m tests.zoo [--families a,b] [--registry causal-lm,...] [--jobs N] [--timeout S] [--inductor]
 [--train-every K]``: the registry sweep.
 
-Every family runs :func:`tests.zoo.check.check` in a subprocess of its own (a crash or a hang costs that
-family only), ``--jobs`` at a time, each within ``--timeout`` seconds. Results go to
+Every family runs :func:`tests.zoo.check.check` in a worker subprocess (a crash or a hang costs that
+family only; see :class:`Worker`), ``--jobs`` workers at a time, each family within ``--timeout`` seconds. Results go to
 ``tests/zoo/results.json`` and ``tests/zoo/RESULTS.md``; a run of some families (``--families``,
 ``--registry``) merges into the results already there.
 """
@@ -13,7 +13,9 @@ import argparse
 import datetime
 import json
 import os
+import select
 import subprocess
+import threading
 import sys
 import tempfile
 import time
@@ -32,26 +34,66 @@ def key(registry: str, model_type: str) -> str:
     return f"{registry}/{model_type}"
 
 
-def run_one(registry, model_type, cls, timeout, train, env):
-    """One family in a subprocess: its result dict (``crash`` or ``timeout`` when the process gave none)."""
-    t0 = time.time()
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result.json")
-        cmd = [sys.executable, "-m", "tests.zoo.check", registry, model_type, out] + (["--train"] if train else [])
+class Worker:
+    """A process that checks one family after another (``python -m tests.zoo.check --serve``): the
+    imports are paid once per worker, not per family. A family that kills the process (``crash``) or
+    outlives its timeout (``timeout``, the process is killed) costs that family only: the next one
+    starts a new process. Workers are replaced every ``RECYCLE`` families."""
+
+    RECYCLE = 20
+
+    def __init__(self, env):
+        self.env, self.proc, self.done, self.log = env, None, 0, None
+
+    def _start(self):
+        self.log = tempfile.TemporaryFile(mode="w+b")
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.zoo.check", "--serve"], cwd=ROOT, env=self.env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log)
+        self.done = 0
+
+    def _last_log_line(self):
+        self.log.seek(0)
+        lines = [ln for ln in self.log.read().decode(errors="replace").splitlines() if ln.strip()]
+        return lines[-1].strip()[:300] if lines else ""
+
+    def stop(self):
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            self.proc.wait()
+            self.log.close()
+            self.proc = None
+
+    def run(self, registry, model_type, cls, timeout, train):
+        """The family's result dict (``crash`` or ``timeout`` when the worker gave none)."""
+        if self.proc is None or self.done >= self.RECYCLE:
+            self.stop()
+            self._start()
+        t0 = time.time()
         base = dict(registry=registry, model_type=model_type, cls=cls, eager_calls=None, sites=None,
                     rewritten=None, op_calls=None, details={})
-        try:
-            p = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               timeout=timeout, text=True, errors="replace")
-        except subprocess.TimeoutExpired:
-            return dict(base, status="timeout", reason=f"no result within {timeout} s",
-                        seconds=round(time.time() - t0, 1))
-        if p.returncode == 0 and os.path.exists(out):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "result.json")
+            task = dict(registry=registry, model_type=model_type, out=out, train=train)
+            try:
+                self.proc.stdin.write((json.dumps(task) + "\n").encode())
+                self.proc.stdin.flush()
+                ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+                line = self.proc.stdout.readline() if ready else None
+            except (BrokenPipeError, OSError):
+                line = b""
+            if line is None:
+                self.stop()
+                return dict(base, status="timeout", reason=f"no result within {timeout:g} s",
+                            seconds=round(time.time() - t0, 1))
+            if not line or not os.path.exists(out):
+                code = self.proc.wait()
+                reason = f"exit code {code}: {self._last_log_line()}"
+                self.stop()
+                return dict(base, status="crash", reason=reason, seconds=round(time.time() - t0, 1))
+            self.done += 1
             with open(out) as f:
                 return json.load(f)
-        tail = [ln for ln in p.stdout.strip().splitlines() if ln.strip()][-1:] or [""]
-        return dict(base, status="crash", reason=f"exit code {p.returncode}: {tail[0][:300]}",
-                    seconds=round(time.time() - t0, 1))
 
 
 def versions():
@@ -75,8 +117,9 @@ def write_markdown(data, path=RESULTS_MD):
     by = Counter((r["registry"], r["status"]) for r in fams.values())
     lines = ["# Registry sweep results", "",
              f"`python -m tests.zoo` (`make zoo`): transformers {data['transformers']}, torch {data['torch']}, "
-             f"commit {data['commit']}, {data['date']}; Inductor {'on' if data.get('inductor') else 'off'}; "
-             f"last full run {data.get('wall_s', '?')} s wall with {data.get('jobs', '?')} jobs.",
+             f"commit {data['commit']}, {data['date']}; Inductor {'on' if data.get('inductor') else 'off'}. Runs "
+             "merged here: " + "; ".join(f"{r['date']}: {r['families']} families ({r['what']}) in {r['wall_s']} s "
+                                         f"with {r['jobs']} jobs" for r in data.get("runs", [])) + ".",
              "", "Every family of transformers' causal-LM, masked-LM, seq2seq-LM and image-classification "
              "registries, built tiny from its default config with random weights, compiled with "
              "`attncomp.compile(model, policy=\"dense\")` and compared with eager (`tests/zoo/check.py` says "
@@ -86,6 +129,9 @@ def write_markdown(data, path=RESULTS_MD):
     for reg in regs + ["all"]:
         row = [sum(v for (r, s), v in by.items() if s == st and (reg == "all" or r == reg)) for st in statuses]
         lines.append(f"| {reg} | " + " | ".join(str(v) for v in row) + f" | {sum(row)} |")
+    missing = [f"{m} ({r})" for r, m, _ in Z.families() if key(r, m) not in fams]
+    if missing:
+        lines += ["", f"Not run yet ({len(missing)}): " + ", ".join(missing) + "."]
     lines += ["", "| family | registry | class | eager calls | sites | rewritten | status | reason |",
               "| --- | --- | --- | ---: | ---: | ---: | --- | --- |"]
     for k in sorted(fams, key=lambda k: (fams[k]["model_type"], regs.index(fams[k]["registry"]))):
@@ -105,9 +151,9 @@ def main(argv=None):
     ap.add_argument("--registry", default=",".join(Z.REGISTRIES),
                     help="comma-separated registries among " + ", ".join(Z.REGISTRIES))
     ap.add_argument("--jobs", type=int, default=2)
-    ap.add_argument("--timeout", type=float, default=240, help="seconds per family")
+    ap.add_argument("--timeout", type=float, default=180, help="seconds per family")
     ap.add_argument("--inductor", action="store_true", help="compile around the op with Inductor (slow on a CPU)")
-    ap.add_argument("--train-every", type=int, default=8,
+    ap.add_argument("--train-every", type=int, default=20,
                     help="also check training gradients of every K-th family of the full list (0: none)")
     args = ap.parse_args(argv)
 
@@ -119,11 +165,11 @@ def main(argv=None):
     train_keys = {key(r, m) for i, (r, m, _) in enumerate(every) if args.train_every and i % args.train_every == 0}
     todo = [f for f in every if f[0] in regs]
     if args.families:
-        wanted = {m.strip() for m in args.families.split(",") if m.strip()}
-        unknown = wanted - {m for _, m, _ in todo}
+        wanted = [m.strip() for m in args.families.split(",") if m.strip()]
+        unknown = set(wanted) - {m for _, m, _ in todo}
         if unknown:
             ap.error(f"no such family in {', '.join(regs)}: {', '.join(sorted(unknown))}")
-        todo = [f for f in todo if f[1] in wanted]
+        todo = sorted((f for f in todo if f[1] in wanted), key=lambda f: wanted.index(f[1]))  # in the order given
 
     env = dict(os.environ, ATTNCOMP_INDUCTOR="1" if args.inductor else "0", PYTHONWARNINGS="ignore",
                TOKENIZERS_PARALLELISM="false")
@@ -146,20 +192,33 @@ def main(argv=None):
     print(f"{len(todo)} families, {args.jobs} jobs, timeout {args.timeout:g} s, "
           f"Inductor {'on' if args.inductor else 'off'}", flush=True)
     width = len(str(len(todo)))
-    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        futs = {pool.submit(run_one, r, m, c, args.timeout, key(r, m) in train_keys, env): (r, m)
-                for r, m, c in todo}
-        for i, fut in enumerate(as_completed(futs), 1):
-            r, m = futs[fut]
-            res = fut.result()
-            data["families"][key(r, m)] = res
-            print(f"[{i:{width}}/{len(todo)}] {r:9} {m:28} {res['status']:14} {res.get('seconds', 0):6.1f}s  "
-                  f"{str(res.get('reason', ''))[:160]}", flush=True)
-            with open(RESULTS_JSON, "w") as f:  # written as it goes: an interrupted sweep keeps its results
-                json.dump(data, f, indent=1, sort_keys=True, default=str)
+    local = threading.local()
+    workers = []
+
+    def run(r, m, c):
+        if not hasattr(local, "worker"):
+            local.worker = Worker(env)
+            workers.append(local.worker)
+        return local.worker.run(r, m, c, args.timeout, key(r, m) in train_keys)
+
+    try:
+        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            futs = {pool.submit(run, r, m, c): (r, m) for r, m, c in todo}
+            for i, fut in enumerate(as_completed(futs), 1):
+                r, m = futs[fut]
+                res = fut.result()
+                data["families"][key(r, m)] = res
+                print(f"[{i:{width}}/{len(todo)}] {r:9} {m:28} {res['status']:14} {res.get('seconds', 0):6.1f}s  "
+                      f"{str(res.get('reason', ''))[:160]}", flush=True)
+                with open(RESULTS_JSON, "w") as f:  # written as it goes: an interrupted sweep keeps its results
+                    json.dump(data, f, indent=1, sort_keys=True, default=str)
+    finally:
+        for w in workers:
+            w.stop()
     wall = round(time.time() - t0)
-    if full:
-        data["wall_s"], data["jobs"] = wall, args.jobs
+    what = "all registries" if full else ", ".join(regs) + (" (some families)" if args.families else "")
+    data["runs"] = ([] if full else data.get("runs", [])[-9:]) + [
+        dict(date=data["date"], families=len(todo), what=what, wall_s=wall, jobs=args.jobs)]
     with open(RESULTS_JSON, "w") as f:
         json.dump(data, f, indent=1, sort_keys=True, default=str)
     write_markdown(data)

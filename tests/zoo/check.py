@@ -3,7 +3,8 @@
 
 ``check(registry, model_type)`` returns a result dict whose ``status`` is ``pass`` or the first failure
 class met (:data:`STATUSES`); ``python -m tests.zoo.check REGISTRY MODEL_TYPE OUT.json [--train]`` runs it
-in a process of its own and writes the dict (the runner's subprocess).
+in a process of its own and writes the dict; ``--serve`` runs one family after another for the runner's
+worker processes.
 """
 
 from __future__ import annotations
@@ -152,7 +153,9 @@ def check(registry: str, model_type: str, class_name: Optional[str] = None, trai
     import attncomp
 
     t0 = time.time()
-    class_name = class_name or Z.registry(registry)[model_type]
+    if class_name is None:
+        class_name = Z.registry(registry)[model_type]
+        class_name = class_name if isinstance(class_name, str) else class_name[0]  # several: the first
     res: Dict[str, Any] = dict(registry=registry, model_type=model_type, cls=class_name, status=None,
                                eager_calls=None, sites=None, rewritten=None, op_calls=None, reason="",
                                details={})
@@ -288,19 +291,43 @@ def check(registry: str, model_type: str, class_name: Optional[str] = None, trai
     return done("pass", f"{counts}; rel. err {err_txt}")
 
 
+def serve():
+    """Run checks for the runner, one per line of stdin (JSON: registry, model_type, out, train), until
+    stdin closes; after each, write the result to ``out`` and ``done`` to the protocol stream (the
+    original stdout; the models' own prints go to stderr). Dynamo's caches are cleared between families."""
+    import gc
+
+    proto = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    for line in sys.stdin:
+        task = json.loads(line)
+        torch._dynamo.reset()
+        res = check(task["registry"], task["model_type"], train=task.get("train", False))
+        with open(task["out"], "w") as f:
+            json.dump(res, f, indent=1, default=str)
+        gc.collect()
+        proto.write("done\n")
+        proto.flush()
+
+
 def main(argv=None):
     import argparse
 
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("registry")
-    ap.add_argument("model_type")
-    ap.add_argument("out")
+    ap.add_argument("registry", nargs="?")
+    ap.add_argument("model_type", nargs="?")
+    ap.add_argument("out", nargs="?")
     ap.add_argument("--train", action="store_true")
+    ap.add_argument("--serve", action="store_true", help="read tasks from stdin (the runner's workers)")
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
     import transformers
 
     transformers.logging.set_verbosity_error()
+    if args.serve:
+        return serve()
+    if not (args.registry and args.model_type and args.out):
+        ap.error("REGISTRY MODEL_TYPE OUT are required without --serve")
     res = check(args.registry, args.model_type, train=args.train)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1, default=str)

@@ -19,6 +19,31 @@ from tests.zoo.check import check  # noqa: E402
 
 #: (registry, model_type, what it covers)
 SAMPLE = [
+    ("causal-lm", "gpt_bigcode", "multi-query attention (one KV head)"),
+    ("causal-lm", "gemma3_text", "GQA, sliding-window and global layers"),
+    ("causal-lm", "starcoder2", "GQA, sliding window"),
+    ("causal-lm", "cohere2", "interleaved sliding-window and global layers"),
+    ("causal-lm", "mixtral", "GQA, mixture of experts"),
+    ("causal-lm", "deepseek_v3", "multi-head latent attention (q/k head dim differs from v's)"),
+    ("causal-lm", "gpt_oss", "attention sinks, sliding window"),
+    ("causal-lm", "gpt_neo", "eager attention, local layers"),
+    ("causal-lm", "olmo2", "q/k norms"),
+    ("masked-lm", "albert", "one layer shared by every depth"),
+    ("masked-lm", "deberta-v2", "disentangled relative-position attention (eager)"),
+    ("masked-lm", "xlm-roberta", "encoder with padding"),
+    ("masked-lm", "eurobert", "GQA encoder with rotary positions"),
+    ("masked-lm", "squeezebert", "attention over convolution projections (eager)"),
+    ("masked-lm", "flaubert", "padding mask applied with masked_fill on the scores (eager)"),
+    ("seq2seq", "marian", "encoder-decoder, cross-attention"),
+    ("seq2seq", "t5gemma", "GQA encoder-decoder, cross-attention"),
+    ("seq2seq", "prophetnet", "n-gram (5-D) decoder self-attention"),
+    ("image", "dinov2", "vision encoder"),
+    ("image", "segformer", "keys from a spatially reduced sequence"),
+    ("image", "data2vec-vision", "relative-position bias"),
+    ("image", "siglip", "vision encoder of a CLIP-like model"),
+    ("image", "pvt", "keys from a spatially reduced sequence, four stages"),
+    ("image", "perceiver", "cross-attention from learned latents"),
+    ("image", "imagegpt", "causal attention over pixel tokens"),
 ]
 
 #: "registry/model_type" -> the status and reason the sweep measured (tests/zoo/RESULTS.md)
