@@ -262,9 +262,19 @@ def _real_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Optional[
     its backends; fake ones carry no data)."""
     from torch._subclasses.fake_tensor import is_fake
 
-    ins = list(example_inputs)
+    ins = []
+    for t in example_inputs:
+        if isinstance(t, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            # a dynamic size: its hint, read without a guard (int(t) would specialise the graph to it)
+            hint = getattr(t.node, "hint", None)
+            if hint is None:
+                return None
+            t = hint
+        elif isinstance(t, torch.Tensor) and is_fake(t):
+            return None
+        ins.append(t)
     placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-    if len(placeholders) != len(ins) or any(isinstance(t, torch.Tensor) and is_fake(t) for t in ins):
+    if len(placeholders) != len(ins):
         return None
     return dict(zip(placeholders, ins))
 
