@@ -17,7 +17,8 @@ from tests.utils import rel_err
 transformers = pytest.importorskip("transformers")
 
 from tests.e2e.hf_zoo import _GQA, H, VOCAB, seq2seq, text  # noqa: E402
-from tests.e2e.test_hf_families import TOL, _no_dropout, assert_outputs_match, tensors  # noqa: E402
+from tests.e2e.test_hf_families import (TOL, _no_dropout, assert_gradients_match,  # noqa: E402
+                                        assert_outputs_match)
 
 T = transformers
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
@@ -57,20 +58,8 @@ def test_relative_bias_family_matches_eager_and_trains(name):
     assert [s.details.get("modifiers") for s in rep.sites] == modifiers, str(rep)
     assert all(s.rewritten for s in rep.sites)
     _no_dropout(model).train()
-    x = inputs(2, 11)
-    grads, proj = [], None
-    for run in (model, fast):
-        model.zero_grad(set_to_none=True)
-        out = tensors(run(**x))[0]
-        proj = torch.randn_like(out) if proj is None else proj
-        (out * proj).sum().backward()
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
-    want, got = grads
-    assert want.keys() == got.keys() and any("relative_attention_bias" in n for n in want)
-    scale = max(g.norm() for g in want.values())
-    for n in want:
-        err = float((got[n] - want[n]).norm() / scale)
-        assert err < 1e-4, f"{name}: gradient of {n} differs: {err:.3g} of the largest gradient's norm"
+    assert_gradients_match(model, fast, inputs(2, 11), name,
+                           lambda names: any("relative_attention_bias" in n for n in names))
 
 
 def test_bloom_alibi_is_the_modifier():
@@ -136,18 +125,5 @@ def test_gpt_oss_training_gradients_equal_eager():
     torch.manual_seed(2)
     model = build().train()
     fast = attncomp.compile(model, policy="dense")
-    x = text(2, 11)
-    grads, proj = [], None
-    for run in (model, fast):
-        model.zero_grad(set_to_none=True)
-        out = tensors(run(**x))[0]
-        proj = torch.randn_like(out) if proj is None else proj
-        (out * proj).sum().backward()
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
-    want, got = grads
-    assert want.keys() == got.keys() and any(n.endswith("sinks") for n in want)
-    scale = max(g.norm() for g in want.values())
-    for n in want:
-        err = float((got[n] - want[n]).norm() / scale)
-        assert err < 1e-4, f"gradient of {n} differs: {err:.3g} of the largest gradient's norm"
+    assert_gradients_match(model, fast, text(2, 11), "gpt_oss", lambda names: any(n.endswith("sinks") for n in names))
     assert attncomp.report(fast).rewritten == 2
