@@ -217,15 +217,25 @@ def _apply_live(gm: fx.GraphModule, site: fx.Node, m: _Site, per_head_bias: bool
                 post = g.call_function(torch.add, (bo, post))
         else:
             post = bo
+    _emit(g, site, m, wf, lin_bias, lambda: post)
+
+
+def _emit(g: fx.Graph, site: fx.Node, m: _Site, wf: fx.Node, head_bias: Optional[fx.Node], post) -> None:
+    """The folded site: the op reads ``X M_h (+ c_h)`` per head as its values, the heads' outputs are
+    summed in place of the output projection (``+ post()``, a node made after the op, or None), and the
+    value and output projections (with the head merge between them) are removed."""
+    H, do = m.H, m.o.out_features
+    with g.inserting_before(m.v.node):
         target = m.v.node.target if m.v.node.op == "call_function" else torch.nn.functional.linear
-        vp = g.call_function(target, (m.v.input, wf, lin_bias))
+        vp = g.call_function(target, (m.v.input, wf, head_bias))
         vp = g.call_function(torch.unflatten, (vp, -1, (H, do)))
         vp = g.call_function(torch.transpose, (vp, 1, 2))
     site.update_arg(2, vp)
     with g.inserting_before(m.o.node):
         y = g.call_function(torch.sum, (m.out, 1))
-        if post is not None:
-            y = g.call_function(torch.add, (y, post))
+        bias = post()
+        if bias is not None:
+            y = g.call_function(torch.add, (y, bias))
     m.o.node.replace_all_uses_with(y)
     for n in [m.o.node] + list(reversed(m.merge_chain)) + m.v_chain + [m.v.node]:
         g.erase_node(n)
@@ -259,18 +269,7 @@ def _apply(gm: fx.GraphModule, site: fx.Node, m: _Site, per_head_bias: bool, tra
     with g.inserting_before(m.v.node):
         wf = g.get_attr(wf_name)
         cb = g.get_attr(cb_name) if cb_name else None
-        target = m.v.node.target if m.v.node.op == "call_function" else torch.nn.functional.linear
-        vp = g.call_function(target, (m.v.input, wf, cb))
-        vp = g.call_function(torch.unflatten, (vp, -1, (H, do)))
-        vp = g.call_function(torch.transpose, (vp, 1, 2))
-    site.update_arg(2, vp)
-    with g.inserting_before(m.o.node):
-        y = g.call_function(torch.sum, (m.out, 1))
-        if pb_name:
-            y = g.call_function(torch.add, (y, g.get_attr(pb_name)))
-    m.o.node.replace_all_uses_with(y)
-    for n in [m.o.node] + list(reversed(m.merge_chain)) + m.v_chain + [m.v.node]:
-        g.erase_node(n)
+    _emit(g, site, m, wf, cb, lambda: g.get_attr(pb_name) if pb_name else None)
 
 
 def _live_fold_flops(m: _Site) -> int:
