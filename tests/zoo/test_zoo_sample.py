@@ -23,7 +23,6 @@ SAMPLE = [
     ("causal-lm", "gemma3_text", "GQA, sliding-window and global layers"),
     ("causal-lm", "starcoder2", "GQA, sliding window"),
     ("causal-lm", "cohere2", "interleaved sliding-window and global layers"),
-    ("causal-lm", "mixtral", "GQA, mixture of experts"),
     ("causal-lm", "deepseek_v3", "multi-head latent attention (q/k head dim differs from v's)"),
     ("causal-lm", "gpt_oss", "attention sinks, sliding window"),
     ("causal-lm", "gpt_neo", "eager attention, local layers"),
@@ -41,13 +40,20 @@ SAMPLE = [
     ("image", "segformer", "keys from a spatially reduced sequence"),
     ("image", "data2vec-vision", "relative-position bias"),
     ("image", "siglip", "vision encoder of a CLIP-like model"),
-    ("image", "pvt", "keys from a spatially reduced sequence, four stages"),
     ("image", "perceiver", "cross-attention from learned latents"),
     ("image", "imagegpt", "causal attention over pixel tokens"),
 ]
 
 #: "registry/model_type" -> the status and reason the sweep measured (tests/zoo/RESULTS.md)
 FAILING = {
+    "masked-lm/flaubert": "not-rewritten: 2 of 2 sites, 'mask_N feeds the site but depends on its logits "
+                          "(data-dependent mask)' (the padding mask applied with masked_fill on the scores)",
+    "seq2seq/prophetnet": "not-rewritten: the 2 decoder self-attention sites, '5-D logits; attention sites are "
+                          "3-D or 4-D' (6 of 8 sites rewritten)",
+    "image/perceiver": "not-rewritten: the 2 cross-attention sites from learned latents, 'query or key side does "
+                       "not depend on the model inputs' (2 of 4 rewritten)",
+    "image/imagegpt": "wrong-output: relative error 0.034 at batch 3 (input ids left-padded), 1.7e-07 at batch 2 "
+                      "(right-padded)",
 }
 
 
