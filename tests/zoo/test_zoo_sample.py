@@ -53,7 +53,9 @@ FAILING = {
     "image/perceiver": "not-rewritten: the 2 cross-attention sites from learned latents, 'query or key side does "
                        "not depend on the model inputs' (2 of 4 rewritten)",
     "image/imagegpt": "wrong-output: relative error 0.034 at batch 3 (input ids left-padded), 1.7e-07 at batch 2 "
-                      "(right-padded)",
+                      "(right-padded): the classifier mean-pools every position, and a left-padded query row "
+                      "attends to no key, which the op outputs as zeros (DESIGN §4) where eager averages the "
+                      "masked keys",
 }
 
 
