@@ -40,6 +40,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .base import CompileContext, PassResult
+from .node_info import without_guards
 
 log = logging.getLogger(__name__)
 
@@ -375,7 +376,8 @@ def _with_val(new: fx.Node, like: fx.Node) -> fx.Node:
     try:
         vals = [a.meta.get(key) if isinstance(a, fx.Node) else a for a in new.args]
         if all(not isinstance(a, fx.Node) or isinstance(v, torch.Tensor) for a, v in zip(new.args, vals)):
-            new.meta[key] = new.target(*vals)
+            with without_guards(vals):
+                new.meta[key] = new.target(*vals)
     except Exception:  # metadata only: the matcher copes without it
         pass
     return new

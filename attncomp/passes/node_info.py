@@ -20,7 +20,7 @@ import math
 import operator
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import networkx as nx
 import torch
@@ -65,6 +65,20 @@ def meta_val(n: Any):
     if isinstance(v, torch.Tensor):
         return v
     return None
+
+
+def without_guards(vals: Sequence[Any]):
+    """A context in which ops on the fake values ``vals`` (shape metadata of new nodes) add no guard to
+    their shape environment: dynamo's example values share its ShapeEnv, and a guard added while a pass
+    computes metadata (torch 2.11 adds some for broadcasting products) would specialise the graph to the
+    first call's sizes."""
+    import contextlib
+
+    from torch._guards import detect_fake_mode
+
+    mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+    env = getattr(mode, "shape_env", None)
+    return env.suppress_guards() if env is not None else contextlib.nullcontext()
 
 
 def meta_shape(n: Any) -> Optional[Tuple]:

@@ -31,7 +31,7 @@ import torch.fx as fx
 
 from .base import CompileContext, PassResult, SiteReport
 from .canonicalize import ADD, DIV, DROPOUT, MATMUL, MUL, SOFTMAX, WHERE, is_cast
-from .node_info import meta_shape, same_dim, scalar_value, site_name, static_int, UNKNOWN
+from .node_info import meta_shape, same_dim, scalar_value, site_name, static_int, without_guards, UNKNOWN
 
 log = logging.getLogger(__name__)
 
@@ -206,6 +206,13 @@ def _plan(gm: fx.GraphModule, sm: fx.Node):
     for n in (qk.args[0], qk.args[1], av.args[1]):
         if not isinstance(n, fx.Node) or _rank(n) != 3:
             problems.append("q, k or v is not a 3-D tensor")
+    bhs = _batch_dims(qk)
+    for n in up:   # every operand the 4-D chain will read is checked here, before the graph changes
+        if not (_is_reshape(n) or is_cast(n) or _clamp_at_mask_level(gm, n) is not None):
+            src = _chain_input(n)
+            for a in n.args:
+                if a is not src:
+                    _merged(a, bhs)
     if problems:
         raise _Skip(problems[0])
     return qk, list(reversed(up)), sm, down, av, h
@@ -225,31 +232,42 @@ def _val(n: fx.Node) -> fx.Node:
     try:
         args = fx.node.map_arg(n.args, lambda a: a.meta.get(key))
         kwargs = fx.node.map_arg(n.kwargs, lambda a: a.meta.get(key))
-        if n.op == "call_method":
-            n.meta[key] = getattr(args[0], n.target)(*args[1:], **kwargs)
-        elif n.op == "call_function":
-            n.meta[key] = n.target(*args, **kwargs)
+        with without_guards([a.meta.get(key) for a in ins]):
+            if n.op == "call_method":
+                n.meta[key] = getattr(args[0], n.target)(*args[1:], **kwargs)
+            elif n.op == "call_function":
+                n.meta[key] = n.target(*args, **kwargs)
     except Exception:  # metadata only
         pass
     return n
 
 
-def _operand(g: fx.Graph, x: Any, bh, h) -> Any:
+def _merged(x: Any, bhs) -> bool:
+    """Whether an operand of the 3-D part of the chain carries the ``(B*H)`` dim (to be unflattened);
+    ``_Skip`` when its first dim is neither that nor 1."""
+    s = meta_shape(x) if isinstance(x, fx.Node) else None
+    if s is None or len(s) != 3 or same_dim(s[0], 1):
+        return False
+    if not any(same_dim(s[0], bh) for bh in bhs):
+        raise _Skip(f"{x.name} has a first dim that is neither 1 nor B*H")
+    return True
+
+
+def _batch_dims(qk: fx.Node) -> List[Any]:
+    """The ``B*H`` size as the logits and q/k carry it (one expression may be specialised where another
+    is symbolic)."""
+    return [s[0] for s in (meta_shape(qk), meta_shape(qk.args[0]), meta_shape(qk.args[1])) if s]
+
+
+def _operand(g: fx.Graph, x: Any, bhs, h) -> Any:
     """An operand of an elementwise node in the 4-D chain: ``(B*H, ...)`` tensors unflattened."""
-    if not isinstance(x, fx.Node):
-        return x
-    s = meta_shape(x)
-    if s is not None and len(s) == 3 and not same_dim(s[0], 1):
-        if not same_dim(s[0], bh):
-            raise _Skip(f"{x.name} has a first dim that is neither 1 nor B*H")
-        return _unflat(g, x, h)
-    return x
+    return _unflat(g, x, h) if _merged(x, bhs) else x
 
 
 def _apply(gm: fx.GraphModule, qk: fx.Node, up: List[fx.Node], sm: fx.Node, down: List[fx.Node], av: fx.Node,
            h) -> None:
     g = gm.graph
-    bh = meta_shape(qk)[0]
+    bhs = _batch_dims(qk)
     new: Dict[fx.Node, fx.Node] = {}
     with g.inserting_before(sm):
         s = _val(g.call_function(MATMUL, (_unflat(g, qk.args[0], h), _unflat(g, qk.args[1], h))))
@@ -263,7 +281,7 @@ def _apply(gm: fx.GraphModule, qk: fx.Node, up: List[fx.Node], sm: fx.Node, down
                 new[n] = new[clamped]
                 continue
             src = _chain_input(n) if not is_cast(n) else n.args[0]
-            args = tuple(new[a] if a is src else _operand(g, a, bh, h) for a in n.args)
+            args = tuple(new[a] if a is src else _operand(g, a, bhs, h) for a in n.args)
             new[n] = _val(g.create_node(n.op, n.target, args, dict(n.kwargs)))
         p = _val(g.call_function(SOFTMAX, (new[up[-1]] if up else s,) + tuple(sm.args[1:]), dict(sm.kwargs)))
     new[sm] = p
