@@ -88,3 +88,25 @@ def case_inputs(case: tuple, g: torch.Generator, call: int):
         kv[1, Nk - 7 + call:] = False
         preds = Predicates(k_valid=kv)
     return AttentionSpec(**kw), (q, k, v), mask, preds, p
+
+
+def tensors(out) -> list:
+    """Every tensor of a model output, in order (tensors, tuples, dicts, ModelOutputs, cache objects)."""
+    if out is None:
+        return []
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if hasattr(out, "self_attention_cache"):  # EncoderDecoderCache
+        return tensors(out.self_attention_cache) + tensors(out.cross_attention_cache)
+    if hasattr(out, "layers") and hasattr(out, "get_seq_length"):  # Cache
+        res = []
+        for layer in out.layers:
+            res += tensors(getattr(layer, "keys", None)) + tensors(getattr(layer, "values", None))
+        return res
+    if hasattr(out, "to_tuple"):
+        out = out.to_tuple()
+    if isinstance(out, dict):
+        out = list(out.values())
+    if isinstance(out, (list, tuple)):
+        return [t for o in out for t in tensors(o)]
+    return []

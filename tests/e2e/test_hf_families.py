@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import attncomp
-from tests.utils import rel_err
+from tests.utils import rel_err, tensors
 
 transformers = pytest.importorskip("transformers")
 
@@ -23,28 +23,6 @@ TOL = 1e-4
 
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
-
-
-def tensors(out):
-    """Every tensor of a model output, in order: tensors, tuples, ModelOutputs and KV-cache objects."""
-    if out is None:
-        return []
-    if isinstance(out, torch.Tensor):
-        return [out]
-    if hasattr(out, "self_attention_cache"):  # EncoderDecoderCache
-        return tensors(out.self_attention_cache) + tensors(out.cross_attention_cache)
-    if hasattr(out, "layers") and hasattr(out, "get_seq_length"):  # Cache
-        res = []
-        for layer in out.layers:
-            res += tensors(getattr(layer, "keys", None)) + tensors(getattr(layer, "values", None))
-        return res
-    if hasattr(out, "to_tuple"):
-        out = out.to_tuple()
-    if isinstance(out, dict):
-        out = list(out.values())
-    if isinstance(out, (list, tuple)):
-        return [t for o in out for t in tensors(o)]
-    return []
 
 
 def assert_outputs_match(got, want, what):

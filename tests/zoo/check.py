@@ -10,13 +10,12 @@ worker processes.
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import os
 import sys
 import time
 import warnings
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
 
 os.environ.setdefault("ATTNCOMP_INDUCTOR", "0")  # Inductor's compile dominates on a CPU; --inductor turns it on
 if "TRITON_INTERPRET" not in os.environ:
@@ -24,7 +23,7 @@ if "TRITON_INTERPRET" not in os.environ:
 
 import torch  # noqa: E402
 
-from tests.utils import rel_err  # noqa: E402
+from tests.utils import rel_err, tensors  # noqa: E402
 from tests.zoo import families as Z  # noqa: E402
 from tests.zoo.count import AttentionCounter  # noqa: E402
 
@@ -40,28 +39,6 @@ def first_line(e: BaseException, limit: int = 300) -> str:
     msg = str(e).strip()
     line = next((ln.strip() for ln in msg.splitlines() if ln.strip()), "")
     return f"{type(e).__name__}: {line}"[:limit]
-
-
-def tensors(out) -> List[torch.Tensor]:
-    """Every tensor of a model output, in order (tensors, tuples, dicts, ModelOutputs, cache objects)."""
-    if out is None:
-        return []
-    if isinstance(out, torch.Tensor):
-        return [out]
-    if hasattr(out, "self_attention_cache"):  # EncoderDecoderCache
-        return tensors(out.self_attention_cache) + tensors(out.cross_attention_cache)
-    if hasattr(out, "layers") and hasattr(out, "get_seq_length"):  # Cache
-        res = []
-        for layer in out.layers:
-            res += tensors(getattr(layer, "keys", None)) + tensors(getattr(layer, "values", None))
-        return res
-    if hasattr(out, "to_tuple"):
-        out = out.to_tuple()
-    if isinstance(out, dict):
-        out = list(out.values())
-    if isinstance(out, (list, tuple)):
-        return [t for o in out for t in tensors(o)]
-    return []
 
 
 def _valid_view(t: torch.Tensor, valid: Optional[torch.Tensor]) -> torch.Tensor:
