@@ -30,11 +30,10 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from .. import ops
 from ..codegen.reference import predicate_mask
 from ..spec import Predicates
 from .base import CompileContext, PassResult
-from .node_info import attention_sites, meta_shape, set_spec, site_report, spec_of, static_int
+from .node_info import attention_sites, meta_shape, set_op_args, set_spec, site_report, spec_of, static_int
 from .relative_bias import _Keep, _arg, _ancestors, _evaluate, _placeholder_values, _positions
 
 log = logging.getLogger(__name__)
@@ -42,7 +41,6 @@ log = logging.getLogger(__name__)
 __all__ = ["alibi"]
 
 NAME = "alibi"
-_A = ops.ARG_INDEX
 _MULS = (torch.mul, operator.mul)
 
 
@@ -149,12 +147,7 @@ def alibi(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
             continue
         with gm.graph.inserting_before(node):
             flat = gm.graph.call_method("reshape", (slopes, -1))
-        args = list(node.args) + [None] * (len(_A) - len(node.args))
-        args[_A["attn_mask"]] = None
-        args[_A["alibi_slopes"]] = flat
-        while len(args) > _A["seed"] + 1 and args[-1] is None:
-            args.pop()
-        node.args = tuple(args)
+        set_op_args(node, attn_mask=None, alibi_slopes=flat)
         new = spec.replace(alibi=True, mask_kind="none")
         set_spec(node, new, rep)
         rep.details["modifiers"] = "alibi (checked against the graph's bias on the example inputs)"

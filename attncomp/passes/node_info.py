@@ -589,6 +589,19 @@ def predicates_of(node: fx.Node):
                         for f in Predicates._fields))
 
 
+def set_op_args(node: fx.Node, **named: Any) -> None:
+    """Set arguments of an ``attncomp::attention`` node by name; trailing optional arguments left None
+    are dropped, so the call reads as the op's older schema where it can."""
+    from ..ops import ARG_INDEX
+
+    args = list(node.args) + [None] * (len(ARG_INDEX) - len(node.args))
+    for name, value in named.items():
+        args[ARG_INDEX[name]] = value
+    while len(args) > ARG_INDEX["seed"] + 1 and args[-1] is None:
+        args.pop()
+    node.args = tuple(args)
+
+
 def set_spec(node: fx.Node, spec: AttentionSpec, report: Optional[SiteReport] = None) -> None:
     node.update_arg(spec_index(node), spec.to_json())
     if report is not None:

@@ -34,7 +34,7 @@ import torch.fx as fx
 from .. import ops
 from ..spec import rel_bucket
 from .base import CompileContext, PassResult
-from .node_info import attention_sites, meta_shape, set_spec, site_report, spec_of, static_int
+from .node_info import attention_sites, meta_shape, set_op_args, set_spec, site_report, spec_of, static_int
 
 log = logging.getLogger(__name__)
 
@@ -110,13 +110,7 @@ def _lookup(gm: fx.GraphModule, mask) -> Optional[Tuple[object, tuple, fx.Node]]
 
 
 def _placeholder_values(gm: fx.GraphModule, ctx: CompileContext) -> Dict[str, object]:
-    ex = getattr(ctx, "example_inputs", None)
-    if ex is None:
-        return {}
-    if isinstance(ex, dict):
-        return ex
-    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-    return dict(zip(names, ex)) if len(names) == len(ex) else {}
+    return ctx.example_inputs or {}
 
 
 def _hint(v) -> Optional[int]:
@@ -264,12 +258,7 @@ def relative_bias(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
         if isinstance(table, str):
             with gm.graph.inserting_before(node):
                 table = gm.graph.get_attr(table)
-        args = list(node.args) + [None] * (len(_A) - len(node.args))
-        args[_A["attn_mask"]] = None
-        args[_A["rel_table"]] = table
-        while len(args) > _A["seed"] + 1 and args[-1] is None:
-            args.pop()
-        node.args = tuple(args)
+        set_op_args(node, attn_mask=None, rel_table=table)
         set_spec(node, new, rep)
         rep.details["modifiers"] = new.describe_modifiers() + " (checked against the graph's bias index)"
         rep.rewrites.append("relative-position bias -> spec modifier")

@@ -116,7 +116,7 @@ def _reaches_matmul(n: fx.Node, depth: int = 0) -> bool:
     return any(_reaches_matmul(a, depth + 1) for a in n.args if isinstance(a, fx.Node))
 
 
-def _heads_of(view: fx.Node, bh) -> Any:
+def _heads_of(view: fx.Node) -> Any:
     """H of a view that splits ``(B*H, Nq, Nk)`` into ``(B, H, Nq, Nk)`` (an int or a graph node)."""
     sizes = _sizes(view)
     out = meta_shape(view)
@@ -148,10 +148,11 @@ def _plan(gm: fx.GraphModule, sm: fx.Node):
         up.append(cur)
         if len(cur.users) != 1:
             problems.append(f"the logits ({cur.name}) are used outside the site")
+        clamped = _clamp_at_mask_level(gm, cur)
         if is_cast(cur) or _is_reshape(cur):
             cur = cur.args[0]
-        elif _clamp_at_mask_level(gm, cur) is not None:
-            cur = _clamp_at_mask_level(gm, cur)
+        elif clamped is not None:
+            cur = clamped
         elif cur.op == "call_function" and cur.target in _ELEMENTWISE:
             nxt = _chain_input(cur)
             if nxt is None:
@@ -200,7 +201,7 @@ def _plan(gm: fx.GraphModule, sm: fx.Node):
             problems.append(f"{n.name} reshapes the logits beyond splitting or merging batch and heads")
     if not splits and not problems:
         return None
-    h = _heads_of(splits[0], meta_shape(qk)[0]) if splits else None
+    h = _heads_of(splits[0]) if splits else None
     if splits and h is None:
         problems.append("the head count of the (B*H) dim is not known")
     for n in (qk.args[0], qk.args[1], av.args[1]):
