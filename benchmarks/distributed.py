@@ -15,12 +15,12 @@ multicast stays off):
   (the slowest rank) and scaling efficiency ``t_one / (world * t_rank)`` (target >= 0.9, i.e.
   ``t_rank <= 0.55 t_one`` on 2 GPUs).
 
-Results go to ``benchmarks/results/distributed_<device>x<gpus>.json`` (and ``$OUT`` when set); a
-table is printed last. A configuration that fails records its error and the run goes on.
+Results go to ``benchmarks/results/distributed_<device>x<gpus>.json`` (and ``$OUT`` when set), replacing the
+file; a table is printed last. A configuration that fails records its error and the run goes on.
 
-    python benchmarks/distributed.py                 # 2 GPUs, both parts
-    python benchmarks/distributed.py --parts cp --ns 65536
-    python benchmarks/distributed.py --smoke         # CPU, gloo, 2 processes, tiny shapes (CI)
+    python -m attncomp bench distributed                 # 2 GPUs, both parts
+    python -m attncomp bench distributed --parts cp --ns 65536
+    python -m attncomp bench distributed --smoke         # CPU, gloo, 2 processes, tiny shapes (CI)
 """
 
 from __future__ import annotations
@@ -28,9 +28,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
-import platform
 import socket
 import statistics
 import sys
@@ -46,7 +44,7 @@ os.environ.update(_NO_MULTICAST)
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m attncomp bench distributed", description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true", help="CPU, gloo, tiny shapes: the plumbing in well under a minute")
     ap.add_argument("--gpus", type=int, default=2, help="processes (one GPU each)")
     ap.add_argument("--parts", default="train,cp", help="comma-separated: train, cp")
@@ -391,15 +389,9 @@ def _worker(rank: int, world: int, port: int, args, outdir: str) -> None:
 
 
 def _device_name(smoke: bool) -> str:
-    if smoke:
-        return "cpu"
-    import torch
+    from benchmarks import common as C
 
-    name = torch.cuda.get_device_name(0).lower()
-    for tag in ("h200", "h100", "a100", "b200"):
-        if tag in name:
-            return tag
-    return name.replace(" ", "_")
+    return "cpu" if smoke else C.device_tag()
 
 
 def main(argv=None) -> int:
@@ -429,31 +421,16 @@ def main(argv=None) -> int:
                     p.kill()
         with open(os.path.join(outdir, "rows.json")) as f:
             rows = json.load(f)
-    return finish(args, world, rows, time.time() - t0)
+    return finish(args, world, rows, time.time() - t0, argv)
 
 
-def finish(args, world, rows, seconds) -> int:
-    import torch
+def finish(args, world, rows, seconds, argv=None) -> int:
+    from benchmarks import common as C
 
-    try:
-        import triton
-        tv = triton.__version__
-    except Exception:
-        tv = None
     dev = _device_name(args.smoke)
-    doc = {"benchmark": "distributed", "device": dev, "gpus": 0 if args.smoke else world, "processes": world,
-           "backend": "gloo" if args.smoke else "nccl",
-           "torch": torch.__version__, "triton": tv, "python": platform.python_version(),
-           "machine": platform.node(), "smoke": bool(args.smoke), "seconds": round(seconds, 1),
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "rows": rows}
-    name = f"distributed_{dev}x{world}.json"
-    paths = [args.out or os.path.join(HERE, "results", name)]
-    if os.environ.get("OUT"):
-        paths.append(os.path.join(os.environ["OUT"], name))
-    for p in paths:
-        os.makedirs(os.path.dirname(os.path.abspath(p)), exist_ok=True)
-        with open(p, "w") as f:
-            json.dump(doc, f, indent=1)
+    doc = C.document("distributed", rows, argv, device=dev, gpus=0 if args.smoke else world, processes=world,
+                     backend="gloo" if args.smoke else "nccl", smoke=bool(args.smoke), seconds=round(seconds, 1))
+    paths = C.write(doc, args.out or C.results_path("distributed", f"{dev}x{world}"))
     print(table(rows))
     print(f"\nwritten: {', '.join(paths)}")
     return 0

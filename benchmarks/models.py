@@ -12,22 +12,21 @@ fresh seed per call, the draw counts): what the op adds per call besides its ari
 
 Rows: ``{"model", "device", "mode": "infer"|"train", "B", "N", "policy", "eager_ms", "compile_ms",
 "attncomp_ms", "host_us"}``; a table is printed last, JSON is written to
-``benchmarks/results/models_<device>.json`` (``cpu``, ``h100``, ``h200``, from the device name).
+``benchmarks/results/models_<device>.json`` (``cpu``, ``h100``, ``h200``, from the device name) after every row,
+replacing the rows measured again and keeping the others (other models, modes or policies).
 
 Usage::
 
-    python benchmarks/models.py                 # CPU configs on a CPU, GPU configs on a GPU
-    python benchmarks/models.py --smoke         # tiny shapes, seconds (CI)
-    python benchmarks/models.py --policies dense,dfss --only llama
-    python benchmarks/models.py --inductor-mode reduce-overhead   # both compilers with CUDA graphs (rows keyed apart)
+    python -m attncomp bench models                 # CPU configs on a CPU, GPU configs on a GPU
+    python -m attncomp bench models --smoke         # tiny shapes, seconds (CI; writes nothing unless --json)
+    python -m attncomp bench models --policies dense,dfss --only llama
+    python -m attncomp bench models --inductor-mode reduce-overhead   # both compilers with CUDA graphs
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -35,21 +34,16 @@ from typing import Any, Dict, List
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import attncomp  # noqa: E402
+from benchmarks import common as C  # noqa: E402
 
 T = None  # transformers, imported in main
 
 
 def device_name() -> str:
-    if not torch.cuda.is_available():
-        return "cpu"
-    name = torch.cuda.get_device_name().lower()
-    for tag in ("h200", "h100", "a100"):
-        if tag in name:
-            return tag
-    return name.replace(" ", "_")
+    return C.device_tag()
 
 
 def configs(device: str, smoke: bool) -> List[Dict[str, Any]]:
@@ -283,7 +277,7 @@ def _row_key(r):
 
 def main(argv=None) -> int:
     global T
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m attncomp bench models", description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes; seconds")
     ap.add_argument("--policies", default=None, help="comma-separated (default: dense on CPU; dense,dfss,hash,drop "
                                                      "on a GPU, hash and drop at N >= 4096)")
@@ -308,15 +302,11 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     iters = args.iters or (2 if args.smoke else 7 if device.type == "cpu" else 20)
     rows = []
-    path = args.json or (None if args.smoke else os.path.join(os.path.dirname(__file__), "results",
-                                                              f"models_{device_name()}.json"))
-    meta = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
-                cpus=os.cpu_count(), torch=torch.__version__, transformers=transformers.__version__,
-                dtype=str(dtype), iters=iters)
-    kept = []  # rows already in the file that this run does not measure again (--only/--modes/--policies)
-    if path and os.path.exists(path) and not args.smoke:
-        with open(path) as f:
-            kept = json.load(f).get("rows", [])
+    path = args.json or (None if args.smoke else C.results_path("models", device_name()))
+    meta = dict(cpus=os.cpu_count(), dtype=str(dtype), iters=iters)
+    # the file as it was: its rows that this run does not measure again (--only/--modes/--policies) stay
+    base = C.load(path) if path and not args.smoke else None
+    measured = set()
     for c in configs(device_name(), args.smoke):
         if args.only and c["model"] not in args.only.split(","):
             continue
@@ -334,14 +324,13 @@ def main(argv=None) -> int:
             if args.inductor_mode:
                 row["inductor_mode"] = args.inductor_mode
             rows.append(row)
-            key = _row_key(row)
-            kept = [r for r in kept if _row_key(r) != key]
+            measured.add(_row_key(row))
             print(f"  {row['model']:5s} {row['mode']:5s} {row['B']}x{row['N']} {row['policy']:6s} eager "
                   f"{row['eager_ms']:.2f} ms  torch.compile {row['compile_ms']:.2f} ms  attncomp "
                   f"{row['attncomp_ms']:.2f} ms" + (f"  FAILED {row['error']}" if "error" in row else ""), flush=True)
             if path:  # after every row: a run cut short keeps what it measured
-                with open(path, "w") as f:
-                    json.dump(dict(meta=meta, rows=kept + rows), f, indent=1)
+                C.write(C.document("models", rows, argv, device=device_name(), **meta), path,
+                        keep=lambda r: _row_key(r) not in measured, base=base or {})
     hdr = ("model", "mode", "BxN", "policy", "eager ms", "compile ms", "attncomp ms", "vs eager", "vs compile",
            "host us")
     lines = [hdr]

@@ -1,11 +1,11 @@
 """The default launch configurations compile for Hopper (sm_90a) within a block's shared memory, and the
-forward's without spilling registers, checked on any machine by ``benchmarks/sm90.py`` (Triton compiles
+forward's without spilling registers, checked on any machine by ``tests/codegen/sm90_check.py`` (Triton compiles
 for a stand-in sm_90 target; ``ptxas -v`` reads the kernels). In a subprocess: the other kernel tests of
 this suite run Triton's interpreter, which replaces the kernels by Python functions for the whole process.
 
 The D=128 backward defaults spill 28-132 bytes per thread in the dK/dV pass; the tiles that do not
 (64x64 keys by queries on two warp groups, 32x64 on one) measured slower on the H100
-(``benchmarks/results/sweep_h100_bwd128.json``), so spills are checked for the forward only."""
+(a configuration sweep, ``python -m attncomp bench kernels --sweep``, in git history), so spills are checked for the forward only."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def _sm90(tmp_path, *args):
     out = tmp_path / "sm90.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "sm90.py"), "--json", str(out), *args],
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "codegen", "sm90_check.py"), "--json", str(out), *args],
                          capture_output=True, text=True, env=env, timeout=600)
     assert out.exists(), res.stdout[-2000:] + res.stderr[-3000:]
     return json.loads(out.read_text()), res
@@ -52,7 +52,7 @@ def test_stats_see_spills(tmp_path):
     """The check can fail: the D=128 default forward (about 190 registers per thread, no spill) compiled
     under a 128-register cap spills, and the stats say so."""
     code = (
-        "import sys, json; sys.path.insert(0, 'benchmarks'); import sm90\n"
+        "import sys, json; sys.path.insert(0, 'tests/codegen'); import sm90_check as sm90\n"
         "cfg = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, TMA=1)\n"
         "print(json.dumps([sm90.compile_config('dense', False, 128, 'fwd', cfg, options=o, sass=False)[0]"
         " for o in (None, {'maxnreg': 128})]))\n"

@@ -1,30 +1,37 @@
-"""Attention benchmark: attncomp's Triton kernels against SDPA, FlexAttention and the unfused chain.
+"""Kernel benchmark: attncomp's attention kernels against SDPA, FlexAttention and the unfused chain.
 
 Protocol (BENCHMARKS.md): on the GPU, bf16, B=4, H=16, D in {64, 128}, N in {1024, 4096, 16384},
 causal and not, forward and forward+backward; median of ``triton.testing.do_bench`` on fresh random
 inputs; every baseline timed in the same process on the same shapes:
 
-* ``sdpa``: ``F.scaled_dot_product_attention`` restricted to the FlashAttention backend;
+* ``sdpa``: ``F.scaled_dot_product_attention`` with torch's own backend choice (cuDNN on Hopper), and
+  ``sdpa_flash`` restricted to the FlashAttention-2 backend;
 * ``flex``: ``flex_attention`` under ``torch.compile`` with the same mask as a ``BlockMask``
   (``None`` when not causal); the block mask's build time is reported separately;
 * ``unfused``: ``softmax(q @ k^T * scale [+ causal mask]) @ v`` in bf16, the DFSS paper's baseline
   (skipped where its N x N tensors would not fit the GPU).
 
-attncomp is timed through its backend functions (``attention_forward``/``attention_backward``: the
+attncomp is timed through its Triton backend functions (``attention_forward``/``attention_backward``: the
 kernels plus their host-side launch code). Sparse policies also report their density (kept /
 allowed entries). Ratios are baseline time / attncomp time (> 1: attncomp is faster); for every
 policy the SDPA column is dense attention, the number the policy has to beat.
 
-Output: a table (printed last), JSON (``benchmarks/results/attention_<gpu>.json``, and a copy under ``$OUT``
-when ``OUT`` is set; rows of policies not run now are kept) and a plot next to the JSON.
+Tables (``--table``): ``policies`` (the rows above), ``structured`` (structured-mask predicates and SPION
+block patterns, see :func:`run_structured`), ``all``. ``--backend tvm`` runs the TVM backend's rows instead
+(:mod:`benchmarks._tvm`: the ``llvm`` kernels on a CPU, prebuilt cubins on a GPU; table ``tvm``).
+
+Output: a table (printed last) and ``benchmarks/results/kernels_<device>.json`` (``h100``, ``h200``, ``cpu``; a copy
+under ``$OUT`` when set). A run replaces the rows it measures (its tables and policies) and keeps the others;
+the plot ``kernels_<device>.png`` (speedup over SDPA against N, per policy) is redrawn from the policy rows.
 
 Kernels are compiled ahead in parallel worker processes (Triton's and Inductor's disk caches are
 shared), so the timed process only loads them. ``--sweep`` times every candidate configuration of
 the Triton kernels instead (used to choose the defaults in ``attncomp/codegen/triton/configs.py``).
-``--smoke`` runs the script's plumbing on the CPU through Triton's interpreter on tiny shapes.
+``--smoke`` runs the plumbing on the CPU through Triton's interpreter on tiny shapes (written under ``$TMPDIR``).
 
-    python benchmarks/attention.py                       # full table
-    python benchmarks/attention.py --quick --policies dfss
+    python -m attncomp bench kernels --policies dense,dfss,hash,drop --ns 4096,16384 --no-unfused
+    python -m attncomp bench kernels --table structured
+    python -m attncomp bench kernels --backend tvm --device cpu
 """
 
 from __future__ import annotations
@@ -42,9 +49,14 @@ from typing import Dict, List, Optional
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
+from benchmarks import common as C  # noqa: E402
+
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m attncomp bench kernels", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--backend", default="triton", choices=("triton", "tvm"),
+                    help="triton (default): the policy and structured tables; tvm: the TVM backend's rows "
+                         "(python -m attncomp bench kernels --backend tvm --help lists their options)")
     ap.add_argument("--quick", action="store_true", help="N=4096 only")
     ap.add_argument("--policies", default="dense,dfss", help="comma-separated: dense, dfss")
     ap.add_argument("--passes", default="fwd,fwd+bwd", help="comma-separated: fwd, fwd+bwd")
@@ -58,8 +70,9 @@ def parse_args(argv=None):
     ap.add_argument("--tune", action="store_true", help="let the autotune store pick configs (else defaults)")
     ap.add_argument("--sweep", action="store_true", help="time every candidate config of the Triton kernels")
     ap.add_argument("--workers", type=int, default=min(14, os.cpu_count() or 1), help="parallel compile workers")
-    ap.add_argument("--out", default=None, help="JSON path (default results/attention_<gpu>.json: h100, h200...)")
-    ap.add_argument("--smoke", action="store_true", help="CPU plumbing check under TRITON_INTERPRET=1")
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/kernels_<device>.json)")
+    ap.add_argument("--smoke", action="store_true", help="CPU plumbing check under TRITON_INTERPRET=1 "
+                                                         "(JSON under $TMPDIR unless --out)")
     ap.add_argument("--table", default="policies", choices=("policies", "structured", "all"),
                     help="policies: the policy table; structured: predicate and spion rows (see run_structured)")
     ap.add_argument("--structured-rows", default="predicates,spion", help="which rows --table structured runs")
@@ -450,7 +463,7 @@ def run_table(args, policies, dims, causals, passes_list) -> List[dict]:
                         spec = make_spec(policy, causal, dtype)
                         ms = bench_ms(attncomp_fn(policy, causal, q, k, v, do, passes), args.smoke)
                         dens = 1.0 if policy != "dfss" else dfss_density(spec.policy.n, spec.policy.m, N, causal)
-                        row = dict(policy=policy, **{"pass": passes}, B=B, H=H, D=D, N=N, causal=causal,
+                        row = dict(table="policies", policy=policy, **{"pass": passes}, B=B, H=H, D=D, N=N, causal=causal,
                                    dtype="bfloat16", attncomp_ms=ms, **base, density=round(dens, 4),
                                    flex_build_ms=flex_build,
                                    tflops=flops(B, H, N, D, causal, passes) / ms * 1e-9, gemm_tflops=ceiling,
@@ -493,41 +506,32 @@ HEADER = (f"{'policy':6s} {'pass':8s} {'D':5s} {'N':7s} {'mask':6s} {'attncomp':
           f" {'unfused':>9s}  {'dens':>5s} {'x_sdpa':>5s} {'x_flx':>5s} {'x_unf':>5s} {'TF/s':>6s} {'ofGEMM':>6s}")
 
 
-def write_results(args, rows, policies):
-    import torch
-    import triton
+def _out_path(args) -> str:
+    if args.out:
+        return args.out
+    if args.smoke:
+        return os.path.join(os.environ.get("TMPDIR", "/tmp"), "kernels_smoke.json")
+    return C.results_path("kernels", _gpu_tag(args))
 
-    doc = {"machine": _machine(args), "torch": torch.__version__, "triton": triton.__version__, "rows": []}
-    if args.out is None:
-        args.out = os.path.join(HERE, "results", f"attention_{_gpu_tag(args)}.json")
-    paths = [args.out]
-    if os.environ.get("OUT") and not args.smoke and os.path.dirname(os.path.abspath(args.out)) != \
-            os.path.abspath(os.environ["OUT"]):
-        paths.append(os.path.join(os.environ["OUT"], os.path.basename(args.out)))
-    old_rows = []
-    if os.path.exists(args.out):
+
+def write_results(args, rows, keep, argv=None) -> str:
+    """Write this run's rows to the kernels results file, keeping the file's rows for which ``keep(row)``;
+    redraw the plot from the file's policy rows."""
+    path = _out_path(args)
+    doc = C.document("kernels", rows, argv, device=_gpu_tag(args), device_name=_machine(args),
+                     gemm_tflops=next((r.get("gemm_tflops") for r in rows if r.get("gemm_tflops")), None))
+    paths = C.write(doc, path, keep=keep, copy_to_out=not args.smoke)
+    doc = C.load(path) or doc
+    if any(r.get("table", "policies") == "policies" for r in rows):
         try:
-            with open(args.out) as f:
-                old_rows = json.load(f).get("rows", [])
-        except (OSError, ValueError):
-            old_rows = []
-    doc["rows"] = [r for r in old_rows if r.get("policy") not in policies] + rows
-    for p in paths:
-        os.makedirs(os.path.dirname(p) or ".", exist_ok=True)
-        tmp = p + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(doc, f, indent=1)
-        os.replace(tmp, p)
-    try:
-        plot(doc["rows"], [os.path.splitext(p)[0] + ".png" for p in paths])
-    except Exception as e:  # the numbers matter more than the picture
-        print(f"plot failed: {type(e).__name__}: {e}")
-    return doc
+            plot(doc["rows"], [os.path.splitext(p)[0] + ".png" for p in paths], _machine(args))
+        except Exception as e:  # the numbers matter more than the picture
+            print(f"plot failed: {type(e).__name__}: {e}")
+    return path
 
 
 def _gpu_tag(args) -> str:
-    name = _machine(args).lower()
-    return "cpu" if args.smoke else next((g for g in ("h100", "h200", "a100") if g in name), name.split()[-1])
+    return "cpu" if args.smoke else C.device_tag(_machine(args))
 
 
 def _machine(args) -> str:
@@ -538,7 +542,9 @@ def _machine(args) -> str:
     return torch.cuda.get_device_name()
 
 
-def plot(rows, paths):
+def plot(rows, paths, machine: str = ""):
+    """Speedup over SDPA (its own backend choice, dense for every policy) against N, one line per policy
+    (solid: full, dashed: causal), one panel per pass and head dim."""
     try:
         import matplotlib
 
@@ -547,46 +553,49 @@ def plot(rows, paths):
     except ImportError:
         print("matplotlib not available: no plot")
         return
-    panels = sorted({(r["pass"], r["D"], r["causal"]) for r in rows}, key=lambda t: (t[0] != "fwd", t[1], t[2]))
+    rows = [r for r in rows if r.get("table", "policies") == "policies" and r.get("sdpa_ms") and r.get("attncomp_ms")]
+    panels = sorted({(r["pass"], r["D"]) for r in rows}, key=lambda t: (t[0] != "fwd", t[1]))
     if not panels:
         return
-    cols = 4
-    nrows = math.ceil(len(panels) / cols)
-    fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.4 * nrows), squeeze=False)
-    for ax, (ps, D, causal) in zip(axes.flat, panels):
-        sel = [r for r in rows if (r["pass"], r["D"], r["causal"]) == (ps, D, causal)]
-        ns = sorted({r["N"] for r in sel})
-        series = {f"attncomp {p}": [next((r["attncomp_ms"] for r in sel if r["N"] == n and r["policy"] == p), None)
-                                   for n in ns] for p in sorted({r["policy"] for r in sel})}
-        for base in ("sdpa", "flex", "unfused"):
-            series[base] = [next((r[f"{base}_ms"] for r in sel if r["N"] == n), None) for n in ns]
-        for name, ys in series.items():
-            pts = [(n, y) for n, y in zip(ns, ys) if y]
-            if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name,
-                        linestyle="--" if not name.startswith("attncomp") else "-")
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.4 * len(panels), 3.6), squeeze=False)
+    policies = sorted({r["policy"] for r in rows}, key=lambda p: ("dense", "dfss", "hash", "drop").index(p)
+                      if p in ("dense", "dfss", "hash", "drop") else 9)
+    colors = dict(zip(policies, ("C0", "C1", "C2", "C3", "C4", "C5")))
+    for ax, (ps, D) in zip(axes.flat, panels):
+        for policy in policies:
+            for causal in (False, True):
+                sel = sorted((r["N"], r["sdpa_ms"] / r["attncomp_ms"]) for r in rows
+                             if (r["pass"], r["D"], r["policy"], r["causal"]) == (ps, D, policy, causal))
+                if sel:
+                    ax.plot([x for x, _ in sel], [y for _, y in sel], marker="o", color=colors[policy],
+                            linestyle="--" if causal else "-", label=f"{policy}{' causal' if causal else ''}")
+        ax.axhline(1.0, color="grey", linewidth=0.8)
         ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_title(f"{ps}, D={D}, {'causal' if causal else 'full'}")
+        ax.set_title(f"{ps}, D={D}")
         ax.set_xlabel("N")
-        ax.set_ylabel("ms")
+        ax.set_ylabel("SDPA ms / attncomp ms")
         ax.grid(True, which="both", alpha=0.3)
-    for ax in list(axes.flat)[len(panels):]:
-        ax.axis("off")
     axes.flat[0].legend(fontsize=7)
-    fig.suptitle("attention, bf16, B=4, H=16 (lower is better)")
+    fig.suptitle(f"kernels, bf16, B=4, H=16: speedup over SDPA (dense) {machine}".strip())
     fig.tight_layout()
     for p in paths:
-        fig.savefig(p, dpi=110)
+        fig.savefig(p, dpi=100)
     plt.close(fig)
 
 
-def main(argv=None):
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--backend", default="triton")
+    known, rest = pre.parse_known_args(argv)
+    if known.backend == "tvm":
+        from benchmarks import _tvm
+
+        return _tvm.main(rest, command_argv=argv)
     args = parse_args(argv)
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"
         args.no_flex = args.no_unfused = True
-        args.out = os.path.join(os.environ.get("TMPDIR", "/tmp"), "attncomp-smoke.json")
     os.environ["ATTNCOMP_TRITON_TUNE"] = "1" if args.tune else "0"
     import torch
 
@@ -622,26 +631,38 @@ def main(argv=None):
     if args.table != "structured" and (not args.smoke or os.environ.get("ATTNCOMP_BENCH_SMOKE_WARM") == "1"):
         warm_up(tasks, args.workers)
 
-    if args.sweep:
+    if args.sweep:  # a tuning aid, not a results file: under $OUT (or $TMPDIR) unless --out
         res = sweep(args, policies, dims, causals, passes_list)
-        out = os.path.join(os.environ.get("OUT", os.path.join(HERE, "results")), "sweep.json")
-        os.makedirs(os.path.dirname(out), exist_ok=True)
+        out = args.out or os.path.join(os.environ.get("OUT") or os.environ.get("TMPDIR", "/tmp"),
+                                        f"kernels_sweep_{_gpu_tag(args)}.json")
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
         with open(out, "w") as f:
             json.dump(res, f, indent=1)
         print(f"\nsweep written to {out}; {time.perf_counter() - t0:.0f}s")
-        return
+        return 0
 
+    rows, tables = [], set()
     if args.table in ("structured", "all") or args.smoke:
-        run_structured(args)
-        if args.table == "structured":
-            return
-    rows = run_table(args, policies, dims, causals, passes_list)
-    write_results(args, rows, policies)
-    print(f"\n{len(rows)} rows in {time.perf_counter() - t0:.0f}s; JSON: {args.out}")
-    print("ratios: baseline ms / attncomp ms (x_sdpa is against dense SDPA for every policy)")
-    print(HEADER)
-    for r in rows:
-        print(_fmt_row(r))
+        rows += run_structured(args)
+        tables |= {t for t in ("predicates", "spion") if t in args.structured_rows.split(",")}
+    if args.table != "structured":
+        policy_rows = run_table(args, policies, dims, causals, passes_list)
+        rows += policy_rows
+
+    def keep(r):  # rows of the file this run does not measure again
+        t = r.get("table", "policies")
+        if t == "policies":
+            return args.table == "structured" or r.get("policy") not in policies
+        return t not in tables
+
+    path = write_results(args, rows, keep, argv)
+    print(f"\n{len(rows)} rows in {time.perf_counter() - t0:.0f}s; JSON: {path}")
+    if args.table != "structured":
+        print("ratios: baseline ms / attncomp ms (x_sdpa is against dense SDPA for every policy)")
+        print(HEADER)
+        for r in policy_rows:
+            print(_fmt_row(r))
+    return 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -794,7 +815,6 @@ def run_structured(args) -> List[dict]:
                                      x_flex=None if fx is None else fx / t, ideal=1 / density,
                                      achieved_over_ideal=(sd / t) * density))
                     print(_fmt_structured(rows[-1]), flush=True)
-    _write_structured(args, rows)
     return rows
 
 
@@ -835,19 +855,5 @@ def _fmt_structured(r) -> str:
             f" {r['attncomp_ms']:.3f} ms{extra} achieved/ideal {r['achieved_over_ideal']:.2f}")
 
 
-def _write_structured(args, rows) -> None:
-    import torch
-
-    name = f"structured_{_gpu_tag(args)}.json"
-    paths = [os.path.join(os.environ.get("TMPDIR", "/tmp") if args.smoke else os.path.join(HERE, "results"), name)]
-    if os.environ.get("OUT") and not args.smoke:
-        paths.append(os.path.join(os.environ["OUT"], name))
-    doc = {"machine": _machine(args), "torch": torch.__version__, "rows": rows}
-    for p in paths:
-        os.makedirs(os.path.dirname(p), exist_ok=True)
-        with open(p, "w") as f:
-            json.dump(doc, f, indent=1)
-
-
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,4 +1,4 @@
-"""Attention benchmark rows for ``backend: "tvm"``.
+"""The TVM backend's rows of the kernel benchmark (``python -m attncomp bench kernels --backend tvm``; table ``tvm``).
 
 CPU (``--device cpu``, BENCHMARKS.md "On a CPU"): the TVM ``llvm`` kernels against SDPA's CPU kernel
 (dense attention: the number every policy has to beat) and the reference backend (what ``auto`` ran
@@ -12,20 +12,19 @@ forward rows, and forward+backward rows (the CUDA backward kernels) for dense an
 come twice on a GPU: ``kernel: mma.sp`` (the sparse tensor-core forward) and ``kernel: scalar`` (the
 scalar template, ``ATTNCOMP_TVM_DFSS_KERNEL=scalar``), on the same inputs.
 
-    python benchmarks/attention_tvm.py --device cpu                  # writes results/attention_cpu.json
+    python -m attncomp bench kernels --backend tvm --device cpu     # benchmarks/results/kernels_cpu.json
     python -m attncomp build-kernels --arch sm_90 --head-dim 64 --out build/tvm-cubins
-    python benchmarks/attention_tvm.py --device cuda --cubins build/tvm-cubins --out /tmp/tvm_gpu.json
+    python -m attncomp bench kernels --backend tvm --device cuda --cubins build/tvm-cubins
 
-``rows(args)`` returns the rows as dictionaries, for ``benchmarks/attention.py`` to merge into its table.
+Rows go to the kernels results file of the device (``kernels_<device>.json``, table ``tvm``), replacing its
+``tvm`` rows and keeping the others.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import platform
 import sys
 import time
 from typing import Callable, Dict, List
@@ -36,13 +35,16 @@ sys.path.insert(0, os.path.dirname(HERE))
 import torch  # noqa: E402
 
 from attncomp.codegen import reference as R  # noqa: E402
-from attncomp.codegen.tvm import backend as TB  # noqa: E402
 from attncomp.policy import DFSS, Dense, Drop, Hash, SPION, ceil_div, lsh_buckets  # noqa: E402
 from attncomp.spec import AttentionSpec, dtype_name  # noqa: E402
+from benchmarks import common as C  # noqa: E402
+
+TB = None  # attncomp.codegen.tvm.backend, imported by main (apache-tvm on a CPU machine)
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m attncomp bench kernels --backend tvm",
+                                 description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--ns", default="1024,4096")
     ap.add_argument("--dims", default="64")
@@ -126,7 +128,7 @@ def rows(args) -> List[Dict]:
                     for ps, kern in ((ps, kern) for ps in passes for kern in kernels):
                         if kern:
                             os.environ["ATTNCOMP_TVM_DFSS_KERNEL"] = kern
-                        row = {"backend": "tvm", "device": device, "policy": spec.policy.describe(),
+                        row = {"table": "tvm", "backend": "tvm", "device": device, "policy": spec.policy.describe(),
                                "causal": causal, "B": args.batch, "H": args.heads, "N": N, "D": D,
                                "dtype": dtype_name(dtype), "pass": ps, "density": round(dens, 4),
                                "ideal_speedup": round(1.0 / dens, 2) if dens > 0 else None}
@@ -181,27 +183,25 @@ def table(rs: List[Dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
+def main(argv=None, command_argv=None) -> int:
+    global TB
     args = parse_args(argv)
+    from attncomp.codegen.tvm import backend
+
+    TB = backend
     torch.manual_seed(0)
     rs = rows(args)
     from attncomp.codegen.tvm.build import llvm_target, tvm_version
 
-    doc = {
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
-        if args.device == "cpu" else torch.cuda.get_device_name(),
-        "torch": torch.__version__, "tvm": tvm_version() if args.device == "cpu" else None,
-        "target": llvm_target() if args.device == "cpu" else None,
-        "threads": torch.get_num_threads(),
-        "protocol": "median of 7 timed calls after 2 warm-up calls; SDPA = dense attention on the same shapes",
-        "rows": rs,
-    }
-    out = args.out or os.path.join(HERE, "results", "attention_cpu.json" if args.device == "cpu" else "tvm_gpu.json")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(doc, f, indent=1)
+    dev = "cpu" if args.device == "cpu" else C.device_tag()
+    doc = C.document("kernels", rs, ["--backend", "tvm"] + list(argv or []) if command_argv is None else command_argv,
+                     device=dev, tvm=tvm_version() if args.device == "cpu" else None,
+                     target=llvm_target() if args.device == "cpu" else None, threads=torch.get_num_threads(),
+                     protocol="tvm rows: median of 7 timed calls after 2 warm-up calls; SDPA = dense attention on "
+                              "the same shapes")
+    paths = C.write(doc, args.out, keep=lambda r: r.get("table", "policies") != "tvm")
     print(table(rs))
-    print(f"wrote {out}")
+    print(f"wrote {', '.join(paths)}")
     return 0
 
 

@@ -15,11 +15,11 @@ warp-group MMA instructions. What a configuration costs in occupancy is known be
   (228 KiB per SM, 1 KiB reserved per block) and warps (64 per SM): with one warp group per block,
   two resident blocks let one block's softmax run while the other's matrix products do.
 
-    python benchmarks/sm90.py                          # dense forward candidates, D 64/128, causal and not
-    python benchmarks/sm90.py --policies dense,dfss --dims 64,128,256 --passes fwd,bwd
-    python benchmarks/sm90.py --json out.json
-    python benchmarks/sm90.py --gluon --first 1        # the defaults and the Gluon forward's and dK/dV pass's
-    python benchmarks/sm90.py --gluon --gluon-only --no-sass   # the Gluon kernels alone, without SASS counts (faster)
+    python tests/codegen/sm90_check.py                          # dense forward candidates, D 64/128, causal and not
+    python tests/codegen/sm90_check.py --policies dense,dfss --dims 64,128,256 --passes fwd,bwd
+    python tests/codegen/sm90_check.py --json out.json
+    python tests/codegen/sm90_check.py --gluon --first 1        # the defaults and the Gluon forward's and dK/dV pass's
+    python tests/codegen/sm90_check.py --gluon --gluon-only --no-sass   # the Gluon kernels alone, without SASS counts (faster)
 
 Nothing here needs CUDA; ``tests/codegen/test_sm90_compile.py`` runs it on the default configurations.
 """
@@ -36,10 +36,9 @@ import sys
 import tempfile
 from typing import Dict, List, Optional
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from attention import config_name, make_spec  # noqa: E402
+from benchmarks.kernels import config_name, make_spec  # noqa: E402
 
 SMEM_PER_SM = 228 * 1024
 SMEM_PER_BLOCK = 227 * 1024
