@@ -40,32 +40,26 @@ and backward, and export with ``torch.export``.
 from __future__ import annotations
 
 import contextvars
-import functools
 import itertools
 import logging
 import os
 import warnings
-import weakref
 from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
 
+# the conventions the backends share with the op live below them (attncomp.opspec); the op's callers
+# may keep importing them from here
+from .opspec import (ARG_INDEX, MOD_NAMES, PRED_NAMES, bounded_put, bucket_range, call_signature, half_given_aux,
+                     laid_out, mark_buckets, output_like, output_strides, parsed, resolved, tensor_sig)
 from .policy import Drop, Hash, SPION, ceil_div, keep_mask, lsh_buckets, seed_mix
 from .spec import AttentionSpec, Modifiers, Predicates
 
 __all__ = ["attention", "check_inputs", "check_predicates", "materialize_aux", "bucket_range", "site_dropout",
-           "next_seed", "training_mode", "ARG_INDEX", "PRED_NAMES", "MOD_NAMES", "check_modifiers"]
+           "next_seed", "training_mode", "ARG_INDEX", "PRED_NAMES", "MOD_NAMES", "check_modifiers", "output_strides"]
 
 log = logging.getLogger(__name__)
-
-#: the predicate tensors, in op-argument order (the fields of :class:`~attncomp.spec.Predicates`)
-PRED_NAMES = Predicates._fields
-#: the score modifiers' tensors, in op-argument order (the fields of :class:`~attncomp.spec.Modifiers`)
-MOD_NAMES = Modifiers._fields
-#: position of each argument of ``attncomp::attention``
-ARG_INDEX = {n: i for i, n in enumerate(("q", "k", "v", "attn_mask", "q_aux", "k_aux", "block_pattern")
-                                        + PRED_NAMES + ("spec", "dropout_p", "seed") + MOD_NAMES)}
 
 
 def _debug() -> bool:
@@ -252,32 +246,6 @@ def next_seed(base: int = 0) -> int:
     return int(base)
 
 
-# Bucket tensors derived here, so with ids known to lie in [0, n_buckets): id -> (weak reference,
-# version, n_buckets). The Triton backend sorts such ids by counting (no range check on the device).
-_derived_buckets: dict = {}
-
-
-def _mark_buckets(t: Tensor, n: int) -> None:
-    try:
-        ver = t._version
-    except RuntimeError:  # inference tensors track no version: left unmarked
-        return
-    key = id(t)
-    _derived_buckets[key] = (weakref.ref(t, lambda _r, key=key: _derived_buckets.pop(key, None)), ver, n)
-
-
-def bucket_range(t: Optional[Tensor]) -> Optional[int]:
-    """``n`` when ``t`` is a bucket tensor that :func:`materialize_aux` derived (ids in ``[0, n)``)
-    and that nothing has written to since; else None (ids of any range). Reads no tensor data."""
-    ent = _derived_buckets.get(id(t))
-    if ent is None or ent[0]() is not t:
-        return None
-    try:
-        return ent[2] if t._version == ent[1] else None
-    except RuntimeError:
-        return None
-
-
 def materialize_aux(spec: AttentionSpec, q, k, q_aux=None, k_aux=None, seed: Optional[int] = None):
     """Derive the policy's per-token tensors that the caller did not give."""
     pol = spec.policy
@@ -287,8 +255,8 @@ def materialize_aux(spec: AttentionSpec, q, k, q_aux=None, k_aux=None, seed: Opt
         if q_aux is None:
             with torch.no_grad():
                 q_aux, k_aux = lsh_buckets(q.detach(), k.detach(), pol.n_buckets, pol.seed)
-            _mark_buckets(q_aux, pol.n_buckets)
-            _mark_buckets(k_aux, pol.n_buckets)
+            mark_buckets(q_aux, pol.n_buckets)
+            mark_buckets(k_aux, pol.n_buckets)
     elif isinstance(pol, Drop):
         s = pol.seed if seed is None else seed
         B, Hq, Nq = q.shape[:3]
@@ -303,27 +271,6 @@ def materialize_aux(spec: AttentionSpec, q, k, q_aux=None, k_aux=None, seed: Opt
 
 # ---------------------------------------------------------------------------------------------
 # The op.
-
-@functools.lru_cache(maxsize=4096)
-def _resolved(spec_json: str, dtype: torch.dtype) -> AttentionSpec:
-    """The call's spec (parsed once per spec string and dtype): the dtype and the dtype-dependent
-    policy defaults filled in where the compiler could not know them."""
-    s = AttentionSpec.from_json(spec_json)
-    if s.dtype is None or s.policy.resolved(dtype) != s.policy:
-        s = s.replace(dtype=str(dtype).replace("torch.", ""), policy=s.policy.resolved(dtype))
-    return s
-
-
-@functools.lru_cache(maxsize=1024)
-def _parsed(spec_json: str) -> AttentionSpec:
-    return AttentionSpec.from_json(spec_json)
-
-
-def half_given_aux(policy) -> ValueError:
-    """The error for a call that gives one of a hash/drop site's two policy tensors but not the other."""
-    names = "q_buckets and k_buckets" if isinstance(policy, Hash) else "q_keep and k_keep"
-    return ValueError(f"policy {policy.name!r} needs {names} (both, or neither to derive them)")
-
 
 def _derive_aux(s: AttentionSpec, be, q: Tensor, k: Tensor, q_aux, k_aux, seed: int):
     """The policy tensors for a backend that does not derive them itself (see the module docstring):
@@ -349,51 +296,6 @@ def _preds(q_pos, k_pos, q_seg, k_seg, q_valid, k_valid) -> Optional[Predicates]
     return Predicates(q_pos, k_pos, q_seg, k_seg, q_valid, k_valid)
 
 
-def output_strides(B, H, N, dv) -> tuple:
-    """The strides of the op's ``(B, H, N, dv)`` output: the heads inner in memory, i.e. the
-    transpose of a contiguous ``(B, N, H, dv)`` tensor (the layout SDPA's GPU kernels give for q from a
-    model's projections). A model's ``out.transpose(1, 2).contiguous()`` (or ``reshape``) before its
-    output projection then copies nothing. The layout depends on no input's strides: compiled graphs
-    may lay q out differently at run time than when they were traced."""
-    return (N * H * dv, dv, H * dv, 1)
-
-
-def output_like(q: Tensor, dv: int) -> Tensor:
-    """The op's output buffer for q (:func:`output_strides`)."""
-    B, H, N, _ = q.shape
-    return q.new_empty_strided((B, H, N, dv), output_strides(B, H, N, dv))
-
-
-def _laid_out(out: Tensor) -> Tensor:
-    """``out`` in :func:`output_like`'s layout (what the op's fake promises compiled graphs); a
-    backend's other layout is copied."""
-    if out.stride() == output_strides(*out.shape):
-        return out
-    return output_like(out, out.shape[-1]).copy_(out)
-
-
-def bounded_put(memo: dict, key, value, limit: int) -> None:
-    """``memo[key] = value``, the oldest entry dropped first when ``memo`` holds ``limit`` (the per-call
-    memos of the op and the backends: sizes in their keys, so a decode loop adds one per step)."""
-    if len(memo) >= limit:
-        memo.pop(next(iter(memo)))
-    memo[key] = value
-
-
-def _tensor_sig(t: Optional[Tensor]):
-    return None if t is None else (t.shape, t.stride(), t.dtype, t.data_ptr() & 15 == 0)
-
-
-def call_signature(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], preds: Optional[tuple],
-                   dropout_p: float) -> tuple:
-    """What a kernel launch specialises on of a call's tensors: sizes, strides, dtypes, the device and
-    16-byte alignment of q, k and v, the same of the mask and of each predicate tensor (``preds``: a
-    tuple of tensors or None), and the dropout rate. Per-call memos (launch plans) are keyed by it."""
-    return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype, q.device,
-            q.data_ptr() & 15 == 0, k.data_ptr() & 15 == 0, v.data_ptr() & 15 == 0, _tensor_sig(attn_mask),
-            None if preds is None else tuple(map(_tensor_sig, preds)), float(dropout_p))
-
-
 # -- launch plans at the op ---------------------------------------------------------------------------
 # A backend may keep a launch plan for a call (the Triton backend: the template's dense and DFSS
 # forwards that build nothing per call, the Gluon forward, and the recorded hash/drop forwards, which
@@ -417,7 +319,7 @@ def _call_key(spec: str, q, k, v, attn_mask, q_valid, k_valid, dropout_p, seed, 
     preds = None if q_valid is None and k_valid is None else (q_valid, k_valid)
     s = seed_mix(seed)  # by what kernels specialise an integer on (1, multiple of 16): one plan per class
     return (spec, _selection_state(), call_signature(q, k, v, attn_mask, preds, dropout_p), s == 1, s & 15 == 0,
-            _tensor_sig(q_aux), _tensor_sig(k_aux))
+            tensor_sig(q_aux), tensor_sig(k_aux))
 
 
 _select = None
@@ -459,7 +361,7 @@ def _attention_impl(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor]
                 if res is not None:
                     return res
         state = _selection_state() if key is None else key[1]
-    s = _resolved(spec, q.dtype)
+    s = resolved(spec, q.dtype)
     preds = _preds(q_pos, k_pos, q_seg, k_seg, q_valid, k_valid)
     be = _backend_for(s, q, k, v, preds, dropout_p, attn_mask)
     if q_aux is None or k_aux is None:
@@ -468,9 +370,9 @@ def _attention_impl(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor]
         check_modifiers(s, mods, q.shape[1])
         out, lse = be.forward(s, q, k, v, attn_mask, q_aux, k_aux, block_pattern, dropout_p, seed, mods=mods,
                               **_pkw(preds))
-        return _laid_out(out), lse
+        return laid_out(out), lse
     out, lse = be.forward(s, q, k, v, attn_mask, q_aux, k_aux, block_pattern, dropout_p, seed, **_pkw(preds))
-    out = _laid_out(out)
+    out = laid_out(out)
     if state is not None:
         taken = getattr(be, "taken_plan", None)
         plan = taken() if taken is not None else None
@@ -501,7 +403,7 @@ def _attention_backward_impl(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, 
                              k_seg: Optional[Tensor], q_valid: Optional[Tensor], k_valid: Optional[Tensor],
                              out: Tensor, lse: Tensor, spec: str, dropout_p: float, seed: int,
                              need_mask_grad: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    s = _resolved(spec, q.dtype)
+    s = resolved(spec, q.dtype)
     preds = _preds(q_pos, k_pos, q_seg, k_seg, q_valid, k_valid)
     be = _backend_for(s, q, k, v, preds, dropout_p, attn_mask)
     if q_aux is None or k_aux is None:
@@ -581,7 +483,7 @@ def _attention_backward_mods_impl(grad_out: Tensor, q: Tensor, k: Tensor, v: Ten
                                                                     Tensor]:
     """The backward of a site with score modifiers: ``(dq, dk, dv, dmask, dslopes, dtable, dsinks)``,
     an empty tensor for each one that has no gradient."""
-    s = _resolved(spec, q.dtype)
+    s = resolved(spec, q.dtype)
     preds = _preds(q_pos, k_pos, q_seg, k_seg, q_valid, k_valid)
     mods = Modifiers(alibi_slopes, rel_table, sinks)
     be = _backend_for(s, q, k, v, preds, dropout_p, attn_mask)
@@ -620,7 +522,7 @@ def _setup_context(ctx, inputs, output):
     ctx.spec, ctx.dropout_p, ctx.seed = spec, dropout_p, seed
     ctx.need_mask_grad = attn_mask is not None and attn_mask.is_floating_point() and attn_mask.requires_grad
     # (soft-capping alone has no tensor: the spec decides which backward runs)
-    ctx.has_mods = any(t is not None for t in mods) or bool(_parsed(spec).modifiers())
+    ctx.has_mods = any(t is not None for t in mods) or bool(parsed(spec).modifiers())
 
 
 def _backward(ctx, grad_out, grad_lse):
@@ -772,14 +674,14 @@ _DRAWS: dict = {}
 
 
 def _policy_aux_impl(q: Tensor, k: Tensor, spec: str, seed: int) -> Tuple[Tensor, Tensor]:
-    s = _parsed(spec)
+    s = parsed(spec)
     if isinstance(s.policy, Drop):
         # a backend that draws keep masks with its own kernels (Triton: fused with the sort, whose
         # layout the site's calls then reuse) draws them; else torch ops below
         key = (spec, _selection_state(), call_signature(q, k, k, None, None, 0.0))
         hit = _DRAWS.get(key)
         if hit is None:
-            s = _resolved(spec, q.dtype)
+            s = resolved(spec, q.dtype)
             # (k stands in for v: the choice reads v's head dim only where SDPA may run, which drop never does)
             hit = (s, getattr(_backend_for(s, q, k, k), "draw_keep", None))
             if key[1] == _selection_state():  # (a choice that is kept, see runtime.dispatch.selection_state)
@@ -801,7 +703,7 @@ _policy_aux_op = torch.library.custom_op("attncomp::policy_aux", mutates_args=()
 
 @_policy_aux_op.register_fake
 def _(q, k, spec, seed):
-    pol = _parsed(spec).policy
+    pol = parsed(spec).policy
     dt = torch.bool if isinstance(pol, Drop) else torch.int32
     if not isinstance(pol, (Hash, Drop)):
         return q.new_empty((0,), dtype=torch.int32), k.new_empty((0,), dtype=torch.int32)

@@ -21,6 +21,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from ..opspec import laid_out, resolved
 from ..spec import AttentionSpec, Predicates
 from .reference import cacheable, default_positions, predicate_mask, tracing
 
@@ -278,9 +279,7 @@ class _Plan:
 
     def __init__(self, backend: "SdpaBackend", spec: AttentionSpec, fixed: Optional[tuple],
                  flash: Optional[tuple] = None):
-        from ..ops import _laid_out
-
-        self.backend, self.spec, self.fixed, self.flash, self.laid_out = backend, spec, fixed, flash, _laid_out
+        self.backend, self.spec, self.fixed, self.flash, self.laid_out = backend, spec, fixed, flash, laid_out
 
     def call(self, q, k, v, attn_mask, q_valid, k_valid, seed):
         if self.flash is not None:  # (is_causal, scale): FlashAttention's outputs are the op's
@@ -305,9 +304,7 @@ def inline_plan(q: Tensor, k: Tensor, attn_mask: Optional[Tensor], q_pos: Option
     graph for the sites that share the mask, the predicate tensors, the mask's part of the spec, the
     sizes and dtype (a model's layers: ``attncomp/passes/inline_sdpa.py``), as a model builds its mask
     once for all its layers. ``q`` and ``k`` give sizes, dtype and device only."""
-    from ..ops import _resolved
-
-    spec = _resolved(spec_json, q.dtype)
+    spec = resolved(spec_json, q.dtype)
     preds = Predicates(q_pos, k_pos, q_seg, k_seg, q_valid, k_valid)
     preds = preds if preds.any() else None
     if not _public(q, need_lse):
@@ -327,9 +324,7 @@ def inline_attention(q: Tensor, k: Tensor, v: Tensor, plan: tuple, spec_json: st
     (:meth:`SdpaBackend.forward`). Without it, on CUDA, ``scaled_dot_product_attention`` itself runs,
     so that the kernel is the one torch picks for the call (cuDNN's where it takes a mask), and ``lse``
     is an empty tensor: the graph reads only ``out``."""
-    from ..ops import _resolved
-
-    spec = _resolved(spec_json, q.dtype)
+    spec = resolved(spec_json, q.dtype)
     if not _public(q, need_lse) or q.shape[-2] == 0 or k.shape[-2] == 0:
         out, lse, _ = SdpaBackend()._forward(spec, q, k, v, None, None, plan=plan)
         return out, lse

@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from .. import ops
 from ..codegen import get_backend
+from ..opspec import ARG_INDEX, MOD_NAMES, parsed, resolved
 from ..runtime import dispatch, env
 from ..spec import Predicates
 from .base import CompileContext, PassResult
@@ -41,7 +41,7 @@ from .scale_reorder import RUNTIME_MUL
 __all__ = ["inline_sdpa", "enabled"]
 
 NAME = "inline_sdpa"
-_A = ops.ARG_INDEX
+_A = ARG_INDEX
 
 
 def enabled() -> bool:
@@ -58,7 +58,7 @@ def _choice(node: fx.Node, cuda_graphs: bool):
     """``(traced, why)`` for a site (``cuda_graphs``: the graph runs as a CUDA graph)."""
     if any(_arg(node, n) is not None for n in ("q_aux", "k_aux", "block_pattern")):
         return False, "the site brings policy tensors"
-    if any(_arg(node, n) is not None for n in ops.MOD_NAMES) or ops._parsed(node.args[spec_index(node)]).modifiers():
+    if any(_arg(node, n) is not None for n in MOD_NAMES) or parsed(node.args[spec_index(node)]).modifiers():
         return False, "score modifiers (SDPA's kernels apply none of them)"
     dropout = _arg(node, "dropout_p")
     if not isinstance(dropout, (int, float)):
@@ -75,7 +75,7 @@ def _choice(node: fx.Node, cuda_graphs: bool):
     # which predicates are present is what the choice reads of them (nodes the passes added have no
     # example value: the node stands in)
     preds = Predicates(*(_arg(node, n) for n in Predicates._fields))
-    spec = ops._resolved(node.args[spec_index(node)], q.dtype)
+    spec = resolved(node.args[spec_index(node)], q.dtype)
     return dispatch.inline_choice(spec, q, k, v, preds if preds.any() else None, float(dropout), mask, measure=True,
                                   device_only=cuda_graphs)
 
@@ -119,7 +119,7 @@ def _plan_key(node: fx.Node, need_lse: bool) -> tuple:
     """What a site's mask plan depends on: the mask and predicate values (:func:`_structure`), the
     mask's part of the spec, the query and key lengths, q's dtype and device, and whether the site
     calls SDPA's public function."""
-    spec = ops._parsed(node.args[spec_index(node)])
+    spec = parsed(node.args[spec_index(node)])
     q, k = meta_val(_arg(node, "q")), meta_val(_arg(node, "k"))
     return (tuple(_structure(_arg(node, n)) for n in ("attn_mask",) + Predicates._fields)
             + (spec.causal, spec.causal_align, spec.window_left, spec.window_right, str(q.shape[-2]),
@@ -134,7 +134,7 @@ def _take_back_scale(node: fx.Node) -> bool:
     if not isinstance(m, fx.Node) or RUNTIME_MUL not in m.meta or len(m.users) != 1:
         return False
     i = spec_index(node)
-    spec = ops._parsed(node.args[i])
+    spec = parsed(node.args[i])
     if spec.scale != 1.0:
         return False
     args = list(node.args)

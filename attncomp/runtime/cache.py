@@ -97,13 +97,9 @@ def versions() -> Dict[str, str]:
     """Versions that change generated code: attncomp, torch, triton (``none`` when absent)."""
     import torch
 
-    try:
-        import attncomp
+    from .._version import __version__
 
-        ac = attncomp.__version__
-    except Exception:
-        ac = _dist_version("attncomp")
-    return {"attncomp": ac, "torch": torch.__version__, "triton": _dist_version("triton")}
+    return {"attncomp": __version__, "torch": torch.__version__, "triton": _dist_version("triton")}
 
 
 @functools.lru_cache(maxsize=None)

@@ -459,7 +459,7 @@ def _inline_times(spec, q, k, v, preds, attn_mask, sizes, device_only: bool = Fa
 
     from ..codegen.reference import default_positions
     from ..codegen.sdpa import prepared_forward
-    from ..ops import ARG_INDEX, PRED_NAMES
+    from ..opspec import ARG_INDEX, PRED_NAMES
 
     B, hq, nq, d, hk, nk, dv = sizes
     times: Dict[str, float] = {}

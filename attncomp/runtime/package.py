@@ -99,9 +99,9 @@ class PackageError(ValueError):
 def _versions() -> Dict[str, Any]:
     from torch._export.serde.schema import SCHEMA_VERSION
 
-    import attncomp
+    from .._version import __version__
 
-    return {"attncomp": attncomp.__version__, "torch": torch.__version__,
+    return {"attncomp": __version__, "torch": torch.__version__,
             "export_schema": [int(SCHEMA_VERSION[0]), int(SCHEMA_VERSION[1])]}
 
 

@@ -27,7 +27,7 @@ import torch
 from triton.runtime.errors import OutOfResources
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ...ops import _tensor_sig, bounded_put as _put, bucket_range, call_signature, half_given_aux, output_strides
+from ...opspec import bounded_put as _put, bucket_range, call_signature, half_given_aux, output_strides, tensor_sig
 from ...policy import DFSS, SPION, Drop, Hash
 from ...spec import AttentionSpec
 from ..reference import cacheable
@@ -775,7 +775,7 @@ def _state(sw: int) -> tuple:
 
 def _plan_key(spec, q, k, v, attn_mask, preds, dropout_p, sw: int, q_aux=None, k_aux=None) -> tuple:
     # the spec by identity: its plan holds it, so no other object takes that id while the plan lives
-    return (id(spec), call_signature(q, k, v, attn_mask, preds, dropout_p), _tensor_sig(q_aux), _tensor_sig(k_aux),
+    return (id(spec), call_signature(q, k, v, attn_mask, preds, dropout_p), tensor_sig(q_aux), tensor_sig(k_aux),
             _state(sw))
 
 

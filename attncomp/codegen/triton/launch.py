@@ -19,11 +19,10 @@ hook (profilers install them) or the interpreter take ``JITFunction.run`` as bef
 from __future__ import annotations
 
 import operator
+import threading
 from typing import Any, Dict, Optional, Sequence
 
 import torch
-
-from .record import _TLS as _RECORDING
 
 __all__ = ["FastLaunch", "fast_launch", "enabled", "direct_launcher", "kept_launcher", "launcher"]
 
@@ -31,6 +30,9 @@ _OPTIONS = frozenset(("num_warps", "num_stages", "num_ctas", "maxnreg", "num_buf
                       "num_consumer_groups", "reg_dec_producer", "reg_inc_consumer", "launch_cooperative_grid",
                       "launch_pdl", "debug"))
 _ENABLED = [True]
+# this thread's recording (``.rec``), set by :func:`.record.record`: each launch made under it is logged
+# for replay (the recording module builds on this one, so the state lives here)
+_RECORDING = threading.local()
 _MAX_ENTRIES = 4096  # argument classes kept per kernel
 
 

@@ -31,7 +31,6 @@ depend on (the backend keys plans by spec, tensor signature and state, as its ot
 from __future__ import annotations
 
 import contextlib
-import threading
 import weakref
 from collections import OrderedDict
 from typing import Dict, Iterable, List, Optional, Tuple
@@ -40,9 +39,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from .launch import _RECORDING as _TLS, launcher
+
 __all__ = ["Recording", "record", "active", "constant", "descriptor", "Replay", "workspace_view"]
 
-_TLS = threading.local()
 _CONSTANTS: Dict[int, weakref.ref] = {}
 _ALIGN = 256  # workspace offsets (bytes): every buffer keeps the alignment class it was recorded with
 
@@ -140,8 +140,6 @@ class Replay:
     def __init__(self, rec: Recording, inputs: Dict[str, Optional[torch.Tensor]],
                  outputs: Dict[str, torch.Tensor], seeds: Dict[object, Dict[str, str]],
                  nulls: Optional[Dict[object, Iterable[str]]] = None):
-        from .launch import launcher  # (launch imports this module)
-
         nulls = nulls or {}
         if rec.why is not None:
             raise ValueError(rec.why)

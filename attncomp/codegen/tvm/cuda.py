@@ -33,28 +33,10 @@ from typing import Dict, List, Optional, Tuple
 
 from . import kernels as K
 from .kernels import Variant
+from .tiles import CUDA_BLOCK_K, CUDA_BLOCK_Q, cuda_variant
 
 __all__ = ["cuda_forward_source", "build_cubin", "get_cubin", "cubin_key", "launch_meta", "nvcc_version",
-           "CUDA_BLOCK_Q", "CUDA_BLOCK_K"]
-
-CUDA_BLOCK_Q = 64  # threads per block (one query row each)
-CUDA_BLOCK_K = 32  # keys per shared-memory tile
-
-
-def cuda_variant(v: Variant) -> Variant:
-    """The variant with the CUDA tile sizes (spion tiles divide the block size)."""
-    import dataclasses
-
-    bq, bk = CUDA_BLOCK_Q, CUDA_BLOCK_K
-    if v.mma == "sp":
-        from .sparse import SP_BLOCK_Q, sp_block_k
-
-        return dataclasses.replace(v, block_q=SP_BLOCK_Q, block_k=sp_block_k(v.head_dim, v.head_dim_v))
-    if v.policy == "spion":
-        bq = bk = min(v.block_size, 32)
-    if v.policy == "dfss" and bk % v.nm_m:
-        bk = v.nm_m
-    return dataclasses.replace(v, block_q=bq, block_k=bk)
+           "CUDA_BLOCK_Q", "CUDA_BLOCK_K", "cuda_variant"]
 
 
 def forward_source(v: Variant) -> str:
@@ -312,7 +294,7 @@ def cubin_key(v: Variant, arch: str, kind: str = "fwd") -> str:
     loader uses it)."""
     import base64
 
-    from ... import __version__
+    from ..._version import __version__
     from ...runtime.cache import CACHE_FORMAT
 
     v = kernel_variant(v, kind)

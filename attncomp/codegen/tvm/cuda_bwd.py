@@ -27,6 +27,7 @@ from typing import List
 
 from . import kernels as K
 from .kernels import Variant
+from .tiles import cuda_variant
 
 __all__ = ["bwd_variant", "bwd_source", "bwd_threads", "bwd_grid", "BWD_KINDS"]
 
@@ -36,8 +37,6 @@ BWD_KINDS = ("dkdv", "dq")
 def bwd_variant(v: Variant, kind: str) -> Variant:
     """The variant with the tile sizes of the CUDA backward kernel ``kind``."""
     if kind == "dq":
-        from .cuda import cuda_variant
-
         return cuda_variant(dataclasses.replace(v, mma="", operand_dtype=""))
     bk = 64
     bq = 32 if max(v.head_dim, v.head_dim_v) <= 128 else 16
