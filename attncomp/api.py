@@ -150,7 +150,7 @@ class _GraphCompiler:
         where = "Inductor around the op" if self.inductor else "no Inductor (ATTNCOMP_INDUCTOR=0 / inductor=False)"
         ctx = CompileContext(policy=self.policy, backend=self.backend, inference=inference,
                              capture=f"{self.capture_name}; {where}", cuda_graphs=self._cuda_graphs(),
-                             example_inputs=_real_inputs(gm, example_inputs))
+                             mode=self.mode, example_inputs=_real_inputs(gm, example_inputs))
         _propagate_fake(gm, example_inputs)
         frozen = _freeze_parameters(gm, example_inputs) if inference else 0
         _constant_mask_buffers(gm, example_inputs)

@@ -61,6 +61,9 @@ class CompileContext:
     #: the compiled graphs run as CUDA graphs (Inductor's ``mode="reduce-overhead"``): no host time
     #: between kernels, so choices between kernels compare device time only
     cuda_graphs: bool = False
+    #: Inductor's mode of this compile (``attncomp.compile(mode=...)``): under ``"max-autotune"`` the runtime
+    #: may time kernels for the passes' choices (:func:`attncomp.runtime.dispatch.inline_choice`)
+    mode: Optional[str] = None
     #: the real values the graph's placeholders take on the call being compiled (dynamo capture), by
     #: placeholder name; passes may evaluate small subgraphs on them to check what they derived
     example_inputs: Optional[Dict[str, Any]] = None

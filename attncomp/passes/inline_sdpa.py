@@ -1,12 +1,14 @@
 """SDPA sites traced into the graph that Inductor compiles.
 
-Matches: every ``attncomp::attention`` node that runs SDPA's kernel traced
+Matches: every ``attncomp::attention`` node that runs SDPA's kernel traced, as the runtime decides
 (:func:`attncomp.runtime.dispatch.inline_choice`): on a CPU each ``dense`` or ``et`` site without
-dropout; on a GPU such a site where Triton cannot run it, where the autotune store holds SDPA's kernel
-as faster than Triton's for its shape bucket, or where SDPA's kernel traced measures faster per call
-than the op on Triton, host time included (measured here, once per shape bucket, at the sizes the
-graph was traced with; kept in the autotune store). A float ``attn_mask`` that requires grad keeps
-the op (SDPA's kernels give no gradient for it; the op does).
+dropout; on a GPU such a site where Triton cannot run it, or where SDPA's kernel is the choice for
+its shape bucket: measured (the autotune store), else in the table shipped for the GPU model, else
+by the default rule (SDPA). The pass never times kernels: it passes the compile's ``mode`` on, and only
+under ``mode="max-autotune"`` does the runtime measure a bucket that nothing measured yet (SDPA traced
+against the op on Triton, per call with host time, at the sizes the graph was traced with; kept in the
+autotune store). A float ``attn_mask`` that requires grad keeps the op (SDPA's kernels give no gradient
+for it; the op does).
 
 Requires: :mod:`.select_backend` ran (the specs are final). Only the graph handed to Inductor goes
 through this pass: graphs kept for the report, ``CompiledModule.graphs`` and ``attncomp.export``
@@ -54,8 +56,9 @@ def _arg(node: fx.Node, name: str):
     return node.args[i] if i < len(node.args) else node.kwargs.get(name)
 
 
-def _choice(node: fx.Node, cuda_graphs: bool):
-    """``(traced, why)`` for a site (``cuda_graphs``: the graph runs as a CUDA graph)."""
+def _choice(node: fx.Node, ctx: CompileContext):
+    """``(traced, why)`` for a site: the runtime's choice (``ctx.cuda_graphs``: the graph runs as a CUDA
+    graph; ``ctx.mode``: the compile's mode, which alone may let the runtime measure)."""
     if any(_arg(node, n) is not None for n in ("q_aux", "k_aux", "block_pattern")):
         return False, "the site brings policy tensors"
     if any(_arg(node, n) is not None for n in MOD_NAMES) or parsed(node.args[spec_index(node)]).modifiers():
@@ -76,8 +79,8 @@ def _choice(node: fx.Node, cuda_graphs: bool):
     # example value: the node stands in)
     preds = Predicates(*(_arg(node, n) for n in Predicates._fields))
     spec = resolved(node.args[spec_index(node)], q.dtype)
-    return dispatch.inline_choice(spec, q, k, v, preds if preds.any() else None, float(dropout), mask, measure=True,
-                                  device_only=cuda_graphs)
+    return dispatch.inline_choice(spec, q, k, v, preds if preds.any() else None, float(dropout), mask, mode=ctx.mode,
+                                  device_only=ctx.cuda_graphs)
 
 
 _NOT_PURE = ("rand", "dropout", "bernoulli", "normal", "multinomial", "uniform", "exponential", "poisson",
@@ -151,7 +154,7 @@ def inline_sdpa(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
     plans: dict = {}
     for node in attention_sites(gm):
         rep = site_report(node, ctx)
-        traced, why = _choice(node, ctx.cuda_graphs)
+        traced, why = _choice(node, ctx)
         if not traced:
             rep.details[NAME] = f"op kept: {why}"
             ctx.count(NAME, "kept")

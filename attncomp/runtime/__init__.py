@@ -4,7 +4,7 @@ import importlib as _importlib
 
 #: reached as attributes (``attncomp.runtime.cubin.import_folder``) after ``import attncomp``, imported
 #: on first use
-_MODULES = ("autotune", "cache", "cubin", "dispatch", "env", "package", "progress")
+_MODULES = ("autotune", "cache", "choice_tables", "cubin", "dispatch", "env", "package", "progress")
 
 
 def __getattr__(name):

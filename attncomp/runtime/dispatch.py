@@ -48,7 +48,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from ..codegen import get_backend
-from . import env
+from . import choice_tables, env
 from ..spec import AttentionSpec, dtype_name
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 __all__ = ["select_backend", "triton_available", "SEQ_RULE", "seq_rule_key", "seq_rule", "choose_form",
            "describe_rule", "record_seq_rule", "clear_rule_cache", "DENSE_CHOICE", "dense_choice_key",
            "dense_choice", "record_dense_choice", "describe_choice", "predicate_kind", "inline_choice",
-           "INLINE_CHOICE"]
+           "INLINE_CHOICE", "MEASURING_MODES"]
 
 #: autotune-store name under which sequence-length rules are kept
 SEQ_RULE = "seq_len_rule"
@@ -118,6 +118,8 @@ def clear_rule_cache() -> None:
     _choice_cache.clear()
     _auto_memo.clear()
     _arch_cache.clear()
+    _name_cache.clear()
+    choice_tables.clear()
 
 
 def _normalise(value: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
@@ -368,18 +370,38 @@ def _auto_explained(spec, q, n_keys, v=None, preds=None, dropout_p=None, k=None,
     return get_backend("reference"), "reference", "no fused kernel runs this site: the exact reference"
 
 
+#: compile modes (Inductor's, as given to :func:`attncomp.compile`) under which the compiler may time
+#: kernels: :func:`inline_choice` measures the buckets that nothing measured yet
+MEASURING_MODES = ("max-autotune", "max-autotune-no-cudagraphs")
+
+
 def inline_choice(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, preds=None,
                   dropout_p: float = 0.0, attn_mask: Optional[torch.Tensor] = None,
-                  measure: bool = False, device_only: bool = False) -> Tuple[bool, str]:
+                  mode: Optional[str] = None, device_only: bool = False) -> Tuple[bool, str]:
     """Whether a compiled site with these (fake or real) tensors runs SDPA's kernel traced into its
-    graph (``attncomp/passes/inline_sdpa.py``), and why (or why not). On a CPU: every keep-everything
-    call without dropout. On a GPU: where Triton cannot run it; where the autotune store holds SDPA's
-    kernel as faster than Triton's for its shape bucket (the op would run SDPA then); otherwise by
-    the stored :data:`INLINE_CHOICE` for the bucket, measured now when absent and ``measure`` is set
-    (:func:`_inline_times`: per call, host time included, where a model with small attention calls
-    waits on the host; with ``device_only``, for graphs replayed as CUDA graphs, which issue no host
-    work between kernels, device time alone, stored apart). Symbolic sizes are measured at their hints
-    (the sizes of the first call)."""
+    graph (``attncomp/passes/inline_sdpa.py``), and why (or why not). The pass asks; the runtime
+    decides, and times kernels only when the compile's ``mode`` is one of :data:`MEASURING_MODES`.
+
+    On a CPU: every keep-everything call without dropout. On a GPU: SDPA where Triton cannot run
+    the call; otherwise, per shape bucket (:func:`dense_choice_key`; with ``device_only``, for graphs
+    replayed as CUDA graphs, which issue no host work between kernels, the bucket of device time
+    alone, kept apart), the first of
+
+    1. the autotune store: SDPA's kernel stored as faster than Triton's (:data:`DENSE_CHOICE`: the op
+       would run SDPA then); else the stored winner of SDPA traced against the op on Triton
+       (:data:`INLINE_CHOICE`);
+    2. under ``mode="max-autotune"`` (or ``"max-autotune-no-cudagraphs"``): that comparison measured now
+       (:func:`_inline_times`: per call, host time included, where a model with small attention calls
+       waits on the host; device time alone with ``device_only``) and stored; symbolic sizes are
+       measured at their hints (the sizes of the first call);
+    3. the store's Triton kernel as the faster one (:data:`DENSE_CHOICE`): the op;
+    4. the table shipped for this GPU model (:mod:`attncomp.runtime.choice_tables`, measured on the
+       project's H100 and H200), read as the store is in 1 and 3;
+    5. the default rule: SDPA's kernel, traced. It is what the op runs where it may not measure
+       (:func:`_dense_on_cuda`), and traced it runs without the op's host path.
+
+    Nothing but 2 times a kernel; only 2 writes to the store.
+    """
     if dropout_p or spec.dropout_p:
         return False, "dropout (attncomp's draws differ from SDPA's)"
     if not keeps_all(spec):
@@ -411,16 +433,13 @@ def inline_choice(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torc
     B, hq, nq, d, _, hk, nk, _ = sizes
     kind = predicate_kind(spec, preds, nq, nk, attn_mask is not None)
     key = dense_choice_key(nq, nk, d, q.dtype, kind, arch, hq // hk)
-    if dense_choice(key) == "sdpa":
+    dense = dense_choice(key)
+    if dense == "sdpa":
         return True, "SDPA's kernel measured faster than Triton's for this shape bucket (autotune store)"
     per = "per call on the device (CUDA graphs)" if device_only else "per call"
-    if device_only:
-        key = dict(key, cuda_graphs=True)
-    val = _autotune_lookup(INLINE_CHOICE, key)
-    best = _winner(val)
-    if best is None:
-        if not measure:
-            return False, "SDPA traced against the op on Triton not measured for this shape bucket"
+    ikey = dict(key, cuda_graphs=True) if device_only else key
+    val = _autotune_lookup(INLINE_CHOICE, ikey)
+    if _winner(val) is None and mode in MEASURING_MODES:
         hold = _no_measuring()
         if hold is not None:
             return False, f"SDPA traced against the op on Triton not measured {hold}"
@@ -428,16 +447,57 @@ def inline_choice(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torc
                               device_only)
         if not times:
             return False, "timing SDPA against the op on Triton failed"
-        best = _winner({"timings": times})
-        val = {"best": best, "timings": times}
+        val = {"best": _winner({"timings": times}), "timings": times}
         from . import autotune
 
-        autotune.record(INLINE_CHOICE, key, val)
-    t = val.get("timings") or {}
-    figures = ", ".join(f"{n} {float(x):.3g} ms" for n, x in sorted(t.items()) if x is not None)
-    if best == "sdpa":
-        return True, f"SDPA's kernel, traced, measured faster {per} than the op on Triton ({figures})"
-    return False, f"the op on Triton measured faster {per} than SDPA's kernel traced ({figures})"
+        autotune.record(INLINE_CHOICE, ikey, val)
+    if _winner(val) is not None:
+        return _inline_answer(val, per)
+    if dense == "triton":
+        return False, "Triton's kernel measured faster than SDPA's for this shape bucket (autotune store)"
+    gpu = _gpu_name(q)
+    shipped = choice_tables.lookup(DENSE_CHOICE, key, gpu)
+    dense = _winner(shipped)
+    table = f"in the table shipped for this GPU ({_figures(shipped)}; {(shipped or {}).get('row')})"
+    if dense == "sdpa":
+        return True, f"SDPA's kernel faster than Triton's for this shape bucket {table}"
+    inline = choice_tables.lookup(INLINE_CHOICE, ikey, gpu)
+    if _winner(inline) is not None:
+        return _inline_answer(inline, per, shipped=True)
+    if dense == "triton":
+        return False, f"Triton's kernel faster than SDPA's for this shape bucket {table}"
+    return True, (f"the default rule (nothing measured {per} for this shape bucket; the compile's mode is not "
+                  "'max-autotune'): SDPA's kernel, traced")
+
+
+def _inline_answer(val: Dict[str, Any], per: str, shipped: bool = False) -> Tuple[bool, str]:
+    """The answer of a stored (or, ``shipped``, a table's) measurement of SDPA traced against the op."""
+    figures = _figures(val) + (f"; {val['row']}" if val.get("row") else "")
+    how, where = ("", " in the table shipped for this GPU") if shipped else ("measured ", "")
+    if _winner(val) == "sdpa":
+        return True, f"SDPA's kernel, traced, {how}faster {per} than the op on Triton{where} ({figures})"
+    return False, f"the op on Triton {how}faster {per} than SDPA's kernel traced{where} ({figures})"
+
+
+def _figures(val: Optional[Dict[str, Any]]) -> str:
+    t = (val or {}).get("timings") or {}
+    return ", ".join(f"{n} {float(x):.3g} ms" for n, x in sorted(t.items()) if x is not None)
+
+
+def _gpu_name(q: torch.Tensor) -> Optional[str]:
+    """The name of q's GPU (``torch.cuda.get_device_name``), or None."""
+    if not q.is_cuda:
+        return None
+    name = _name_cache.get(q.device)
+    if name is None:
+        try:
+            name = _name_cache[q.device] = torch.cuda.get_device_name(q.device)
+        except (RuntimeError, AssertionError):
+            return None
+    return name
+
+
+_name_cache: Dict[Any, str] = {}
 
 
 def _hint(x) -> Optional[int]:

@@ -4,6 +4,8 @@ that the kept graphs and the report still show the op, and the sites that keep i
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn as nn
@@ -202,22 +204,29 @@ def inline_gpu(fake_gpu):
     autotune.clear_memo()
 
 
-def test_gpu_inlines_only_a_stored_sdpa_winner(inline_gpu):
+def _no_timing(*a, **kw):
+    raise AssertionError("the choice timed kernels")
+
+
+def test_gpu_choice_reads_the_store_and_measures_nothing(inline_gpu, monkeypatch):
+    monkeypatch.setattr(dispatch, "_inline_times", _no_timing)
     spec = AttentionSpec(causal=True)
     q = torch.empty(2, 8, 512, 64, dtype=torch.float16)
     k = torch.empty(2, 2, 512, 64, dtype=torch.float16)
     kv = torch.ones(2, 512, dtype=torch.bool)
     preds = Predicates(k_valid=kv)
     ok, why = dispatch.inline_choice(spec, q, k, k, preds)
-    assert not ok and "not measured" in why, why
+    assert ok and why.startswith("the default rule") and "not 'max-autotune'" in why, why
     key = dispatch.dense_choice_key(512, 512, 64, q.dtype, "causal+mask", "sm_90", 4)
     dispatch.record_dense_choice(key, {"sdpa": 2.0, "triton": 1.0})
-    assert not dispatch.inline_choice(spec, q, k, k, preds)[0]
+    ok, why = dispatch.inline_choice(spec, q, k, k, preds)
+    assert not ok and "Triton's kernel measured faster" in why, why
     dispatch.record_dense_choice(key, {"sdpa": 1.0, "triton": 2.0})
     ok, why = dispatch.inline_choice(spec, q, k, k, preds)
     assert ok and "measured faster" in why, why
-    # another bucket (no padding: the causal kind) is not covered by that measurement
-    assert not dispatch.inline_choice(spec, q, k, k, None)[0]
+    # another bucket (no padding: the causal kind) is not covered by that measurement: the default rule
+    ok, why = dispatch.inline_choice(spec, q, k, k, None)
+    assert ok and why.startswith("the default rule"), why
     # Triton cannot run it: SDPA whatever was measured
     inline_gpu["triton"].ok = False
     ok, why = dispatch.inline_choice(spec, q, k, k, None)
@@ -236,17 +245,17 @@ def test_gpu_measures_sdpa_traced_against_the_op_once_per_bucket(inline_gpu, mon
     spec = AttentionSpec()
     q = torch.empty(8, 16, 512, 64, dtype=torch.bfloat16)
     kv = Predicates(k_valid=torch.ones(8, 512, dtype=torch.bool))
-    ok, why = dispatch.inline_choice(spec, q, q, q, kv, measure=True)
+    ok, why = dispatch.inline_choice(spec, q, q, q, kv, mode="max-autotune")
     assert ok and "sdpa 0.04 ms, triton 0.09 ms" in why, why
     assert calls == [(8, 16, 512, 64, 16, 512, 64)]
     ok, _ = dispatch.inline_choice(spec, torch.empty(8, 16, 300, 64, dtype=torch.bfloat16),
                                    torch.empty(8, 16, 300, 64, dtype=torch.bfloat16),
-                                   torch.empty(8, 16, 300, 64, dtype=torch.bfloat16), kv, measure=True)
+                                   torch.empty(8, 16, 300, 64, dtype=torch.bfloat16), kv, mode="max-autotune")
     assert ok and len(calls) == 1                # the same pow2 bucket: stored, not measured again
     # a larger call: the kernel decides
     timings.update(sdpa=9.0, triton=6.0)
     big = torch.empty(1, 32, 16384, 64, dtype=torch.bfloat16)
-    ok, why = dispatch.inline_choice(AttentionSpec(causal=True), big, big[:, :8], big[:, :8], measure=True)
+    ok, why = dispatch.inline_choice(AttentionSpec(causal=True), big, big[:, :8], big[:, :8], mode="max-autotune")
     assert not ok and "the op on Triton measured faster" in why and len(calls) == 2, why
     # a new process reads both from the store
     dispatch.clear_rule_cache()
@@ -256,7 +265,7 @@ def test_gpu_measures_sdpa_traced_against_the_op_once_per_bucket(inline_gpu, mon
     assert len(calls) == 2
     # no timing while a sync debug mode or a CUDA graph capture forbids it
     monkeypatch.setattr(dispatch, "_no_measuring", lambda: "during CUDA graph capture")
-    ok, why = dispatch.inline_choice(spec, q[:, :, :64], q[:, :, :64], q[:, :, :64], measure=True)
+    ok, why = dispatch.inline_choice(spec, q[:, :, :64], q[:, :, :64], q[:, :, :64], mode="max-autotune")
     assert not ok and why.endswith("not measured during CUDA graph capture") and len(calls) == 2, why
 
 
@@ -290,7 +299,7 @@ def test_symbolic_sizes_are_chosen_at_their_hints(inline_gpu, monkeypatch):
     dyn = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC] * 4)
     q = mode.from_tensor(torch.empty(3, 4, 200, 64, dtype=torch.float16), symbolic_context=dyn)
     assert not isinstance(q.shape[2], int)
-    ok, why = dispatch.inline_choice(AttentionSpec(), q, q, q, measure=True)
+    ok, why = dispatch.inline_choice(AttentionSpec(), q, q, q, mode="max-autotune")
     assert ok and seen == [(3, 4, 200, 64, 4, 200, 64)], (why, seen)
 
 
@@ -308,13 +317,13 @@ def test_under_cuda_graphs_the_choice_compares_device_time(inline_gpu, monkeypat
     monkeypatch.setattr(dispatch, "_inline_times", inline_times)
     spec = AttentionSpec()
     q = torch.empty(8, 16, 512, 64, dtype=torch.bfloat16)
-    ok, why = dispatch.inline_choice(spec, q, q, q, measure=True)
+    ok, why = dispatch.inline_choice(spec, q, q, q, mode="max-autotune")
     assert ok and "measured faster per call than" in why and calls == [False], why
-    ok, why = dispatch.inline_choice(spec, q, q, q, measure=True, device_only=True)
+    ok, why = dispatch.inline_choice(spec, q, q, q, mode="max-autotune", device_only=True)
     assert not ok and "per call on the device (CUDA graphs)" in why and calls == [False, True], why
     # both stored: neither is measured again, and each keeps its own answer
-    assert dispatch.inline_choice(spec, q, q, q, measure=True)[0]
-    assert not dispatch.inline_choice(spec, q, q, q, measure=True, device_only=True)[0]
+    assert dispatch.inline_choice(spec, q, q, q, mode="max-autotune")[0]
+    assert not dispatch.inline_choice(spec, q, q, q, mode="max-autotune", device_only=True)[0]
     assert calls == [False, True]
 
 
@@ -324,7 +333,7 @@ def test_the_compile_mode_reaches_the_choice(mode, graphs, monkeypatch):
     real = dispatch.inline_choice
 
     def spy(*a, device_only=False, **kw):
-        seen.append(device_only)
+        seen.append((device_only, kw.get("mode")))
         return real(*a, device_only=device_only, **kw)
 
     monkeypatch.setattr(dispatch, "inline_choice", spy)
@@ -332,7 +341,132 @@ def test_the_compile_mode_reaches_the_choice(mode, graphs, monkeypatch):
     fast = attncomp.compile(ZOO["gpt2"].build().eval(), inductor=True, mode=mode)
     with torch.no_grad():
         fast(**text(1, 8, side="right"))
-    assert seen and set(seen) == {graphs}
+    assert seen and set(seen) == {(graphs, mode)}
+
+
+def _site_graph(n: int = 512, d: int = 64, dtype=torch.bfloat16):
+    """One ``attncomp::attention`` site on (fake-GPU-shaped) example values, as the pass sees it."""
+    import operator
+
+    import torch.fx as fx
+
+    g = fx.Graph()
+    args = [None] * (ops.ARG_INDEX["seed"] + 1)
+    for name in ("q", "k", "v"):
+        node = args[ops.ARG_INDEX[name]] = g.placeholder(name)
+        node.meta["val"] = torch.empty(2, 8, n, d, dtype=dtype)
+    args[ops.ARG_INDEX["spec"]] = AttentionSpec(causal=True).to_json()
+    args[ops.ARG_INDEX["dropout_p"]], args[ops.ARG_INDEX["seed"]] = 0.0, 0
+    site = g.call_function(torch.ops.attncomp.attention.default, tuple(args))
+    g.output(g.call_function(operator.getitem, (site, 0)))
+    return fx.GraphModule(nn.Module(), g)
+
+
+@pytest.mark.parametrize("mode", [None, "default", "reduce-overhead", "max-autotune"])
+def test_the_pass_measures_only_under_max_autotune(inline_gpu, monkeypatch, mode):
+    """The pass asks the runtime and times nothing itself; the runtime times SDPA traced against the op
+    only for a compile with ``mode="max-autotune"``, once per bucket."""
+    from attncomp.passes.base import CompileContext
+    from attncomp.passes.inline_sdpa import inline_sdpa
+
+    timed = []
+
+    def inline_times(spec, q, k, v, preds, attn_mask, sizes, device_only=False):
+        if mode != "max-autotune":
+            raise AssertionError("timed kernels outside max-autotune")
+        timed.append(sizes)
+        return {"sdpa": 2.0, "triton": 1.0}
+
+    monkeypatch.setattr(dispatch, "_inline_times", inline_times)
+    for _ in range(2):
+        ctx = CompileContext(mode=mode, cuda_graphs=mode == "reduce-overhead")
+        res = inline_sdpa(_site_graph(), ctx)
+        detail = ctx.sites[0].details["inline_sdpa"]
+        if mode == "max-autotune":
+            assert not res.modified and "the op on Triton measured faster per call" in detail, detail
+        else:
+            assert res.modified and "the default rule" in detail, detail
+    assert timed == ([(2, 8, 512, 64, 8, 512, 64)] if mode == "max-autotune" else [])
+
+
+@pytest.fixture
+def synthetic_table(tmp_path, monkeypatch):
+    """A synthetic table ``h100.json`` where the shipped tables are looked for, and q's GPU an H100."""
+    from attncomp.runtime import choice_tables
+
+    key = dispatch.dense_choice_key(512, 512, 64, torch.bfloat16, "causal", "sm_90")
+    table = {"dense_kernel_choice": [
+                 {"key": dict(key, nq=1024, nk=1024), "best": "sdpa", "timings": {"sdpa": 1.0, "triton": 2.0},
+                  "row": "synthetic 1024"},
+                 {"key": dict(key, nq=2048, nk=2048), "best": "triton", "timings": {"sdpa": 2.0, "triton": 1.0},
+                  "row": "synthetic 2048"}],
+             "dense_inline_choice": [
+                 {"key": key, "best": "triton", "timings": {"sdpa": 0.5, "triton": 0.25}, "row": "synthetic 512"},
+                 {"key": dict(key, cuda_graphs=True), "best": "sdpa", "timings": {"sdpa": 0.2, "triton": 0.25},
+                  "row": "synthetic 512, device time"}]}
+    (tmp_path / "h100.json").write_text(json.dumps(table))
+    monkeypatch.setattr(choice_tables, "TABLES_DIR", tmp_path)
+    monkeypatch.setattr(dispatch, "_gpu_name", lambda q: "NVIDIA H100 80GB HBM3")
+    choice_tables.clear()
+    yield
+    choice_tables.clear()
+
+
+def test_the_table_shipped_for_the_gpu_decides_what_nothing_measured(inline_gpu, synthetic_table, monkeypatch):
+    monkeypatch.setattr(dispatch, "_inline_times", _no_timing)
+    spec = AttentionSpec(causal=True)
+
+    def choice(n, **kw):
+        q = torch.empty(2, 8, n, 64, dtype=torch.bfloat16)
+        return dispatch.inline_choice(spec, q, q, q, **kw)
+
+    ok, why = choice(512)
+    assert not ok and "in the table shipped for this GPU (sdpa 0.5 ms, triton 0.25 ms; synthetic 512)" in why, why
+    ok, why = choice(512, device_only=True)
+    assert ok and "faster per call on the device (CUDA graphs)" in why and "synthetic 512, device time" in why, why
+    ok, why = choice(1024)
+    assert ok and "SDPA's kernel faster than Triton's" in why and "synthetic 1024" in why, why
+    ok, why = choice(2048)
+    assert not ok and "Triton's kernel faster than SDPA's" in why, why
+    ok, why = choice(4096)                                   # no entry: the default rule
+    assert ok and why.startswith("the default rule"), why
+    # the store comes first: a measurement of this machine outranks the table
+    key = dispatch.dense_choice_key(512, 512, 64, torch.bfloat16, "causal", "sm_90")
+    autotune.record(dispatch.INLINE_CHOICE, key, {"best": "sdpa", "timings": {"sdpa": 0.1, "triton": 0.2}})
+    ok, why = choice(512)
+    assert ok and "measured faster per call" in why and "table" not in why, why
+    # a GPU without a table: the default rule
+    monkeypatch.setattr(dispatch, "_gpu_name", lambda q: "NVIDIA A100-SXM4-80GB")
+    ok, why = choice(1024)
+    assert ok and why.startswith("the default rule"), why
+
+
+def test_shipped_tables_are_the_measured_rows(tmp_path):
+    """The tables shipped for H100 and H200 are what :func:`choice_tables.build` makes of the kernel
+    benchmark's results, and a real key reads its measured row."""
+    from pathlib import Path
+
+    from attncomp.runtime import choice_tables
+
+    assert choice_tables.table_name("NVIDIA H100 80GB HBM3") == "h100"
+    assert choice_tables.table_name("NVIDIA H200") == "h200"
+    assert choice_tables.table_name("NVIDIA A100-SXM4-80GB") is None
+    results = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+    gpus = [g for g in ("h100", "h200") if (results / f"attention_{g}.json").exists()]
+    if not gpus:
+        pytest.skip("no kernel benchmark results in this checkout")
+    choice_tables.build(str(results), str(tmp_path))
+    for gpu in gpus:
+        built = json.loads((tmp_path / f"{gpu}.json").read_text())
+        shipped = json.loads((choice_tables.TABLES_DIR / f"{gpu}.json").read_text())
+        assert built == shipped, f"attncomp/runtime/tables/{gpu}.json differs from the results: rebuild it"
+        assert built["dense_kernel_choice"] and built["dense_inline_choice"]
+    key = dispatch.dense_choice_key(4096, 4096, 64, torch.bfloat16, "causal", "sm_90")
+    choice_tables.clear()
+    hit = choice_tables.lookup(dispatch.DENSE_CHOICE, key, "NVIDIA H100 80GB HBM3")
+    assert hit["timings"] == {"sdpa": 1.2889, "triton": 1.3321} and hit["best"] == "sdpa"
+    assert "attention_h100.json: dense fwd+bwd B=4 H=16 D=64 N=4096 causal=True" in hit["row"]
+    assert choice_tables.lookup(dispatch.DENSE_CHOICE, dict(key, dtype="float16"), "NVIDIA H100 80GB HBM3") is None
 
 
 # -- what a traced CUDA site computes, run on the CPU -----------------------------------------------
