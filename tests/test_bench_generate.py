@@ -1,0 +1,49 @@
+"""``benchmarks/generate.py`` (``python -m attncomp bench generate``) in smoke mode on the CPU.
+
+Paths: eager (the reference), ``hf-static`` (transformers compiles its decode step with Inductor: about 18 s
+of this test on the 2-core CI machine, under the 60 s it may take to stay in), ``attncomp-dense`` and
+``attncomp-hash``; ``drop`` and ``dfss`` run the same code as ``hash`` and would add about 15 s each. The
+attncomp paths compile without Inductor here (``ATTNCOMP_INDUCTOR=0`` from tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from benchmarks.generate import FIELDS, main  # noqa: E402
+
+PATHS = ["eager", "hf-static", "attncomp-dense", "attncomp-hash"]
+
+
+def test_generate_smoke_writes_schema(tmp_path, fresh_dynamo, capsys):
+    assert main(["--smoke", "--paths", ",".join(PATHS), "--out", str(tmp_path)]) == 0
+    files = list(tmp_path.glob("*.json"))
+    assert [f.name for f in files] == ["generate_cpu_smoke.json"]
+    doc = json.loads(files[0].read_text())
+    for key in ("device", "torch", "transformers", "command", "commit", "rows"):
+        assert key in doc, key
+    assert doc["device"] == "cpu" and doc["command"].startswith("python -m attncomp bench generate --smoke")
+    rows = doc["rows"]
+    assert [r["path"] for r in rows] == PATHS
+    for r in rows:
+        assert set(FIELDS) <= set(r), f"{r['path']}: missing {set(FIELDS) - set(r)}"
+        assert (r["B"], r["prompt"], r["new_tokens"]) == (2, 16, 4)
+        assert r["kv_bandwidth_frac"] is None
+    by = {r["path"]: r for r in rows}
+    for path in ("eager", "attncomp-dense", "attncomp-hash"):
+        r = by[path]
+        assert r["error"] is None, f"{path}: {r['error']}"
+        assert r["first_call_s"] > 0 and r["tokens_per_s"] > 0 and r["step_ms"] is not None, r
+    dense = by["attncomp-dense"]
+    assert dense["logits_match"] is True and dense["tokens_equal"] == 1.0, dense
+    assert by["eager"]["tokens_equal"] == 1.0 and by["eager"]["logits_match"] is None
+    # a sparse policy computes another function: no logits verdict, tokens compared
+    assert by["attncomp-hash"]["logits_match"] is None and 0.0 <= by["attncomp-hash"]["tokens_equal"] <= 1.0
+    static = by["hf-static"]
+    assert static["error"] is not None or (static["logits_match"] is True and static["tokens_equal"] == 1.0), static
+    table = capsys.readouterr().out
+    assert "| attncomp-dense |" in table and "x eager" in table
