@@ -14,7 +14,7 @@ from . import ops, functional, spion
 
 _sys.modules[__name__ + ".policies"] = policies
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 __all__ = ["compile", "backend", "report", "export", "load", "functional", "policies", "get_policy",
            "AttentionSpec", "Policy", "Dense", "DFSS", "Hash", "Drop", "SPION", "ET"]

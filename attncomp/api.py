@@ -458,15 +458,17 @@ class CompiledModule(nn.Module):
 
 def revision_files() -> tuple:
     """The sources whose code a compiled graph depends on beyond the graph itself: ``attncomp/ops.py``
-    (the fakes promise the op's output sizes and strides, which compiled code asserts) and the code
+    and ``attncomp/opspec.py`` (the fakes promise the op's output sizes and strides, which compiled
+    code asserts; the strides are computed in ``opspec``) and the code
     that traced SDPA sites run (``codegen/sdpa.py``, ``codegen/reference.py``,
     ``passes/inline_sdpa.py``), a precaution: the graph handed to Inductor names that code's functions,
     not their source (AOTAutograd's cache bypasses such graphs on torch 2.13; Inductor's own keys the
     traced aten graph)."""
+    from . import opspec
     from .codegen import reference, sdpa
     from .passes import inline_sdpa as inline
 
-    return (ops.__file__, sdpa.__file__, reference.__file__, inline.__file__)
+    return (ops.__file__, opspec.__file__, sdpa.__file__, reference.__file__, inline.__file__)
 
 
 def _op_revision_pass():

@@ -186,3 +186,7 @@ def test_version_has_one_source():
     from attncomp import _version
 
     assert attncomp.__version__ == _version.__version__
+    # the package re-exports it rather than spelling it a second time
+    assigned = [t.id for node in ast.walk(ast.parse(Path(attncomp.__file__).read_text()))
+                if isinstance(node, ast.Assign) for t in node.targets if isinstance(t, ast.Name)]
+    assert "__version__" not in assigned

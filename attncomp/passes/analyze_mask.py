@@ -1423,7 +1423,8 @@ def _allowed(spec, mask, preds, nq: int, nk: int) -> Optional[torch.Tensor]:
     """The bool ``(B or 1, H or 1, Nq, Nk)`` entries a site may attend to (float masks: above ``-1e4``)."""
     from ..codegen.reference import predicate_mask
 
-    device = mask.device if isinstance(mask, torch.Tensor) else torch.device("cpu")
+    tensors = [x for x in (mask,) + tuple(preds) if isinstance(x, torch.Tensor)]
+    device = tensors[0].device if tensors else torch.device("cpu")  # the predicates' own (a GPU call's)
     a = predicate_mask(spec, nq, nk, device, preds)
     if isinstance(mask, torch.Tensor):
         m = mask if mask.dtype == torch.bool else mask > _FILL_MAX
@@ -1472,7 +1473,7 @@ def _disagreement(gm: fx.GraphModule, node: fx.Node, idx: Dict[str, int], before
     m_old, m_new = val[0]["attn_mask"], val[1]["attn_mask"]
     if isinstance(m_old, torch.Tensor) and m_old.is_floating_point():
         bias_new = m_new if isinstance(m_new, torch.Tensor) and m_new.is_floating_point() else torch.zeros(())
-        a, b = m_old.float(), bias_new.float()
+        a, b = m_old.float().cpu(), bias_new.float().cpu()  # ``now`` is on the CPU
         shape = torch.broadcast_shapes(a.shape, b.shape, now.shape)
         a, b, keep = a.expand(shape), b.expand(shape), now.expand(shape)
         err = float((a - b).abs()[keep].amax()) if keep.any() else 0.0

@@ -135,8 +135,9 @@ def empty_store(monkeypatch, tmp_path):
 @pytest.mark.parametrize("stored", [None, "sdpa", "triton"], ids=["measured", "sdpa-stored", "triton-stored"])
 def test_dense_sites_on_gpu_trace_sdpa_or_keep_the_op(stored, fresh_dynamo, empty_store, op_calls):
     """Inductor's copy of a compiled graph calls SDPA's kernel traced in place of the op where the
-    inline choice says so (stored, or measured at compile time with host time): outputs and gradients
-    match eager either way, and the op runs at run time only where it was kept."""
+    inline choice says so (stored, or measured at compile time with host time under
+    ``mode="max-autotune-no-cudagraphs"``, the only modes that measure): outputs and gradients match
+    eager either way, and the op runs at run time only where it was kept."""
     autotune, dispatch = empty_store
     model = _models()["bert"]("sdpa").cuda()
     ids = torch.randint(0, 1000, (4, 77), device="cuda")
@@ -146,7 +147,8 @@ def test_dense_sites_on_gpu_trace_sdpa_or_keep_the_op(stored, fresh_dynamo, empt
         for kind in ("mask", "none"):
             key = dispatch.dense_choice_key(77, 77, 64, torch.float32, kind, dispatch._gpu_arch(ids), 1)
             autotune.record(dispatch.INLINE_CHOICE, key, {"best": stored, "timings": {stored: 1.0}})
-    fast = attncomp.compile(model, policy="dense", inductor=True)
+    fast = attncomp.compile(model, policy="dense", inductor=True,
+                            mode=None if stored is not None else "max-autotune-no-cudagraphs")
     out = fast(input_ids=ids, attention_mask=mask).last_hidden_state
     op_calls.clear()
     out = fast(input_ids=ids, attention_mask=mask).last_hidden_state

@@ -287,6 +287,7 @@ def test_inductor_cache_key_holds_the_op_fakes_and_a_configured_post_grad_pass_s
 
     files = api.revision_files()
     assert ops.__file__ in files and any(f.endswith("sdpa.py") for f in files), files
+    assert any(f.endswith("opspec.py") for f in files), files  # the fakes' strides are computed there
     assert api._op_revision_pass().uuid() == get_hash_for_files(files)
     monkeypatch.setattr(torch._inductor.config, "post_grad_custom_post_pass", Theirs())
     p = api._op_revision_pass()
