@@ -92,8 +92,15 @@ def _lse(spec, q, k, v, mask, preds):
     return R.attention(q, k, v, mask, spec=spec, preds=preds)[1]
 
 
-@pytest.mark.parametrize("impl,chunk", [("triton", None), ("torch", 16), ("torch", None)])
-@pytest.mark.parametrize("name", CASES)
+#: cases whose Triton statistic another test checks against the same pool map (each interpreted
+#: kernel run takes a minute): the wrong-lse twin (plain GQA) and the partials' test (window)
+KERNEL_CHECKED_ELSEWHERE = {"plain-gqa-odd": "test_a_wrong_lse_is_seen",
+                            "window-two-blocks": "test_kernel_writes_every_partial"}
+
+
+@pytest.mark.parametrize("name,impl,chunk", [(n, i, c) for n in CASES
+                                              for i, c in (("triton", None), ("torch", 16), ("torch", None))
+                                              if not (i == "triton" and n in KERNEL_CHECKED_ELSEWHERE)])
 def test_statistic_is_pool_map_of_the_probabilities(name, impl, chunk):
     seed = 10 * CASES.index(name) + (impl == "torch") + (chunk is not None)
     spec, q, k, v, mask, preds, bs, F, ph = _case(name, seed=seed)
@@ -150,8 +157,10 @@ def test_patterns_from_the_statistic_equal_generate_pattern():
     lse = _lse(spec, q, k, v, None, None)
     s, _ = R.logits(spec, q, k)
     dense = torch.softmax(s, -1).mean((0, 1))
+    # the statistic each impl computes is checked against pool_map above; here what the patterns make of
+    # it (the kernel once, for the filter that reaches the neighbouring blocks)
     for variant, F in (("spion", 31), ("spion-f", 1)):
-        for impl in ("triton", "torch"):
+        for impl in (("triton", "torch") if F > 1 else ("torch",)):
             stat = spion.block_statistic(spec, q, k, None, None, lse, block_size=16, filter_size=F, impl=impl)
             got = spion.pattern_from_pool(stat, threshold=0.8, variant=variant)
             want = spion.generate_pattern(dense, 16, filter_size=31, threshold=0.8, variant=variant)

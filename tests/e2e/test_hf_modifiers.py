@@ -50,13 +50,16 @@ def test_relative_bias_family_matches_eager_and_trains(name):
     torch.manual_seed(0)
     model = build()
     fast = attncomp.compile(model, policy="dense")
+    counts = []
     for b, n in ((2, 12), (3, 17)):
         x = inputs(b, n)
         with torch.no_grad():
             assert_outputs_match(fast(**x), model(**x), f"{name} at ({b}, {n})")
+        counts.append(attncomp.report(fast).graphs)
     rep = attncomp.report(fast)
     assert [s.details.get("modifiers") for s in rep.sites] == modifiers, str(rep)
     assert all(s.rewritten for s in rep.sites)
+    assert counts[1] == counts[0], f"{name}: a new batch size and length compiled new graphs ({counts})"
     _no_dropout(model).train()
     assert_gradients_match(model, fast, inputs(2, 11), name,
                            lambda names: any("relative_attention_bias" in n for n in names))
@@ -71,13 +74,16 @@ def test_bloom_alibi_is_the_modifier():
     torch.manual_seed(0)
     model = fam.build()
     fast = attncomp.compile(model, policy="dense")
+    counts = []
     for b, n in ((2, 12), (3, 17)):
         x = fam.inputs(b, n)
         with torch.no_grad():
             assert_outputs_match(fast(**x), model(**x), f"bloom at ({b}, {n})")
+        counts.append(attncomp.report(fast).graphs)
     rep = attncomp.report(fast)
     assert [s.details.get("modifiers") for s in rep.sites] == [
         "alibi (checked against the graph's bias on the example inputs)"] * 2, str(rep)
+    assert counts[1] == counts[0], f"bloom: a new batch size and length compiled new graphs ({counts})"
     x = text(3, 9, side="left")
     opts = dict(max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True)
     with torch.no_grad():
