@@ -20,16 +20,17 @@ Format (JSON)::
 The keys are the autotune store's (sizes by power of two), under the store's names
 (:data:`~attncomp.runtime.dispatch.DENSE_CHOICE`, :data:`~attncomp.runtime.dispatch.INLINE_CHOICE`).
 A bucket with no measured figure has no entry. :func:`from_kernel_results` builds a table from a
-kernel benchmark's results (``benchmarks/results/attention_<gpu>.json``, the rows of policy
-``dense``: ``sdpa_ms`` is SDPA with torch's own kernel choice, ``attncomp_ms`` the Triton backend):
+kernel benchmark's results (``benchmarks/results/kernels_<gpu>.json``, the policy table's rows of
+policy ``dense``: ``sdpa_ms`` is SDPA with torch's own kernel choice, ``attncomp_ms`` the Triton backend):
 
 * ``dense_kernel_choice``: the ``fwd+bwd`` rows (what :func:`~attncomp.runtime.dispatch._time_candidates`
   times);
 * ``dense_inline_choice``: the ``fwd`` rows, device time, under ``cuda_graphs: true`` (a graph replayed
   as a CUDA graph runs its kernels back to back, as the benchmark timed them); and without it (per call,
   host time included) only where both times exceed ``host_us``, the op's largest measured host time per
-  call on that GPU (``launch_cost_<gpu>.json``): calls issued back to back are then bound by the device,
-  and the per-call time is the device time.
+  call on that GPU (a launch-cost result, ``launch_cost_<gpu>.json``, where the results folder has one;
+  otherwise the figure the shipped table already carries, with its source): calls issued back to back
+  are then bound by the device, and the per-call time is the device time.
 
 ``python -m attncomp.runtime.choice_tables benchmarks/results`` rewrites the shipped tables from the results.
 """
@@ -121,12 +122,13 @@ def _host_us(launch_cost: Optional[Dict[str, Any]]) -> Optional[float]:
 
 
 def from_kernel_results(results: Dict[str, Any], source: str, arch: str = "sm_90",
-                        launch_cost: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+                        launch_cost=None) -> Dict[str, Any]:
     """A table from a kernel benchmark's results (see the module docstring); ``launch_cost``: the
-    same GPU's launch-cost results, for the per-call entries (none without them)."""
+    same GPU's launch-cost results, or its host time per call in us, for the per-call entries (none
+    without them)."""
     from .autotune import shape_bucket
 
-    host_us = _host_us(launch_cost)
+    host_us = _host_us(launch_cost) if isinstance(launch_cost, dict) else launch_cost
     kernel: List[dict] = []
     inline: List[dict] = []
     for r in results.get("rows", []):
@@ -145,28 +147,38 @@ def from_kernel_results(results: Dict[str, Any], source: str, arch: str = "sm_90
             inline.append(_entry(key, r["sdpa_ms"], r["attncomp_ms"],
                                  row + f" (device-bound per call: op host time <= {host_us:.0f} us)"))
     order = lambda e: json.dumps(e["key"], sort_keys=True)  # noqa: E731
-    return {"gpu": results.get("machine"), "torch": results.get("torch"), "triton": results.get("triton"),
+    versions = results.get("versions") or results  # the results format, or the older flat one
+    return {"gpu": results.get("device_name") or results.get("machine"), "torch": versions.get("torch"),
+            "triton": versions.get("triton"),
             "source": source, "host_us": None if host_us is None else round(host_us, 1),
             _KERNEL: sorted(kernel, key=order), _INLINE: sorted(inline, key=order)}
 
 
 def build(results_dir: str, out_dir: Optional[str] = None) -> List[str]:
-    """Write a table per ``attention_<gpu>.json`` of ``results_dir`` (H100 and H200) to ``out_dir``
-    (default: the shipped tables); returns the files written."""
+    """Write a table per ``kernels_<gpu>.json`` of ``results_dir`` (H100 and H200) to ``out_dir``
+    (default: the shipped tables); returns the files written. The host time per call comes from
+    ``launch_cost_<gpu>.json`` in ``results_dir`` if there is one, else from the shipped table."""
     written = []
     for gpu in ("h100", "h200"):
-        path = os.path.join(results_dir, f"attention_{gpu}.json")
+        path = os.path.join(results_dir, f"kernels_{gpu}.json")
         if not os.path.exists(path):
             continue
         with open(path) as f:
             results = json.load(f)
-        launch = None
         lpath = os.path.join(results_dir, f"launch_cost_{gpu}.json")
         if os.path.exists(lpath):
             with open(lpath) as f:
                 launch = json.load(f)
-        table = from_kernel_results(results, f"benchmarks/results/attention_{gpu}.json", launch_cost=launch)
-        table["host_source"] = f"benchmarks/results/launch_cost_{gpu}.json" if launch else None
+            host_source = f"benchmarks/results/launch_cost_{gpu}.json"
+        else:
+            try:
+                with open(TABLES_DIR / f"{gpu}.json") as f:
+                    shipped = json.load(f)
+                launch, host_source = shipped.get("host_us"), shipped.get("host_source")
+            except (OSError, ValueError):
+                launch, host_source = None, None
+        table = from_kernel_results(results, f"benchmarks/results/kernels_{gpu}.json", launch_cost=launch)
+        table["host_source"] = host_source if table["host_us"] is not None else None
         out = os.path.join(out_dir or TABLES_DIR, f"{gpu}.json")
         os.makedirs(os.path.dirname(out), exist_ok=True)
         with open(out, "w") as f:

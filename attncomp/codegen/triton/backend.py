@@ -377,7 +377,7 @@ def _strides(*tensors) -> tuple:
 
 
 # Nq * Nk from which a site with padding (q_valid / k_valid) alone builds tile lists. A GPT-2 step on
-# an H100 (4 x 2048, all-ones attention_mask) was host-bound (benchmarks/model_report.py), the three
+# an H100 (4 x 2048, all-ones attention_mask) was host-bound (the models benchmark's host time per call), the three
 # list launches per call being part of that host path; the bound itself is a choice, not measured
 PAD_LIST_MIN = 4096 * 4096
 

@@ -78,7 +78,7 @@ BWD_CONFIGS: Dict[int, List[Config]] = {
 BWD_CONFIGS[64] += [dict(_cfg(64, 64, 4, 3), TMA=1), dict(_cfg(64, 128, 8, 3), DQ=(128, 64, 8, 3), TMA=1)]
 BWD_CONFIGS[128] += [dict(_cfg(64, 128, 8, 2), DQ=(128, 64, 8, 3), TMA=1),
                      dict(_cfg(64, 128, 8, 2), DQ=(128, 128, 8, 2), TMA=1)]
-# ``TMA_Q``: the dK/dV launch streams Q and dO through descriptors too (on the H100, benchmarks/hopper.py:
+# ``TMA_Q``: the dK/dV launch streams Q and dO through descriptors too (on the H100, the Hopper-variants benchmark, in git history:
 # faster without a mask, slower causal, at D=128 N=16384); the H100's D=128 default (GPU_DEFAULTS)
 BWD_CONFIGS[64] += [dict(_cfg(64, 64, 4, 3), TMA=1, TMA_Q=1)]
 BWD_CONFIGS[128] += [dict(_cfg(64, 64, 4, 2), TMA=1, TMA_Q=1), dict(_cfg(64, 128, 8, 2), DQ=(128, 64, 8, 3), TMA=1,
@@ -90,10 +90,10 @@ BWD_CONFIGS[128] += [dict(_cfg(64, 64, 4, 2), TMA=1, TMA_Q=1), dict(_cfg(64, 128
 BWD_CONFIGS[64] += [dict(_cfg(64, 128, 8, 2), DQ_ATOMIC=1), dict(_cfg(64, 64, 4, 3), DQ_ATOMIC=1)]
 BWD_CONFIGS[128] += [dict(_cfg(64, 128, 8, 2), DQ_ATOMIC=1), dict(_cfg(64, 64, 4, 3), DQ_ATOMIC=1)]
 # ``DQ_ATOMIC=2``: the same one launch with each tile's dQ added by one TMA bulk reduction (Hopper; query
-# rows in order, else per-element atomics). H100, D=64, N=16384 (``hopper.py``, backward alone): with Q and
+# rows in order, else per-element atomics). H100, D=64, N=16384 (the Hopper-variants benchmark, backward alone; in git history): with Q and
 # dO through TMA too, 28.9 / 16.7 ms (full / causal) against 30.6 / 16.6 ms for two launches. At D=128 every
 # such kernel timed was 1.4-2.2x slower than two launches (most at the register limit and spilling, see
-# benchmarks/README.md): none there.
+# the benchmark notes in git history): none there.
 BWD_CONFIGS[64] += [dict(_cfg(64, 64, 4, 3), DQ_ATOMIC=2, TMA=1, TMA_Q=1), dict(_cfg(64, 64, 4, 3), DQ_ATOMIC=2)]
 BWD_CONFIGS_NM: Dict[int, List[Config]] = {
     64: [_cfg(64, 64, 4, 3), dict(_cfg(64, 128, 8, 2), DQ=(128, 64, 8, 3)),
@@ -112,8 +112,8 @@ BWD_CONFIGS_NM[128] += [dict(_cfg(128, 64, 8, 2), DQ=(128, 64, 8, 2), TMA=1, TMA
 
 
 # Per-GPU defaults: the first candidate of a dense-tile kernel (no N:M selection) where tuning is off.
-# Picked by ``attention.py --sweep`` on an H100 (bf16, B=4, H=16, N=16384, D 64/128, the sum of the
-# causal and non-causal times; results/sweep_h100.json); the lists' own first entries are the H200's.
+# Picked by ``bench kernels --sweep`` on an H100 (bf16, B=4, H=16, N=16384, D 64/128, the sum of the
+# causal and non-causal times; results/sweep_h100.json, in git history); the lists' own first entries are the H200's.
 # ("bwd", 128): Q and dO through TMA in the dK/dV pass, 50.0 + 28.9 ms against 53.8 + 28.6 ms without
 # (results/sweep_h100_bwd128.json, a later run).
 GPU_DEFAULTS: Dict[str, Dict[tuple, Config]] = {
@@ -137,7 +137,7 @@ GPU_DEFAULTS_NM: Dict[str, Dict[tuple, Config]] = {
              ("fwd", 128, True): _cfg(128, 128, 8, 3), ("fwd", 128, False): _cfg(128, 128, 8, 3),
              ("bwd", 128, False): dict(_cfg(128, 64, 8, 2), DQ=(128, 64, 8, 2), TMA=1, TMA_Q=1)},
     # H200: the H100's one-launch D=64 backward, 0.75-0.79x cuDNN's dense backward against the list's first
-    # 0.62-0.68x (``gluon_bwd.py --policy dfss --dims 64``, bf16, B=4, H=16, N 4096 and 16384; benchmarks/README.md)
+    # 0.62-0.68x (the Gluon backward benchmark, ``--policy dfss --dims 64``, bf16, B=4, H=16, N 4096 and 16384; in git history)
     "h200": {("bwd", 64, True): _NM_BWD_ONE_LAUNCH, ("bwd", 64, False): _NM_BWD_ONE_LAUNCH},
 }
 # Per-GPU defaults of the forward of a sorted layout (``hash``/``drop``: key/value rows gathered through the
@@ -160,8 +160,8 @@ GPU_DEFAULTS_SORTED: Dict[str, Dict[tuple, Config]] = {
 # The Gluon Hopper forward (:mod:`.hopper`) of dense sites on sm_90 GPUs, per (head dim, causal):
 # query tile, key tile, warps, key-ring and value-ring depth, and ``WS`` for the warp-specialised
 # kernel (two consumer warp groups of ``BLOCK_M / 2`` queries and a producer warp; ``PINGPONG``: the
-# consumers take turns issuing their products). From ``benchmarks/gluon_fwd.py`` on an H100 (bf16,
-# B=4, H=16, N=16384; benchmarks/README.md "A Gluon forward for Hopper" and "The warp-specialised
+# consumers take turns issuing their products). From the Gluon forward benchmark (git history) on an H100 (bf16,
+# B=4, H=16, N=16384; the benchmark notes, in git history, "A Gluon forward for Hopper" and "The warp-specialised
 # Gluon forward"): at D=128 the warp-specialised 128x128 kernel without turns measured 0.99-1.11x /
 # 1.06-1.14x cuDNN (full / causal, over the calls) against 0.87-0.94x for the one-warp-group kernel; with
 # turns 1.06x / 1.09x. At D=64 three consumer warp groups (192-query tiles) measured 1.09-1.10x / 1.03-1.06x,
@@ -211,8 +211,8 @@ GLUON_SHORT_QUERIES = 8192
 # passes run: the dK/dV pass (queries per step, keys per block, ring slots), then the Gluon dQ pass ``DQ_GLUON``
 # (queries per block, keys per step, ring slots; no atomics). ``DQ``: the template's dQ pass where a configuration
 # names neither (queries, keys, warps, stages). ``DQ_ATOMIC`` (dQ added in the dK/dV pass by TMA reductions) is an
-# option, not a default. From ``benchmarks/gluon_bwd.py`` on an H100 (bf16, B=4, H=16, N 4096 and 16384, medians
-# of 2 rounds in turn; benchmarks/README.md), the whole backward against cuDNN's:
+# option, not a default. From the Gluon backward benchmark (git history) on an H100 (bf16, B=4, H=16, N 4096 and 16384, medians
+# of 2 rounds in turn; in git history), the whole backward against cuDNN's:
 # * the warp-specialised kernel, two slots: D=64 0.89-0.95x (full) and 0.92-1.00x (causal); D=128 0.88-0.99x and
 #   0.89-0.96x; three slots 0.80-0.94x;
 # * the two Gluon passes: D=64 0.82-0.88x (full) and 0.83-0.95x (causal); D=128 0.82-0.87x and 0.82-0.92x;
@@ -229,8 +229,8 @@ GLUON_BWD: Dict[tuple, Config] = {
 
 # DFSS 2:4 through the warp-specialised backward (hopper_bwd, ``NM``: key rows read so that each group's members
 # sit in a thread and its ``lane ^ 4`` partner); the two passes have no selection, so where the kernel cannot
-# run (PyTorch's deterministic algorithms) the template's backward does. From ``benchmarks/gluon_bwd.py --policy
-# dfss`` (bf16, B=4, H=16, N 4096 and 16384, medians of 2 rounds; benchmarks/README.md), the backward against
+# run (PyTorch's deterministic algorithms) the template's backward does. From the Gluon backward benchmark (git history,
+# ``--policy dfss``) (bf16, B=4, H=16, N 4096 and 16384, medians of 2 rounds; in git history), the backward against
 # cuDNN's dense backward, the kernel / the template's:
 # * D=128 full: 0.72-0.77 / 0.61-0.64 (H100), 0.76-0.78 / 0.65 (H200);
 # * D=128 causal: 0.69-0.70 / 0.61-0.67 (H100), 0.70-0.72 / 0.62-0.67 (H200);
@@ -268,7 +268,7 @@ SORTED_KV_MIN_Q = 1024
 
 def sorted_kv_enabled(nq: int) -> bool:
     """Whether a ``drop`` forward of ``nq`` queries reads sorted K/V copies (``ATTNCOMP_SORTED_KV=0`` turns
-    them off; ``benchmarks/sorted_breakdown.py`` compares both)."""
+    them off; ``bench kernels`` measures the default)."""
     return nq >= SORTED_KV_MIN_Q and env.get("ATTNCOMP_SORTED_KV", "1") != "0"
 
 

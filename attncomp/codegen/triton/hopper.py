@@ -37,7 +37,7 @@ serves and when it runs is the backend's choice (:func:`applies`, ``configs``).
 
 Gluon kernels have no interpreter: they are compiled and checked on a Hopper GPU
 (``tests/codegen/test_hopper_gpu.py``) and compiled for sm_90 on any machine
-(``benchmarks/sm90.py --gluon``).
+(``tests/codegen/sm90_check.py --gluon``).
 """
 
 from __future__ import annotations

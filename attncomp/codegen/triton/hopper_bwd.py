@@ -39,7 +39,7 @@ choice (configuration key ``KERNEL="gluon"``; by default the sites of ``configs.
 warp-specialised kernel, and with the Gluon dQ pass where the two passes run, where they measured faster than
 the template's backward). Gluon kernels have no interpreter: they are
 checked on a Hopper GPU (``tests/codegen/test_hopper_gpu.py``) and compiled for sm_90 on any machine
-(``benchmarks/sm90.py``).
+(``tests/codegen/sm90_check.py``).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ and the backward kernels' schedule, both built for llvm, against the reference.
 What a GPU run has to check (the CPU machines cannot): ``tests/codegen/test_tvm_gpu.py`` with the
 cubins of ``build-kernels --arch sm_90 --head-dim 64 --out build/tvm-cubins`` (the forward
 of every policy passed on an H100 before the mma.sp and backward kernels existed; those are unrun on
-a GPU so far), the timing rows of ``benchmarks/attention_tvm.py --device cuda`` against SDPA (mma.sp
+a GPU so far), the timing rows of ``python -m attncomp bench kernels --backend tvm`` against SDPA (mma.sp
 against the scalar dfss kernel, forward+backward), and sm_80 cubins on an A100-class GPU.
 """
 

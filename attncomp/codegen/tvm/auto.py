@@ -3,7 +3,7 @@
 On a CPU, ``auto`` gives sites that keep every allowed entry without dropout to SDPA's CPU kernel
 (faster than these kernels on dense attention); everything else (the sparse policies, dropout) used to
 fall to the reference, which builds the full ``N x N`` logits. Measured on the 2-core CPU machine
-(``benchmarks/attention_tvm.py``, results in ``benchmarks/results/attention_cpu.json``, N 1024-2048),
+(``python -m attncomp bench kernels --backend tvm``, results in ``benchmarks/results/kernels_cpu.json``, N 1024-2048),
 the TVM kernels run those sites 3.7x to 22.5x faster than the reference forward and 2.7x to 8x forward
 plus backward (and ``spion`` faster than SDPA's dense kernel), so ``auto`` takes them when apache-tvm
 is installed, except:
