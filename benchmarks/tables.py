@@ -213,6 +213,31 @@ def models(doc) -> Optional[str]:
                + [f"{p} ms (x eager, x compile)" for p in policies], out)
 
 
+# ---------------------------------------------------------------------------------------------- generate
+
+def generate(doc) -> Optional[str]:
+    """Per row (B, prompt, new tokens) and path: tokens/s with its ratio to eager's, ms per decode step,
+    first-call seconds, per-step logits against eager (dense paths), greedy tokens equal to eager's, or
+    why the path has no figures."""
+    rows = doc.get("rows", []) if doc else []
+    if not rows:
+        return None
+    eager = {(r["B"], r["prompt"], r["new_tokens"]): r.get("tokens_per_s") for r in rows if r["path"] == "eager"}
+    out = []
+    for r in rows:
+        shape = (r["B"], r["prompt"], r["new_tokens"])
+        if r.get("tokens_per_s") is None:
+            why = str(r.get("error") or "not measured")
+            why = "not reached in the run's time budget" if why.startswith("skipped: --time-budget") else why
+            out.append([*map(str, shape), r["path"], "-", "-", "-", "-", "-", "-", why.split(" Stack trace")[0]])
+            continue
+        match = {True: "yes", False: "no", None: "-"}[r.get("logits_match")]
+        out.append([*map(str, shape), r["path"], _f(r["tokens_per_s"], 1), _ratio(r["tokens_per_s"], eager.get(shape)),
+                    _f(r.get("step_ms")), _f(r.get("first_call_s"), 1), match, _f(r.get("tokens_equal")), ""])
+    return _md(["B", "prompt", "new", "path", "tokens/s", "x eager", "step ms", "first call s", "logits match",
+                "tokens equal", "note"], out)
+
+
 # ---------------------------------------------------------------------------------------------- all
 
 #: table name -> (benchmark, device, function)
@@ -224,6 +249,7 @@ for _dev in ("h100", "h200"):
     TABLES[f"kernels-spion-{_dev}"] = ("kernels", _dev, kernels_spion)
     TABLES[f"kernels-tvm-{_dev}"] = ("kernels", _dev, kernels_tvm)
     TABLES[f"models-{_dev}"] = ("models", _dev, models)
+    TABLES[f"generate-{_dev}"] = ("generate", _dev, generate)
 TABLES["kernels-tvm-cpu"] = ("kernels", "cpu", kernels_tvm)
 TABLES["models-cpu"] = ("models", "cpu", models)
 
