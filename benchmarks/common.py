@@ -53,6 +53,11 @@ def device_name() -> str:
             return torch.cuda.get_device_name()
     except Exception:
         pass
+    return cpu_name()
+
+
+def cpu_name() -> str:
+    """The CPU's name, for a run on the CPU of a machine that has a GPU too (a smoke run)."""
     return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
 
 

@@ -38,12 +38,12 @@ Columns of a row (one per ``B`` x prompt x path):
 * ``error``: why a row has no numbers (an exception's first line, a skipped row's reason), or a finding
   next to its numbers (a path whose graphs keep growing after the first call recompiles per call or step).
 
-Output: ``benchmarks/results/generate_<device>.json`` (``h100``, ``h200`` from the GPU's name, ``cpu``),
-written after every path, copied under ``$OUT`` when set; ``--smoke`` writes ``generate_cpu_smoke.json`` into a
-temporary folder unless ``--out`` (a file, or a folder) is given. ``--merge`` keeps the rows of the file
-already there that this run does not measure again (a table assembled over several GPU calls). A markdown
-table is printed last; progress goes to stderr. ``--time-budget S`` starts no new row (nor path) after
-``S`` seconds.
+Output: ``benchmarks/results/generate_<device>.json`` (``h100``, ``h200`` from the GPU's name, ``cpu``), a
+document of ``benchmarks/common.py`` with the model and settings, written after every path, copied under ``$OUT``
+when set; ``--smoke`` writes ``generate_cpu_smoke.json`` into a temporary folder unless ``--out`` (a file, or a
+folder) is given. ``--merge`` keeps the rows of the file already there that this run does not measure again (a
+table assembled over several GPU calls; their command and commit go to ``previous``). A markdown table is printed
+last; progress goes to stderr. ``--time-budget S`` starts no new row (nor path) after ``S`` seconds.
 
 Usage::
 
@@ -56,13 +56,9 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import gc
-import json
 import os
-import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -70,6 +66,10 @@ from typing import Any, Dict, List, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from benchmarks import common as C  # noqa: E402
 
 PATHS = ("eager", "hf-static", "attncomp-dense", "attncomp-dense-reduce-overhead", "attncomp-hash",
          "attncomp-drop", "attncomp-dfss")
@@ -136,27 +136,7 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-# ---------------------------------------------------------------------------------------------- environment
-
-def device_tag() -> str:
-    import torch
-
-    if not torch.cuda.is_available():
-        return "cpu"
-    name = torch.cuda.get_device_name().lower()
-    for tag in ("h200", "h100"):
-        if tag in name:
-            return tag
-    return name.replace("nvidia", "").strip().replace(" ", "_") or "cuda"
-
-
-def git_commit() -> Optional[str]:
-    try:
-        r = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return r.stdout.strip() or None if r.returncode == 0 else None
-
+# ---------------------------------------------------------------------------------------------- timing
 
 def _sync() -> None:
     import torch
@@ -370,21 +350,12 @@ def _key(r: Dict[str, Any]):
     return (r.get("B"), r.get("prompt"), r.get("new_tokens"), r.get("path"))
 
 
-def write(doc: Dict[str, Any], path: str, kept: List[dict]) -> List[str]:
-    doc = dict(doc)
+def write(doc: Dict[str, Any], path: str, before: Optional[Dict[str, Any]]) -> List[str]:
+    """Write the run's document (and its copy under ``$OUT``); with ``before`` (``--merge``: the file as it was
+    before this run), the rows of ``before`` that this run does not measure again are kept."""
     mine = {_key(r) for r in doc["rows"]}
-    doc["rows"] = [r for r in kept if _key(r) not in mine] + doc["rows"]
-    paths = [path]
-    out = os.environ.get("OUT")
-    if out and os.path.isdir(out) and os.path.abspath(os.path.dirname(path)) != os.path.abspath(out):
-        paths.append(os.path.join(out, os.path.basename(path)))
-    for p in paths:
-        os.makedirs(os.path.dirname(os.path.abspath(p)), exist_ok=True)
-        with open(p + ".tmp", "w") as f:
-            json.dump(doc, f, indent=1)
-            f.write("\n")
-        os.replace(p + ".tmp", p)
-    return paths
+    keep = None if before is None else (lambda r: _key(r) not in mine)
+    return C.write(doc, path, keep=keep, base=before)
 
 
 def table(rows: List[Dict[str, Any]]) -> str:
@@ -419,7 +390,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     transformers.logging.set_verbosity_error()
     on_gpu = torch.cuda.is_available() and not args.smoke
     device = "cuda" if on_gpu else "cpu"
-    tag = device_tag() if on_gpu else "cpu"
+    tag = C.device_tag() if on_gpu else "cpu"
     m = SMOKE_MODEL if args.smoke else MODEL
     if args.smoke:
         Bs, prompts, new, repeats = [2], [16], 4, 1
@@ -440,39 +411,24 @@ def main(argv: Optional[List[str]] = None) -> int:
     elif args.smoke:
         out_path = os.path.join(tempfile.mkdtemp(prefix="attncomp-bench-"), name)
     else:
-        out_path = os.path.join(HERE, "results", name)
-    kept: List[dict] = []
-    if args.merge and os.path.exists(out_path):
-        try:
-            with open(out_path) as fh:
-                kept = json.load(fh).get("rows", [])
-        except (OSError, ValueError):
-            kept = []
+        out_path = C.results_path("generate", tag)
+    # --merge: the file as it was before this run (it is rewritten after every path)
+    before = (C.load(out_path) or {}) if args.merge else None
 
-    try:
-        import triton
-        triton_version = triton.__version__
-    except Exception:
-        triton_version = None
     from attncomp.api import _inductor_default
 
-    doc: Dict[str, Any] = {
-        "device": tag,
-        "device_name": torch.cuda.get_device_name() if on_gpu else "cpu",
-        "torch": torch.__version__, "transformers": transformers.__version__, "triton": triton_version,
-        "command": shlex.join(["python", "-m", "attncomp", "bench", "generate", *argv]),
-        "commit": git_commit(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "model": dict(m, dtype=str(dtype).replace("torch.", ""), frozen=bool(args.frozen)),
-        "attncomp_inductor": _inductor_default(),
-        "repeats": args.repeats,
-        "padding": "left; batch row b has b % 4 * 8 padding tokens",
-        "tolerance": (f"logits max|a-b| <= {HALF_REL_TOL} * max|eager| up to each batch row's first differing token"
-                      if half else f"logits allclose(rtol={FP32_TOL}, atol={FP32_TOL}) up to each batch row's "
-                                   "first differing token"),
-        "reduce_overhead_cache": args.ro_cache,
-        "rows": [],
-    }
+    vers = C.versions()
+    doc: Dict[str, Any] = C.document(
+        "generate", [], argv, device=tag, device_name=C.device_name() if on_gpu else C.cpu_name(),
+        torch=vers["torch"], transformers=vers["transformers"], triton=vers["triton"],
+        model=dict(m, dtype=str(dtype).replace("torch.", ""), frozen=bool(args.frozen)),
+        attncomp_inductor=_inductor_default(),
+        repeats=args.repeats,
+        padding="left; batch row b has b % 4 * 8 padding tokens",
+        tolerance=(f"logits max|a-b| <= {HALF_REL_TOL} * max|eager| up to each batch row's first differing token"
+                   if half else f"logits allclose(rtol={FP32_TOL}, atol={FP32_TOL}) up to each batch row's "
+                                "first differing token"),
+        reduce_overhead_cache=args.ro_cache)
     rows: List[Dict[str, Any]] = doc["rows"]
     _log(t0, f"{device} ({doc['device_name']}), {doc['model']}, B={Bs}, prompt={prompts}, new tokens={new}, "
              f"paths={paths} -> {out_path}")
@@ -518,10 +474,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                 rows.append(r)
                 _log(t0, f"  {path}: " + ", ".join(f"{k}={r[k]}" for k in ("tokens_per_s", "step_ms", "logits_match",
                                                                             "tokens_equal", "graphs", "error")))
-                write(doc, out_path, kept)
+                write(doc, out_path, before)
             del ref, inputs
             gc.collect()
-    written = write(doc, out_path, kept)
+    written = write(doc, out_path, before)
     _log(t0, f"wrote {', '.join(written)}")
     print(table(rows))
     return 0
@@ -554,5 +510,4 @@ def _reference(base, inputs, new: int):
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, ROOT)
     sys.exit(main())

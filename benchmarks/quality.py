@@ -3,7 +3,8 @@
 The training code lives in the example (a GPT trained once per policy on the Python standard
 library's source, validation bits per byte against training time and steps); this entry point runs
 its ``main`` with the same arguments, for ``python -m attncomp bench quality [args]`` and
-``python benchmarks/quality.py [args]``. Results: ``benchmarks/results/quality_<device>.json``.
+``python benchmarks/quality.py [args]``. Results: ``benchmarks/results/quality_<device>.json``, a document of
+``benchmarks/common.py`` (which the example imports for its device tag, versions, commit and writing).
 """
 
 from __future__ import annotations

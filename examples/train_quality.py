@@ -21,15 +21,18 @@ records each layer's pooled attention map, a test every ``--spion-interval`` ste
 the flood-fill pattern once two successive relative map distances are below ``--spion-alpha``.
 
 Results: ``benchmarks/results/quality_<device>.json`` (``h100``, ``h200`` or ``cpu``; ``--out`` a file, or
-a folder for ``quality_<device>.json`` in it), one row per evaluation, rewritten after each evaluation;
-plots of val bpb against wall-clock seconds and against steps next to it (with matplotlib).
+a folder for ``quality_<device>.json`` in it; ``--smoke``: a temporary folder unless ``--out``), one row per
+evaluation, rewritten after each evaluation and copied under ``$OUT`` when set; the document is
+``benchmarks/common.py``'s (benchmark, command, commit, device, versions, rows) with the model, context,
+corpus, training settings and per-policy runs. Plots of val bpb against wall-clock seconds and against
+steps next to it (with matplotlib).
 
     python examples/train_quality.py                          # every policy, 4 minutes each (GPU)
     python examples/train_quality.py --policies dense --resume --out DIR   # one policy per call
     python examples/train_quality.py --smoke                  # tiny model, 5 steps per policy, CPU
 
-``--resume`` keeps the rows of the policies that a results file already holds complete and trains the
-others. A policy that fails to compile or train is reported with its error and the run exits nonzero.
+``--resume`` keeps the rows of the policies that a results file already holds complete (their command and
+commit go to its ``previous``) and trains the others. A policy that fails to compile or train is reported with its error and the run exits nonzero.
 """
 
 from __future__ import annotations
@@ -37,11 +40,8 @@ from __future__ import annotations
 import argparse
 import gc
 import itertools
-import json
 import math
 import os
-import shlex
-import subprocess
 import sys
 import sysconfig
 import tempfile
@@ -59,6 +59,7 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 import attncomp  # noqa: E402
+from benchmarks import common as C  # noqa: E402  (device tag, versions, commit, results file)
 
 POLICIES = ("dense", "dfss", "hash", "drop", "spion")
 LN2 = math.log(2.0)
@@ -188,23 +189,6 @@ def make_policy(name: str, args) -> attncomp.Policy:
     if name == "spion":
         return attncomp.SPION(block_size=args.spion_block, alpha=args.spion_alpha, interval=args.spion_interval)
     raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")
-
-
-def device_tag(device: torch.device) -> str:
-    if device.type != "cuda":
-        return "cpu"
-    name = torch.cuda.get_device_name(device).lower()
-    return next((t for t in ("h200", "h100", "a100") if t in name), "gpu")
-
-
-def git_commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
-        if out.returncode == 0:
-            return out.stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return os.environ.get("ATTNCOMP_COMMIT", "unknown")
 
 
 def lr_at(step: int, progress: float, args) -> float:
@@ -367,7 +351,7 @@ def out_path(args, tag: str) -> str:
     if args.out is None:
         if args.smoke:
             return os.path.join(tempfile.mkdtemp(prefix="attncomp-quality-"), f"quality_{tag}.json")
-        return os.path.join(REPO, "benchmarks", "results", f"quality_{tag}.json")
+        return C.results_path("quality", tag)
     if os.path.isdir(args.out) or args.out.endswith(os.sep):
         return os.path.join(args.out, f"quality_{tag}.json")
     return args.out
@@ -449,8 +433,8 @@ def parse_args(argv: Optional[List[str]]):
     ap.add_argument("--smoke", action="store_true",
                     help="tiny model (2 layers, hidden 64, 2 heads, context 128), 5 steps per policy, CPU, fp32")
     args = ap.parse_args(argv)
-    args.command = " ".join(shlex.quote(a) for a in ["python", "examples/train_quality.py"] +
-                            list(sys.argv[1:] if argv is None else argv))
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    args.command = C.command("quality", args.argv)
     if args.smoke:
         args.layers, args.hidden, args.heads, args.context, args.batch = 2, 64, 2, 128, 4
         args.max_steps, args.minutes, args.eval_batches = 5, 10.0, 2
@@ -471,45 +455,42 @@ def main(argv: Optional[List[str]] = None) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cpu" and args.smoke:
         torch.set_num_threads(1)  # a model this small runs fastest on one thread
-    tag = device_tag(device)
+    gpu = device.type == "cuda"
+    tag = C.device_tag(torch.cuda.get_device_name(device)) if gpu else "cpu"
     path = out_path(args, tag)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
 
     train, val, corpus = load_corpus()
     vals = val_batches(val, args.context, args.batch, args.eval_batches)
     n_params = sum(p.numel() for p in GPT(args.layers, args.hidden, args.heads, 16).parameters())
     model_desc = describe_model(args, n_params)
-    res: Dict[str, Any] = {"device": tag, "model": model_desc, "context": args.context, "command": args.command,
-                           "commit": args.commit or git_commit(), "torch": torch.__version__, "rows": [],
-                           "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                           "corpus": corpus,
-                           "train": {"batch": args.batch, "tokens_per_step": args.batch * args.context,
-                                     "minutes": args.minutes, "max_steps": args.max_steps, "lr": args.lr,
-                                     "schedule": args.schedule, "warmup": args.warmup,
-                                     "eval_every_s": args.eval_every_s, "eval_batches": args.eval_batches,
-                                     "seed": args.seed, "dtype": "bf16 autocast" if device.type == "cuda" else "fp32",
-                                     "inductor": args.inductor},
-                           "runs": {}}
-    if args.resume and os.path.exists(path):
-        with open(path) as f:
-            old = json.load(f)
+    res = C.document("quality", [], args.argv, device=tag,
+                     device_name=torch.cuda.get_device_name(device) if gpu else C.cpu_name(),
+                     commit=args.commit or C.commit() or os.environ.get("ATTNCOMP_COMMIT", "unknown"),
+                     model=model_desc, context=args.context, torch=torch.__version__, corpus=corpus,
+                     train={"batch": args.batch, "tokens_per_step": args.batch * args.context,
+                            "minutes": args.minutes, "max_steps": args.max_steps, "lr": args.lr,
+                            "schedule": args.schedule, "warmup": args.warmup, "eval_every_s": args.eval_every_s,
+                            "eval_batches": args.eval_batches, "seed": args.seed,
+                            "dtype": "bf16 autocast" if gpu else "fp32", "inductor": args.inductor},
+                     runs={})
+    before = None  # --resume: the file as it was, whose complete policies' rows are kept
+    done: set = set()
+    if args.resume:
+        before = C.load(path)
+    if before:
         for key in ("model", "context"):
-            if old.get(key) != res[key]:
-                print(f"--resume: {path} has {key} {old.get(key)!r}, this run {res[key]!r}: not mixing them")
+            if before.get(key) != res[key]:
+                print(f"--resume: {path} has {key} {before.get(key)!r}, this run {res[key]!r}: not mixing them")
                 return 2
-        done = {p for p, r in old.get("runs", {}).items() if r.get("complete")}
-        res["runs"] = {p: r for p, r in old.get("runs", {}).items() if p in done}
-        res["rows"] = [r for r in old.get("rows", []) if r["policy"] in done]
+        done = {p for p, r in before.get("runs", {}).items() if r.get("complete")}
+        res["runs"] = {p: r for p, r in before.get("runs", {}).items() if p in done}
         skip = [p for p in args.policy_list if p in done]
         if skip:
             print(f"--resume: {', '.join(skip)} already in {path}, skipped")
         args.policy_list = [p for p in args.policy_list if p not in done]
 
     def save():
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(res, f, indent=1)
-        os.replace(tmp, path)
+        C.write(res, path, keep=(lambda r: r["policy"] in done) if before else None, base=before)
 
     print(f"{model_desc}; context {args.context}, batch {args.batch}, device {device} ({tag})")
     print(f"corpus: {corpus}")
@@ -533,10 +514,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             continue
         finally:
             gc.collect()  # the policy's model, optimizer and compiled graphs
-            if device.type == "cuda":
+            if gpu:
                 torch.cuda.empty_cache()
         res["runs"][name] = {"complete": True, **summary}
         save()
+    res = C.load(path) or res  # with --resume, the kept rows of the earlier run too
     print(f"\nresults: {path}")
     if res["rows"]:
         plot(res, path)

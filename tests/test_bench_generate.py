@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from benchmarks.generate import FIELDS, main  # noqa: E402
+from benchmarks.generate import FIELDS, main, write  # noqa: E402
 
 PATHS = ["eager", "hf-static", "attncomp-dense", "attncomp-hash"]
 
@@ -24,8 +24,10 @@ def test_generate_smoke_writes_schema(tmp_path, fresh_dynamo, capsys):
     files = list(tmp_path.glob("*.json"))
     assert [f.name for f in files] == ["generate_cpu_smoke.json"]
     doc = json.loads(files[0].read_text())
-    for key in ("device", "torch", "transformers", "command", "commit", "rows"):
+    for key in ("device", "torch", "transformers", "command", "commit", "rows", "versions", "benchmark"):
         assert key in doc, key
+    assert doc["benchmark"] == "generate" and set(doc["versions"]) == {"torch", "triton", "transformers"}
+    assert doc["torch"] == doc["versions"]["torch"] and "previous" not in doc
     assert doc["device"] == "cpu" and doc["command"].startswith("python -m attncomp bench generate --smoke")
     rows = doc["rows"]
     assert [r["path"] for r in rows] == PATHS
@@ -47,3 +49,31 @@ def test_generate_smoke_writes_schema(tmp_path, fresh_dynamo, capsys):
     assert static["error"] is not None or (static["logits_match"] is True and static["tokens_equal"] == 1.0), static
     table = capsys.readouterr().out
     assert "| attncomp-dense |" in table and "x eager" in table
+
+
+def _row(B, path, tps):
+    return {"B": B, "prompt": 16, "new_tokens": 4, "path": path, "tokens_per_s": tps}
+
+
+def test_merge_keeps_rows_not_measured_again(tmp_path, monkeypatch):
+    """--merge: the rows of the file as it was before the run that the run does not measure again stay, ahead of
+    the run's; the file is written after every path, each time from that first state; a copy goes under $OUT."""
+    out = tmp_path / "out"
+    monkeypatch.setenv("OUT", str(out))
+    path = str(tmp_path / "generate_cpu.json")
+    before = {"command": "python -m attncomp bench generate --B 1", "commit": "abc", "date": "d", "versions": {},
+              "rows": [_row(1, "eager", 1.0), _row(2, "eager", 2.0)]}
+    doc = {"benchmark": "generate", "device": "cpu", "command": "python -m attncomp bench generate --B 2",
+           "rows": [_row(2, "eager", 3.0)]}
+    write(doc, path, before)
+    doc["rows"].append(_row(2, "attncomp-dense", 4.0))
+    written = write(doc, path, before)
+    assert written == [path, str(out / "generate_cpu.json")]
+    for p in written:
+        got = json.loads(open(p).read())
+        assert [(r["B"], r["path"], r["tokens_per_s"]) for r in got["rows"]] == \
+            [(1, "eager", 1.0), (2, "eager", 3.0), (2, "attncomp-dense", 4.0)]
+        assert got["previous"][0]["command"] == before["command"] and got["previous"][0]["rows"] == 1
+    # without --merge the file holds this run's rows only
+    write(doc, path, None)
+    assert [r["tokens_per_s"] for r in json.loads(open(path).read())["rows"]] == [3.0, 4.0]

@@ -19,8 +19,10 @@ def test_smoke_run_writes_results(tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     res = json.loads(out.read_text())
     for key, typ in (("device", str), ("model", str), ("context", int), ("command", str), ("commit", str),
-                     ("torch", str), ("rows", list)):
+                     ("torch", str), ("rows", list), ("versions", dict), ("benchmark", str)):
         assert isinstance(res[key], typ), key
+    assert res["benchmark"] == "quality" and res["torch"] == res["versions"]["torch"]
+    assert res["command"] == f"python -m attncomp bench quality --smoke --out {out}"
     assert res["device"] == "cpu" and res["context"] == 128
     assert "2 layers" in res["model"] and "hidden 64" in res["model"]
     for row in res["rows"]:
@@ -37,3 +39,19 @@ def test_smoke_run_writes_results(tmp_path):
     assert "time to dense final" in proc.stdout  # the final table
     # the automatic switch ran within the smoke's steps, so the block-sparse path trained too
     assert res["runs"]["spion"]["spion_switch_after_step"], res["runs"]["spion"]
+
+
+def test_resume_refuses_another_model(tmp_path):
+    """--resume does not mix a results file of another model into this run's (it stops before training)."""
+    import torch
+
+    from benchmarks import quality
+
+    out = tmp_path / "quality_cpu.json"
+    out.write_text(json.dumps({"model": "another", "context": 128, "rows": [], "runs": {}}))
+    threads = torch.get_num_threads()
+    try:
+        assert quality.main(["--smoke", "--resume", "--out", str(out)]) == 2
+    finally:
+        torch.set_num_threads(threads)  # the smoke run sets one thread
+    assert json.loads(out.read_text())["model"] == "another"
