@@ -27,8 +27,11 @@ test: $(STAMP)
 # The registry sweep: a tiny random-weight model of every causal-LM, masked-LM, seq2seq-LM and image-classification
 # family of the installed transformers, compiled and compared with eager, each in its own process (JOBS at a
 # time); writes tests/zoo/results.json and tests/zoo/RESULTS.md. ZOO_ARGS passes more, e.g. --families llama,bert.
+# Then the curated family tests with every case (ATTNCOMP_TEST_FULL=1; make test runs a sample of each list).
 zoo: $(STAMP)
 	$(PY) -m tests.zoo --jobs $(JOBS) $(ZOO_ARGS)
+	ATTNCOMP_TEST_FULL=1 $(PY) -m pytest -q -n $(JOBS) tests/e2e/test_hf_families.py tests/e2e/test_models.py \
+		tests/zoo/test_zoo_sample.py
 
 # On a GPU machine, with its own Python (torch and triton installed there): the GPU tests in their own
 # process (the CPU kernel tests switch Triton to its interpreter when imported).
@@ -44,7 +47,7 @@ clean:
 	rm -rf $(VENV) $(NEWEST) $(OLDEST) .pytest_cache
 
 # The newest releases that pyproject.toml admits (torch <2.14 is the pinned 2.13.0; triton and
-# transformers unpinned): the kernel interpreter tests and a set of Hugging Face families, in a second venv.
+# transformers unpinned): the kernel interpreter tests and the sample of Hugging Face families, in a second venv.
 NEWEST := .venv-newest
 $(NEWEST)/.stamp: pyproject.toml
 	@test -x $(NEWEST)/bin/python || $(PYTHON) -m venv $(NEWEST)
@@ -57,8 +60,7 @@ $(NEWEST)/.stamp: pyproject.toml
 test-newest: $(NEWEST)/.stamp
 	$(NEWEST)/bin/python -c "import torch, triton, transformers; print('newest admitted:', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 	$(NEWEST)/bin/python -m pytest -q -n $(JOBS) tests/codegen/test_template_layout.py tests/codegen/test_template_sorted.py \
-		tests/codegen/test_dq_atomic.py \
-		tests/codegen/test_template_bench_smoke.py tests/e2e/test_hf_families.py -k "not generate or llama or gpt2"
+		tests/codegen/test_dq_atomic.py tests/e2e/test_hf_families.py -k "not generate or llama or gpt2"
 
 # The oldest releases that pyproject.toml admits (torch 2.11 with the triton it requires, the test extra's
 # transformers 5.17, numpy 1.26, networkx 3.2, safetensors 0.8; torch 2.11 on PyPI is a CUDA build, a larger

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 #: (atol, rtol) for comparing a kernel's output with the reference computed in float64
@@ -11,6 +13,20 @@ TOL = {
     torch.float16: (2e-2, 2e-2),
     torch.bfloat16: (4e-2, 4e-2),
 }
+
+
+#: ``ATTNCOMP_TEST_FULL=1`` (``make zoo`` sets it): the population tests run every case of their lists;
+#: otherwise each keeps its sample (:func:`sample`), one case of each kind it covers
+FULL = os.environ.get("ATTNCOMP_TEST_FULL", "0") == "1"
+
+
+def sample(items, keep):
+    """``items`` (a list, or a dict's keys), all of them under :data:`FULL`, else those in ``keep``
+    (every name of ``keep`` must be one of ``items``: a sample never names a case that is gone)."""
+    items = list(items)
+    missing = [k for k in keep if k not in items]
+    assert not missing, f"the sample names cases that are not in the list: {missing}"
+    return items if FULL else [i for i in items if i in keep]
 
 
 def fresh_seed() -> int:

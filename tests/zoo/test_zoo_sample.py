@@ -15,6 +15,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+from tests.utils import sample  # noqa: E402
 from tests.zoo.check import check  # noqa: E402
 
 #: (registry, model_type, what it covers)
@@ -59,9 +60,19 @@ FAILING = {
 }
 
 
+#: what ``make test`` runs of the sample (``make zoo``: all of it): the families that fail today (a fix flips
+#: their xfail) and one of each kind the others cover
+IN_MAKE_TEST = ("causal-lm/gpt_bigcode", "causal-lm/gemma3_text", "causal-lm/deepseek_v3", "causal-lm/gpt_oss",
+                "masked-lm/deberta-v2", "masked-lm/eurobert", "seq2seq/marian", "image/segformer",
+                "image/data2vec-vision") + tuple(FAILING)
+
+
 def _params():
     out = []
+    keep = sample([f"{reg}/{mt}" for reg, mt, _ in SAMPLE], IN_MAKE_TEST)
     for reg, mt, what in SAMPLE:
+        if f"{reg}/{mt}" not in keep:
+            continue
         key = f"{reg}/{mt}"
         marks = [pytest.mark.xfail(strict=True, reason=FAILING[key])] if key in FAILING else []
         out.append(pytest.param(reg, mt, id=key, marks=marks))
