@@ -24,14 +24,15 @@ import sys
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
-__all__ = ["main", "COMMANDS", "build_kernels", "report", "bench", "zoo", "BENCHMARKS"]
+__all__ = ["main", "COMMANDS", "build_kernels", "report", "bench", "zoo", "BENCHMARKS", "csv_list"]
 
 COMMANDS: Dict[str, Tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {}
 
 _POLICIES = ("dense", "dfss", "hash", "drop", "spion")
 
 
-def _csv(kind):
+def csv_list(kind):
+    """An argparse ``type``: a comma-separated list of ``kind`` (``"64,128"`` -> ``[64, 128]``)."""
     def parse(s: str):
         try:
             return [kind(x) for x in s.split(",") if x.strip()]
@@ -41,22 +42,22 @@ def _csv(kind):
 
 
 def _add_build_kernels(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--arch", type=_csv(str), default=["sm_90"], help="GPU archs, comma separated (sm_90,sm_80)")
-    p.add_argument("--policy", type=_csv(str), default=list(_POLICIES),
+    p.add_argument("--arch", type=csv_list(str), default=["sm_90"], help="GPU archs, comma separated (sm_90,sm_80)")
+    p.add_argument("--policy", type=csv_list(str), default=list(_POLICIES),
                    help=f"policies, comma separated (default: all: {','.join(_POLICIES)})")
-    p.add_argument("--head-dim", type=_csv(int), default=[64, 128], help="head dims, comma separated")
+    p.add_argument("--head-dim", type=csv_list(int), default=[64, 128], help="head dims, comma separated")
     p.add_argument("--value-dim", type=int, default=None, help="value head dim (default: the head dim)")
     p.add_argument("--nm", type=str, default=None, help="dfss N:M, e.g. 2:4 (default: 2:4)")
-    p.add_argument("--block-size", type=_csv(int), default=[64], help="spion block sizes")
-    p.add_argument("--dfss-kernel", type=_csv(str), default=["sp", "scalar"],
+    p.add_argument("--block-size", type=csv_list(int), default=[64], help="spion block sizes")
+    p.add_argument("--dfss-kernel", type=csv_list(str), default=["sp", "scalar"],
                    help="dfss CUDA kernels, comma separated: sp (sparse tensor cores, float16/bfloat16 "
                         "inputs), scalar (every dtype) (default: both)")
-    p.add_argument("--operand-dtype", type=_csv(str), default=["float16", "bfloat16"],
+    p.add_argument("--operand-dtype", type=csv_list(str), default=["float16", "bfloat16"],
                    help="operand dtypes of the sp kernels (default: float16,bfloat16)")
     causal = p.add_mutually_exclusive_group()
     causal.add_argument("--causal", dest="causal", action="store_const", const=[True], help="causal only")
     causal.add_argument("--no-causal", dest="causal", action="store_const", const=[False], help="non-causal only")
-    p.add_argument("--mask", type=_csv(str), default=["none"], help="dense mask kinds: none,bool,float")
+    p.add_argument("--mask", type=csv_list(str), default=["none"], help="dense mask kinds: none,bool,float")
     p.add_argument("--dropout", action="store_true", help="also the dropout variants")
     p.add_argument("--backward", action=argparse.BooleanOptionalAction, default=True,
                    help="also the backward kernels (dK/dV and dQ) of every variant (default: yes)")

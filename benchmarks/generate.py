@@ -69,6 +69,7 @@ ROOT = os.path.dirname(HERE)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from attncomp.cli import csv_list  # noqa: E402
 from benchmarks import common as C  # noqa: E402
 
 PATHS = ("eager", "hf-static", "attncomp-dense", "attncomp-dense-reduce-overhead", "attncomp-hash",
@@ -92,15 +93,6 @@ def _log(t0: float, msg: str) -> None:
           flush=True)
 
 
-def _csv(kind):
-    def parse(s: str):
-        try:
-            return [kind(x) for x in s.split(",") if x.strip()]
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-    return parse
-
-
 def _paths(s: str) -> List[str]:
     out = [x.strip() for x in s.split(",") if x.strip()]
     bad = [x for x in out if x not in PATHS]
@@ -116,8 +108,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--smoke", action="store_true",
                    help="CPU, 2 layers, hidden 64, 4/2 heads, fp32, B=2, prompt 16, 4 new tokens, 1 repeat")
     p.add_argument("--paths", type=_paths, default=list(PATHS), help=f"comma separated (default: all: {','.join(PATHS)})")
-    p.add_argument("--B", type=_csv(int), default=None, help="batch sizes (default: 1,4,32 on a GPU)")
-    p.add_argument("--prompt", type=_csv(int), default=None,
+    p.add_argument("--B", type=csv_list(int), default=None, help="batch sizes (default: 1,4,32 on a GPU)")
+    p.add_argument("--prompt", type=csv_list(int), default=None,
                    help="prompt lengths, padding included (default: 1024,8192,32768 on a GPU)")
     p.add_argument("--new-tokens", type=int, default=None, help="tokens generated per call (default: 128 on a GPU)")
     p.add_argument("--repeats", type=int, default=None, help="timed generate calls per figure (default: 3; smoke: 1)")
