@@ -9,11 +9,15 @@ Guarantees: a site whose spec says ``backend="auto"`` takes the compile's backen
 named one (``ctx.backend``); otherwise it stays ``auto`` and ``attncomp.runtime.dispatch`` chooses
 per call (E.T. §3.2, sequence-length-aware lowering):
 
-* CPU tensors, or no Triton: the reference backend (exact).
-* CUDA with Triton: the fused, on-the-fly kernel (one pass over K/V per query tile, no N×N
-  intermediate) when the call's key length ``Nk`` is at most the measured threshold ``T`` for
-  (policy, head dim D, dtype, GPU arch), the split form (``QK^T`` GEMM, softmax, ``AV`` GEMM) when
-  ``Nk > T``; with no stored measurement, fused for every ``Nk``.
+* CPU tensors: SDPA's CPU kernel for a policy that keeps every allowed entry without dropout; TVM's
+  kernels for a large sparse call where apache-tvm is installed; otherwise the reference (exact).
+  CUDA without Triton: SDPA where it computes the call, else the reference.
+* CUDA with Triton, dense sites: SDPA's kernel or the Triton kernel, as the runtime chooses
+  (:func:`attncomp.runtime.dispatch.describe_choice` says how). Sparse sites: the fused, on-the-fly
+  kernel (one pass over K/V per query tile, no N×N intermediate) when the call's key length ``Nk`` is
+  at most the measured threshold ``T`` for (policy, head dim D, dtype, GPU arch), the split form
+  (``QK^T`` GEMM, softmax, ``AV`` GEMM) when ``Nk > T``; with no stored measurement, fused for every
+  ``Nk``.
 
 ``SiteReport.details["select_backend"]`` states the rule in these terms (with ``T`` when a
 measurement is stored for the GPU present at compile time). The graph only changes when a named
