@@ -278,7 +278,8 @@ def record_dense_choice(key: Dict[str, Any], timings: Dict[str, float]) -> str:
 
 
 def _dense_on_cuda(spec, q, k, v, attn_mask, preds, arch: str, kind: str):
-    """SDPA or Triton for a keep-everything CUDA call: the stored winner, else measure now (once)."""
+    """SDPA or Triton for a keep-everything CUDA call: the stored winner, else the winner in the table
+    shipped for this GPU (:mod:`.choice_tables`), else measure now (once)."""
     cands = []
     for nm in ("sdpa", "triton"):
         try:
@@ -297,6 +298,10 @@ def _dense_on_cuda(spec, q, k, v, attn_mask, preds, arch: str, kind: str):
     best = dense_choice(key)
     why = "measured faster for this shape bucket"
     if best not in cands:
+        shipped = choice_tables.lookup(DENSE_CHOICE, key, _gpu_name(q))
+        if _winner(shipped) in cands:
+            return _winner(shipped), (f"faster for this shape bucket in the table shipped for this GPU "
+                                      f"({_figures(shipped)}; {shipped.get('row')})")
         hold = _no_measuring()
         if hold is not None:  # nothing stored and no timing allowed now: the static default, not remembered
             best = "sdpa" if "sdpa" in cands else cands[0]
@@ -676,8 +681,9 @@ def describe_choice(spec: AttentionSpec, device, dtype=None, preds=None, n_keys:
     if not triton_available():
         return "sdpa (no Triton)" if every and not dropout else "reference (no Triton)"
     if every and not dropout:
-        return ("the faster of SDPA (flash / memory-efficient) and attncomp's Triton kernel, measured once per "
-                "shape bucket (pow2 Nq, Nk, D; dtype; predicate kind) on this GPU and kept in the autotune store")
+        return ("the faster of SDPA (flash / memory-efficient) and attncomp's Triton kernel per shape bucket "
+                "(pow2 Nq, Nk, D; dtype; predicate kind): from the autotune store, else the table shipped for "
+                "this GPU model, else measured once on this GPU and kept in the store")
     arch = None
     try:
         major, minor = torch.cuda.get_device_capability(device)

@@ -287,3 +287,29 @@ def test_cuda_choice_is_memoised_per_call_signature(fake_gpu, monkeypatch):
     dispatch.select_backend(spec, q3, k3, k3)
     dispatch.select_backend(spec, q3, k3, k3)
     assert len(seen) == 6 and len(calls) == measured
+
+
+def test_cuda_choice_reads_the_table_shipped_for_the_gpu_before_measuring(fake_gpu, tmp_path, monkeypatch):
+    """With nothing in the autotune store, a keep-everything CUDA call takes the winner of the table
+    shipped for its GPU model and measures nothing; a bucket the table lacks is measured as before."""
+    import json
+
+    from attncomp.runtime import choice_tables
+
+    backends, timings, calls = fake_gpu
+    timings.update(sdpa=5.0, triton=1.0)                      # a measurement would pick triton
+    key = dispatch.dense_choice_key(1000, 1000, 64, torch.float16, "none", "sm_90")
+    (tmp_path / "h100.json").write_text(json.dumps({"dense_kernel_choice": [
+        {"key": key, "best": "sdpa", "timings": {"sdpa": 1.0, "triton": 2.0}, "row": "synthetic 1024"}]}))
+    monkeypatch.setattr(choice_tables, "TABLES_DIR", tmp_path)
+    monkeypatch.setattr(dispatch, "_gpu_name", lambda q: "NVIDIA H100 80GB HBM3")
+    choice_tables.clear()
+    try:
+        q, k = _qk(1000)
+        assert dispatch.select_backend(AttentionSpec(), q, k, k).name == "sdpa"
+        assert calls == []
+        q, k = _qk(3000)                                      # not in the table: measured
+        assert dispatch.select_backend(AttentionSpec(), q, k, k).name == "triton"
+        assert len(calls) == 1
+    finally:
+        choice_tables.clear()
