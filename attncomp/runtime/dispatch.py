@@ -5,9 +5,10 @@
 * sites whose policy keeps every allowed entry (``dense``, ``et``) and calls without dropout are
   exact softmax attention, so PyTorch's SDPA kernels may run them (``attncomp.codegen.sdpa``):
   on a CPU its CPU flash kernel always (the reference materialises N×N); on CUDA the faster of
-  SDPA and attncomp's Triton kernel for the site's predicates, measured once per shape bucket
-  (pow2 of Nq, Nk, D; dtype; predicate kind) and GPU and kept in the autotune store under
-  :data:`DENSE_CHOICE` (:func:`dense_choice_key`). Never measured while a CUDA graph is being
+  SDPA and attncomp's Triton kernel for the site's predicates per shape bucket (pow2 of Nq, Nk, D;
+  dtype; predicate kind) and GPU: the autotune store's entry under :data:`DENSE_CHOICE`
+  (:func:`dense_choice_key`), else the table shipped for the GPU model (:mod:`.choice_tables`), else
+  measured once and kept in the store. Never measured while a CUDA graph is being
   captured or while ``torch.cuda.get_sync_debug_mode()`` is set (timing synchronises): such a call
   takes the stored choice, else SDPA, and measures nothing;
 * other sites on CUDA tensors with Triton importable and supporting the spec: the sequence-length
