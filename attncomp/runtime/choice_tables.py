@@ -28,9 +28,9 @@ policy ``dense``: ``sdpa_ms`` is SDPA with torch's own kernel choice, ``attncomp
 * ``dense_inline_choice``: the ``fwd`` rows, device time, under ``cuda_graphs: true`` (a graph replayed
   as a CUDA graph runs its kernels back to back, as the benchmark timed them); and without it (per call,
   host time included) only where both times exceed ``host_us``, the op's largest measured host time per
-  call on that GPU (a launch-cost result, ``launch_cost_<gpu>.json``, where the results folder has one;
-  otherwise the figure the shipped table already carries, with its source): calls issued back to back
-  are then bound by the device, and the per-call time is the device time.
+  call on that GPU (the figure the shipped table carries, ``host_us``, with its source,
+  ``host_source``: a launch-cost run kept in git history): calls issued back to back are then bound by
+  the device, and the per-call time is the device time.
 
 ``python -m attncomp.runtime.choice_tables benchmarks/results`` rewrites the shipped tables from the results.
 """
@@ -110,25 +110,12 @@ def _entry(key: Dict[str, Any], sdpa_ms: float, triton_ms: float, row: str) -> D
             "row": row}
 
 
-def _host_us(launch_cost: Optional[Dict[str, Any]]) -> Optional[float]:
-    """The largest host time per op call (us) among a launch-cost result's rows (every run of it)."""
-    if not launch_cost:
-        return None
-    rows = list(launch_cost.get("rows", []))
-    for later in launch_cost.get("later_runs", []):
-        rows += later.get("rows", [])
-    times = [float(r["op call"]) for r in rows if r.get("op call") is not None]
-    return max(times) if times else None
-
-
 def from_kernel_results(results: Dict[str, Any], source: str, arch: str = "sm_90",
-                        launch_cost=None) -> Dict[str, Any]:
-    """A table from a kernel benchmark's results (see the module docstring); ``launch_cost``: the
-    same GPU's launch-cost results, or its host time per call in us, for the per-call entries (none
-    without them)."""
+                        host_us: Optional[float] = None) -> Dict[str, Any]:
+    """A table from a kernel benchmark's results (see the module docstring); ``host_us``: the op's
+    largest host time per call on that GPU, for the per-call entries (none without it)."""
     from .autotune import shape_bucket
 
-    host_us = _host_us(launch_cost) if isinstance(launch_cost, dict) else launch_cost
     kernel: List[dict] = []
     inline: List[dict] = []
     for r in results.get("rows", []):
@@ -156,8 +143,8 @@ def from_kernel_results(results: Dict[str, Any], source: str, arch: str = "sm_90
 
 def build(results_dir: str, out_dir: Optional[str] = None) -> List[str]:
     """Write a table per ``kernels_<gpu>.json`` of ``results_dir`` (H100 and H200) to ``out_dir``
-    (default: the shipped tables); returns the files written. The host time per call comes from
-    ``launch_cost_<gpu>.json`` in ``results_dir`` if there is one, else from the shipped table."""
+    (default: the shipped tables), keeping the shipped table's host time per call and its source;
+    returns the files written."""
     written = []
     for gpu in ("h100", "h200"):
         path = os.path.join(results_dir, f"kernels_{gpu}.json")
@@ -165,20 +152,13 @@ def build(results_dir: str, out_dir: Optional[str] = None) -> List[str]:
             continue
         with open(path) as f:
             results = json.load(f)
-        lpath = os.path.join(results_dir, f"launch_cost_{gpu}.json")
-        if os.path.exists(lpath):
-            with open(lpath) as f:
-                launch = json.load(f)
-            host_source = f"benchmarks/results/launch_cost_{gpu}.json"
-        else:
-            try:
-                with open(TABLES_DIR / f"{gpu}.json") as f:
-                    shipped = json.load(f)
-                launch, host_source = shipped.get("host_us"), shipped.get("host_source")
-            except (OSError, ValueError):
-                launch, host_source = None, None
-        table = from_kernel_results(results, f"benchmarks/results/kernels_{gpu}.json", launch_cost=launch)
-        table["host_source"] = host_source if table["host_us"] is not None else None
+        try:
+            with open(TABLES_DIR / f"{gpu}.json") as f:
+                shipped = json.load(f)
+        except (OSError, ValueError):
+            shipped = {}
+        table = from_kernel_results(results, f"benchmarks/results/kernels_{gpu}.json", host_us=shipped.get("host_us"))
+        table["host_source"] = shipped.get("host_source") if table["host_us"] is not None else None
         out = os.path.join(out_dir or TABLES_DIR, f"{gpu}.json")
         os.makedirs(os.path.dirname(out), exist_ok=True)
         with open(out, "w") as f:

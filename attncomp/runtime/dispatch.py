@@ -301,8 +301,7 @@ def _dense_on_cuda(spec, q, k, v, attn_mask, preds, arch: str, kind: str):
     if best not in cands:
         shipped = choice_tables.lookup(DENSE_CHOICE, key, _gpu_name(q))
         if _winner(shipped) in cands:
-            return _winner(shipped), (f"faster for this shape bucket in the table shipped for this GPU "
-                                      f"({_figures(shipped)}; {shipped.get('row')})")
+            return _winner(shipped), f"faster for this shape bucket {_in_table(shipped)}"
         hold = _no_measuring()
         if hold is not None:  # nothing stored and no timing allowed now: the static default, not remembered
             best = "sdpa" if "sdpa" in cands else cands[0]
@@ -464,7 +463,7 @@ def inline_choice(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torc
     gpu = _gpu_name(q)
     shipped = choice_tables.lookup(DENSE_CHOICE, key, gpu)
     dense = _winner(shipped)
-    table = f"in the table shipped for this GPU ({_figures(shipped)}; {(shipped or {}).get('row')})"
+    table = _in_table(shipped)
     if dense == "sdpa":
         return True, f"SDPA's kernel faster than Triton's for this shape bucket {table}"
     inline = choice_tables.lookup(INLINE_CHOICE, ikey, gpu)
@@ -483,6 +482,11 @@ def _inline_answer(val: Dict[str, Any], per: str, shipped: bool = False) -> Tupl
     if _winner(val) == "sdpa":
         return True, f"SDPA's kernel, traced, {how}faster {per} than the op on Triton{where} ({figures})"
     return False, f"the op on Triton {how}faster {per} than SDPA's kernel traced{where} ({figures})"
+
+
+def _in_table(entry: Optional[Dict[str, Any]]) -> str:
+    """Where a shipped table's entry comes from, in words: its timings and the measured row."""
+    return f"in the table shipped for this GPU ({_figures(entry)}; {(entry or {}).get('row')})"
 
 
 def _figures(val: Optional[Dict[str, Any]]) -> str:
