@@ -221,12 +221,9 @@ def _load_user(target: str):
     obj = getattr(module, attr, None)
     if obj is None:
         raise _UsageError(f"{target!r}: module {mod_name!r} has no attribute {attr!r}")
-    if isinstance(obj, type) and issubclass(obj, torch.nn.Module):
-        made = obj()
-    elif callable(obj):
-        made = obj()
-    else:
+    if not callable(obj):  # an nn.Module class or a factory: either is called with no arguments
         raise _UsageError(f"{target!r}: {attr!r} is neither an nn.Module class nor a function")
+    made = obj()
     inputs = None
     if isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], torch.nn.Module):
         made, inputs = made
