@@ -29,7 +29,6 @@ from attncomp.policy import DFSS, SPION  # noqa: E402
 from attncomp.spec import AttentionSpec, Predicates, dtype_name  # noqa: E402
 from tests.codegen.template_cases import (CASES, close, make_mask, make_policy, make_preds,  # noqa: E402
                                            make_qkv)
-from tests.utils import fresh_seed  # noqa: E402
 from tests.utils import TOL, fresh_seed, poisoned_empty  # noqa: E402
 
 BACKEND = TB.TritonBackend()
@@ -339,8 +338,7 @@ def test_spion_tile_lists_are_reused_until_the_pattern_changes():
 ])
 def test_tma_descriptors_match_the_reference(policy, kinds, Hq, Hk, N, D):
     g = torch.Generator().manual_seed(fresh_seed())
-    q = torch.randn(1, Hq, N, D, generator=g)
-    k, v = (torch.randn(1, Hk, N, D, generator=g) for _ in range(2))
+    q, k, v = make_qkv(policy, g, 1, Hq, Hk, N, N, D, torch.float32)  # dfss: exact logits, no near-ties
     pol, qa, ka, bp = make_policy(policy, g, 1, Hq, Hk, N, N)
     fields, preds = make_preds(kinds, g, 1, N, N)
     spec = AttentionSpec(policy=pol, **fields)
