@@ -29,8 +29,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ...opspec import bounded_put as _put, bucket_range, call_signature, half_given_aux, output_strides, tensor_sig
 from ...policy import DFSS, SPION, Drop, Hash
-from ...spec import AttentionSpec
-from ..reference import cacheable
+from ...spec import AttentionSpec, Modifiers, rel_bucket
+from ..reference import cacheable, default_positions
 from . import configs
 from .common import LOG2E, MASK_BOOL, MASK_FLOAT, MASK_NONE
 from .common import cdiv as _cdiv, next_pow2 as _next_pow2, pow2_block as _pow2, seed_word as _seed_word
@@ -98,14 +98,55 @@ def _token_tensor(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return t.view(torch.uint8) if t.dtype == torch.bool else t
 
 
+def rel_lut(spec: AttentionSpec, table: torch.Tensor, device) -> torch.Tensor:
+    """The relative-position bias as the kernels read it: float32 ``(2 * max_distance + 1, Hq)``, row
+    ``r + max_distance`` holding ``table[bucket(r), :]`` for ``r`` in ``[-max_distance, max_distance]``. T5's
+    bucket is constant beyond ``max_distance`` on either side, so a kernel clamps ``k_pos - q_pos`` to that
+    range and reads the row: no logarithm in the kernel (whose rounding could differ from the model's and
+    move a distance into the next bucket). A gather on the device: no read to the host."""
+    return table.to(device=device, dtype=torch.float32)[_lut_buckets(spec, device)].contiguous()
+
+
+def _lut_buckets(spec: AttentionSpec, device) -> torch.Tensor:
+    """``bucket(r)`` for ``r`` in ``[-max_distance, max_distance]`` (int64), cached per device where a
+    cache may keep it (:func:`..reference.cacheable`)."""
+    args = (spec.rel_buckets, spec.rel_max_distance, spec.rel_bidirectional, torch.device(device))
+    return _lut_buckets_of(*args) if cacheable(device) else _lut_buckets_of.__wrapped__(*args)
+
+
+@functools.lru_cache(maxsize=64)
+def _lut_buckets_of(n_buckets: int, max_distance: int, bidirectional: bool, device: torch.device) -> torch.Tensor:
+    r = torch.arange(-max_distance, max_distance + 1, device=device)
+    return rel_bucket(r, n_buckets, max_distance, bidirectional)
+
+
+def mod_grads(spec: AttentionSpec, mods: Modifiers, lse, delta, dslopes, dlut) -> Modifiers:
+    """The gradients of the modifier tensors from the dK/dV pass's buffers (``dslopes``: ALiBi's partial sums
+    ``(B, Hq, key tiles)``; ``dlut``: float32 ``(2 * max_distance + 1, Hq)``, summed here per bucket) and, for
+    the sinks, from ``lse`` and ``delta = rowsum(dO * O)``: ``dsink[h] = -sum_i exp(sink[h] - lse_i) * delta_i``
+    (the sink's probability times the row's ``-delta``). Torch ops on the device, no read to the host."""
+    ds = dt = dk = None
+    if mods.alibi_slopes is not None:
+        ds = dslopes.sum(dim=(0, 2)).to(mods.alibi_slopes.dtype).reshape(mods.alibi_slopes.shape)
+    if mods.rel_table is not None:
+        tab = mods.rel_table
+        dt = torch.zeros(tab.shape, dtype=torch.float32, device=tab.device)
+        dt = dt.index_add_(0, _lut_buckets(spec, dlut.device), dlut).to(tab.dtype)
+    if mods.sinks is not None:
+        sk = mods.sinks.reshape(1, -1, 1).to(torch.float32)
+        dk = (-(torch.exp(sk - lse) * delta).sum(dim=(0, 2))).to(mods.sinks.dtype).reshape(mods.sinks.shape)
+    return Modifiers(ds, dt, dk)
+
+
 class Site:
     """Everything about one call that the kernels need, derived once from the spec and tensors."""
 
     def __init__(self, spec: AttentionSpec, q, k, v, attn_mask, dropout_p: float, seed: int, preds=None,
                  q_aux=None, k_aux=None, block_pattern=None, layout: Optional[Layout] = None,
-                 sorted_kv: bool = False):
+                 sorted_kv: bool = False, mods: Optional[Modifiers] = None):
         """``sorted_kv``: a forward's site, which may read a ``drop`` layout's sorted K/V copies
-        (:attr:`kv_sorted`); the backward's never does."""
+        (:attr:`kv_sorted`); the backward's never does. ``mods``: the tensors of the spec's score
+        modifiers (DESIGN.md §4.2)."""
         self.B, self.Hq, self.Nq, self.D = (int(s) for s in q.shape)
         self.Hk, self.Nk, self.Dv = int(k.shape[1]), int(k.shape[2]), int(v.shape[-1])
         self.groups = self.Hq // self.Hk
@@ -142,6 +183,7 @@ class Site:
         self.win_left, self.win_right = left, right
         self.pos_off = _pos_off(spec, self.Nq, self.Nk)
         q_pos, k_pos = get("q_pos"), get("k_pos")
+        given_pos = (q_pos, k_pos)
         if left is None and right is None:
             self.pos = POS_NONE
             q_pos = k_pos = None
@@ -211,7 +253,48 @@ class Site:
         self._kv = self.layout.kv if self.kv_sorted else (k, v)
         # a 2:4 selection can be fused with the forward's exponentials (config key NM_EXP)
         self.nm_exp_ok = self.policy == POLICY_DFSS and self.nm_m == 4 and self.nm_n == 2
+        self._modifiers(spec, mods, given_pos)
 
+    def _modifiers(self, spec: AttentionSpec, mods: Optional[Modifiers], given_pos: tuple) -> None:
+        """The score modifiers' kernel arguments (:meth:`mod_args`) and meta-parameters (:attr:`mod_meta`,
+        empty without modifiers: such a site launches the kernel it launched before they existed)."""
+        self.alibi, self.rel, self.sinks = bool(spec.alibi), spec.rel_buckets is not None, bool(spec.sinks)
+        self.softcap = None if spec.softcap is None else float(spec.softcap)
+        self.mq_pos = self.mk_pos = None
+        self.slopes = self.lut = self.sink_t = None
+        self.rel_md = None
+        self.mod_meta = {}
+        if not (self.alibi or self.rel or self.softcap is not None or self.sinks):
+            return
+        mods = mods if mods is not None else Modifiers()
+        for on, t, nm in ((self.alibi, mods.alibi_slopes, "alibi_slopes"), (self.rel, mods.rel_table, "rel_table"),
+                          (self.sinks, mods.sinks, "sinks")):
+            if on and t is None:
+                raise ValueError(f"the spec has {spec.describe_modifiers()} but no {nm} was given")
+        mpos = False
+        if (self.alibi or self.rel) and self.pos != POS_VECTOR and any(t is not None for t in given_pos):
+            # positions that no window reads (the site has none, or a sorted layout holds it) still place
+            # the relative modifiers: the kernels read the vectors (defaults where one side is absent)
+            qp, kp = given_pos
+            dq, dk = default_positions(spec, self.Nq, self.Nk, self.device)
+            self.mq_pos = _token_tensor(qp if qp is not None else dq)
+            self.mk_pos = _token_tensor(kp if kp is not None else dk)
+            mpos = True
+        if self.alibi:
+            self.slopes = _last_contiguous(mods.alibi_slopes.reshape(-1))
+        if self.rel:
+            self.rel_md = int(spec.rel_max_distance)
+            self.lut = rel_lut(spec, mods.rel_table, self.device)
+        if self.sinks:
+            self.sink_t = _last_contiguous(mods.sinks.reshape(-1))
+        self.mod_meta = dict(ALIBI=self.alibi, REL=self.rel, SOFTCAP=self.softcap is not None, SINKS=self.sinks,
+                             MPOS=mpos)
+
+    def mod_args(self, dslopes=None, dlut=None) -> tuple:
+        """``(Slopes, Lut, Sinks, DSlopes, DLut, softcap, rel_md)``: None for each one the site lacks (a
+        constant to Triton: nothing is passed or read); ``dslopes``/``dlut``: the dK/dV pass's gradient
+        buffers."""
+        return (self.slopes, self.lut, self.sink_t, dslopes, dlut, self.softcap, self.rel_md)
     @functools.cached_property
     def tma_ok(self) -> bool:
         """Whether key/value tiles can come through TMA descriptors: rows in order (no sorted layout but
@@ -276,10 +359,11 @@ class Site:
             GROUPS=self.groups, HEAD_D=self.D, HEAD_DV=self.Dv, BLOCK_D=self.block_d, BLOCK_DV=self.block_dv,
             MASK_KIND=self.mask_kind, CHECK_Q=self.Nq % block_m != 0, CHECK_K=self.Nk % block_n != 0,
             POLICY=self.policy, NM_N=self.nm_n, NM_M=self.nm_m, EXCLUDE_SELF=self.exclude_self,
-            DROPOUT=self.dropout, PRESCALE=self.mask_kind == MASK_FLOAT or not self.scale > 0.0,
+            DROPOUT=self.dropout, PRESCALE=(self.mask_kind == MASK_FLOAT or not self.scale > 0.0
+                                            or self.alibi or self.rel or self.softcap is not None),
             POS=self.pos, HAS_LEFT=self.win_left is not None, HAS_RIGHT=self.win_right is not None,
             SEG=self.seg, QVAL=self.q_val is not None, KVAL=self.k_val is not None,
-            SPION_BS=self.spion_bs, SCHED=self.schedule(outer_q),
+            SPION_BS=self.spion_bs, SCHED=self.schedule(outer_q), **self.mod_meta,
         )
 
     def schedule(self, outer_q: bool) -> int:
@@ -293,11 +377,14 @@ class Site:
         def ptr(t):
             return d if t is None else t
 
+        # (positions that only the modifiers read: mq_pos/mk_pos, where the window reads none)
+        qpos = self.q_pos if self.mq_pos is None else self.mq_pos
+        kpos = self.k_pos if self.mk_pos is None else self.mk_pos
         return (
             ptr(lay and lay.q_perm), ptr(lay and lay.k_perm), ptr(lay and lay.lo), ptr(lay and lay.hi),
-            ptr(self.q_pos), ptr(self.k_pos), ptr(self.q_seg), ptr(self.k_seg), ptr(self.q_val), ptr(self.k_val),
+            ptr(qpos), ptr(kpos), ptr(self.q_seg), ptr(self.k_seg), ptr(self.q_val), ptr(self.k_val),
             self.mask, self.pattern, ptr(lst), ptr(cnt),
-            _bstride(self.q_pos), _bstride(self.k_pos), _bstride(self.q_seg), _bstride(self.k_seg),
+            _bstride(qpos), _bstride(kpos), _bstride(self.q_seg), _bstride(self.k_seg),
             _bstride(self.q_val), _bstride(self.k_val), *self.mask_strides, *self.pat_strides,
             *((0, 0, 0) if lst is None else (_st(lst, 0), _st(lst, 1), lst.stride(2))),
             *((0, 0) if cnt is None else (_st(cnt, 0), _st(cnt, 1))),
@@ -438,12 +525,24 @@ def _bounds(spec: AttentionSpec) -> Tuple[Optional[int], Optional[int]]:
 
 def attention_forward(spec: AttentionSpec, q, k, v, attn_mask=None, dropout_p: float = 0.0, seed: int = 0,
                       config: Optional[dict] = None, *, preds=None, q_aux=None, k_aux=None, block_pattern=None,
-                      layout: Optional[Layout] = None, check=None) -> Tuple[torch.Tensor, torch.Tensor]:
+                      layout: Optional[Layout] = None, check=None,
+                      mods: Optional[Modifiers] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of DESIGN.md §4 through the template's forward.
 
     ``check``: called before anything is built for a call that no launch plan serves (a call that a
-    plan serves repeats one that passed it: the plan's key holds all that the check reads)."""
+    plan serves repeats one that passed it: the plan's key holds all that the check reads). ``mods``: the
+    tensors of the spec's score modifiers (DESIGN.md §4.2); a site with modifiers takes no launch plan
+    (its tables and learnable tensors are the call's own) and no Gluon kernel."""
     _TAKEN.plan = None
+    if spec.modifiers():
+        if config is not None and config.get("KERNEL") == "gluon":
+            raise ValueError(f"config {config} asks for the Gluon forward, which cannot run this call: score "
+                             f"modifiers ({spec.describe_modifiers()})")
+        if check is not None:
+            check()
+        q, k, v = _last_contiguous(q), _last_contiguous(k), _last_contiguous(v)
+        return _forward(spec, q, k, v, attn_mask, dropout_p, seed, preds, q_aux, k_aux, block_pattern, layout, config,
+                        mods)[:2]
     if config is None or config.get("KERNEL") == "gluon":
         res = _gluon_forward(spec, q, k, v, attn_mask, dropout_p, preds, block_pattern, layout, config, check)
         if res is not None:
@@ -505,10 +604,12 @@ def attention_forward(spec: AttentionSpec, q, k, v, attn_mask=None, dropout_p: f
     return out, lse
 
 
-def _forward(spec, q, k, v, attn_mask, dropout_p, seed, preds, q_aux, k_aux, block_pattern, layout, config):
+def _forward(spec, q, k, v, attn_mask, dropout_p, seed, preds, q_aux, k_aux, block_pattern, layout, config,
+             mods=None):
     """``(out, lse, site, launched)``: the forward through a :class:`Site`; ``launched`` lists the
     launches' ``(config, grid, tma)`` (``site`` None and nothing launched for empty sizes)."""
-    site = Site(spec, q, k, v, attn_mask, dropout_p, seed, preds, q_aux, k_aux, block_pattern, layout, sorted_kv=True)
+    site = Site(spec, q, k, v, attn_mask, dropout_p, seed, preds, q_aux, k_aux, block_pattern, layout, sorted_kv=True,
+                mods=mods)
     B, Hq, Nq, Nk = site.B, site.Hq, site.Nq, site.Nk
     out = _out_empty(q, site.Dv)
     lse = _empty((B, Hq, Nq), torch.float32, q.device)
@@ -516,6 +617,8 @@ def _forward(spec, q, k, v, attn_mask, dropout_p, seed, preds, q_aux, k_aux, blo
     if Nq == 0 or B * Hq == 0:
         return out, lse, site, launched
     if Nk == 0:
+        if site.sinks:  # (the sink alone in the denominator)
+            return out.zero_(), lse.copy_(site.sink_t.to(torch.float32)[None, :, None].expand(B, Hq, Nq)), site, launched
         return out.zero_(), lse.fill_(float("-inf")), site, launched
 
     def launch(cfg):
@@ -619,6 +722,8 @@ def _gluon_why_not(spec: AttentionSpec, q, k, v, attn_mask, dropout_p, preds, bl
     DFSS 2:4 (else dense)."""
     if not q.is_cuda or configs.interpret_mode():
         return "not a CUDA device", False, 0, False
+    if spec.modifiers():  # (the template applies them)
+        return f"score modifiers ({spec.describe_modifiers()})", False, 0, False
     nm24 = _gluon_nm24(spec, q.dtype)
     if nm24 is None:
         return f"policy {spec.policy.name!r}", False, 0, False
@@ -738,7 +843,8 @@ def _fwd_args(site: Site, q, k, v, out, lse, kd, vd, lst, cnt, seed_word) -> tup
     """The forward launch's positional arguments."""
     return (q, k, v, out, out, lse, lse, out, out, out, kd, vd,
             *_strides(q, k, v, out, None, None, None, None), *site.pred_args(lst, cnt),
-            site.Hq, site.Nq, site.Nk, site.scale * LOG2E, site.scale, seed_word, site.dropout_p, site.inv_keep)
+            site.Hq, site.Nq, site.Nk, site.scale * LOG2E, site.scale, seed_word, site.dropout_p, site.inv_keep,
+            *site.mod_args())
 
 
 # -- forward launch plans ------------------------------------------------------------------------
@@ -960,8 +1066,10 @@ class _SortedPlan:
 
 def attention_backward(spec: AttentionSpec, q, k, v, attn_mask, out, lse, grad_out, dropout_p: float = 0.0,
                        seed: int = 0, config: Optional[dict] = None, *, preds=None, q_aux=None, k_aux=None,
-                       block_pattern=None, layout: Optional[Layout] = None):
-    """``(dq, dk, dv)`` of :func:`attention_forward`'s ``out`` for ``grad_out``.
+                       block_pattern=None, layout: Optional[Layout] = None, mods: Optional[Modifiers] = None):
+    """``(dq, dk, dv)`` of :func:`attention_forward`'s ``out`` for ``grad_out``; for a spec with score
+    modifiers ``(dq, dk, dv, dmods)``, ``dmods`` the :class:`Modifiers` of the gradients of ``mods``' tensors
+    (None where absent; see :func:`mod_grads`). Such a spec runs the template (no Gluon kernel).
 
     By default the dense sites of ``configs.GLUON_BWD`` and the DFSS 2:4 sites of ``configs.GLUON_BWD_DFSS`` on
     sm_90 (:func:`_gluon_bwd`) run one launch of the warp-specialised Gluon kernel (``WS``: dK, dV, and dQ added
@@ -975,12 +1083,16 @@ def attention_backward(spec: AttentionSpec, q, k, v, attn_mask, out, lse, grad_o
     """
     q, k, v = _last_contiguous(q), _last_contiguous(k), _last_contiguous(v)
     out, grad_out = _last_contiguous(out), _last_contiguous(grad_out)
-    site = Site(spec, q, k, v, attn_mask, dropout_p, seed, preds, q_aux, k_aux, block_pattern, layout)
+    site = Site(spec, q, k, v, attn_mask, dropout_p, seed, preds, q_aux, k_aux, block_pattern, layout, mods=mods)
     B, Hq, Hk, Nq, Nk = site.B, site.Hq, site.Hk, site.Nq, site.Nk
     dq = _empty(q.shape, q.dtype, q.device)
     dk = _empty(k.shape, k.dtype, k.device)
     dv = _empty(v.shape, v.dtype, v.device)
+    with_mods = bool(spec.modifiers())
     if Nq == 0 or Nk == 0 or B * Hq == 0:
+        if with_mods:  # (no logit: zero gradients; delta = rowsum(dO * O) = 0 for the sinks')
+            zeros = Modifiers(*(None if t is None else torch.zeros_like(t) for t in (mods or Modifiers())))
+            return dq.zero_(), dk.zero_(), dv.zero_(), zeros
         return dq.zero_(), dk.zero_(), dv.zero_()
     gluon = _gluon_bwd(spec, q, k, v, attn_mask, dropout_p, preds, block_pattern, layout, grad_out, config)
     if gluon is not None:
@@ -998,6 +1110,15 @@ def attention_backward(spec: AttentionSpec, q, k, v, attn_mask, out, lse, grad_o
     tensors = (q, k, v, out, grad_out, lse2, delta, dq, dk, dv)
     strides = _strides(q, k, v, None, grad_out, dq, dk, dv)
     scalars = (Hq, Nq, Nk, site.scale * LOG2E, site.scale, site.seed_word, site.dropout_p, site.inv_keep)
+    grads = {}  # the modifiers' gradient buffers of the dK/dV launch that ran
+
+    def dkdv_mods(bn):
+        """The modifier arguments of a dK/dV launch with ``bn``-key tiles, its gradient buffers allocated."""
+        if not with_mods:
+            return site.mod_args()
+        grads["slopes"] = _empty((B, Hq, _cdiv(Nk, bn)), torch.float32, q.device) if site.alibi else None
+        grads["lut"] = torch.zeros(site.lut.shape, dtype=torch.float32, device=q.device) if site.rel else None
+        return site.mod_args(grads["slopes"], grads["lut"])
 
     def launch(cfg):
         bm, bn, w, st = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"]
@@ -1034,14 +1155,14 @@ def attention_backward(spec: AttentionSpec, q, k, v, attn_mask, out, lse, grad_o
             dq_arg, mode = site.dq_target(cfg, bm, dq32)
             _attention_kernel[(_cdiv(Nk, bn), B * Hk)](
                 *tensors[:7], dq_arg, dk, dv, qd, dod, *_strides(q, k, v, None, grad_out, dq32, dk, dv),
-                *site.pred_args(lst, cnt), *scalars,
+                *site.pred_args(lst, cnt), *scalars, *dkdv_mods(bn),
                 BLOCK_M=bm, BLOCK_N=bn, MODE=MODE_DKDV, NATURAL=natural, num_warps=w, num_stages=st, DQ_ATOMIC=mode,
                 TMA=tma, **site.meta(bm, bn, False),
             )
             dq.copy_(dq32)
             return
         _attention_kernel[(_cdiv(Nk, bn), B * Hk)](
-            *tensors, qd, dod, *strides, *site.pred_args(lst, cnt), *scalars,
+            *tensors, qd, dod, *strides, *site.pred_args(lst, cnt), *scalars, *dkdv_mods(bn),
             BLOCK_M=bm, BLOCK_N=bn, MODE=MODE_DKDV, NATURAL=natural, num_warps=w, num_stages=st, TMA=tma,
             **site.meta(bm, bn, False),
         )
@@ -1054,12 +1175,14 @@ def attention_backward(spec: AttentionSpec, q, k, v, attn_mask, out, lse, grad_o
         lst, cnt = site.lists(qm, qn, True)
         kd, vd, tma = site.kv_descriptors(cfg, qn)
         _attention_kernel[(_cdiv(Nq, qm), B * Hq)](
-            *tensors, kd, vd, *strides, *site.pred_args(lst, cnt), *scalars,
+            *tensors, kd, vd, *strides, *site.pred_args(lst, cnt), *scalars, *site.mod_args(),
             BLOCK_M=qm, BLOCK_N=qn, MODE=MODE_DQ, NATURAL=False, num_warps=qw, num_stages=qs, TMA=tma,
             **site.meta(qm, qn),
         )
 
     _run_tuned("bwd", site, launch, configs.bwd_candidates, config)
+    if with_mods:
+        return dq, dk, dv, mod_grads(spec, mods or Modifiers(), lse, delta, grads.get("slopes"), grads.get("lut"))
     return dq, dk, dv
 
 
@@ -1311,8 +1434,9 @@ class TritonBackend:
     """Fused Triton kernels (forward and backward) of the one template for every policy and predicate."""
 
     name = "triton"
-    #: the score modifiers (DESIGN.md §4.2) its kernels apply: none yet (the reference applies them all)
-    modifiers: tuple = ()
+    #: the score modifiers (DESIGN.md §4.2) its kernels apply, forward and backward, in registers (the template's;
+    #: the Gluon Hopper kernels decline such sites)
+    modifiers: tuple = ("alibi", "relative bias", "softcap", "sinks")
     #: handed no hash buckets (compiled graphs pass none), the kernels derive them fused with the sort
     #: (:func:`.layout.derive_layout`); the backward of the call reuses that layout (or derives it again
     #: when it is gone); the op derives buckets for other backends
@@ -1338,17 +1462,21 @@ class TritonBackend:
             return f"head dim {spec.head_dim} > {_MAX_HEAD_DIM}"
         return None
 
-    def forward(self, spec, q, k, v, attn_mask, q_aux, k_aux, block_pattern, dropout_p, seed, preds=None):
+    def forward(self, spec, q, k, v, attn_mask, q_aux, k_aux, block_pattern, dropout_p, seed, preds=None,
+                mods=None):
         return attention_forward(spec, q, k, v, attn_mask, dropout_p, seed, preds=preds, q_aux=q_aux, k_aux=k_aux,
-                                 block_pattern=block_pattern, check=functools.partial(self._check, spec, q, k, v, preds))
+                                 block_pattern=block_pattern, check=functools.partial(self._check, spec, q, k, v, preds),
+                                 mods=mods)
 
     def backward(self, spec, q, k, v, attn_mask, q_aux, k_aux, block_pattern, dropout_p, seed,
-                 out, lse, grad_out, need_mask_grad=False, preds=None):
+                 out, lse, grad_out, need_mask_grad=False, preds=None, mods=None):
+        """``(dq, dk, dv, dmask | None)``; for a spec with score modifiers a fifth element, the
+        :class:`Modifiers` of their gradients (as ``ReferenceBackend.backward``)."""
         # the mask gradient (a full B x H x Nq x Nk tensor) is left to the caller's fallback
         self._check(spec, q, k, v, preds)
-        dq, dk, dv = attention_backward(spec, q, k, v, attn_mask, out, lse, grad_out, dropout_p, seed, preds=preds,
-                                        q_aux=q_aux, k_aux=k_aux, block_pattern=block_pattern)
-        return dq, dk, dv, None
+        res = attention_backward(spec, q, k, v, attn_mask, out, lse, grad_out, dropout_p, seed, preds=preds,
+                                 q_aux=q_aux, k_aux=k_aux, block_pattern=block_pattern, mods=mods)
+        return (*res[:3], None, *res[3:])
 
     @staticmethod
     def taken_plan():

@@ -22,6 +22,13 @@ A site is specialised through ``tl.constexpr`` parameters along two axes:
   the bucket/keep range of a sorted layout, ``exclude_self``, SPION block membership), all on the
   tile's logits in registers. Nothing ``N x N`` is read except a residual mask the site really has.
 
+* **score modifiers** (DESIGN §4.2, :func:`_modify`, each a constexpr: a site without them compiles the
+  kernel it had before): ALiBi, the relative-position bias (a host look-up table per clamped distance)
+  and the soft-cap on the raw logits before :func:`_entry`, so that the policy decides on the modified
+  logits; the attention sinks join the forward's denominator at the end. Their gradients: the soft-cap's
+  factor on ``dS``, ALiBi's and the table's sums in the dK/dV pass (per-tile partials, float32 atomics into
+  the table), the sinks' on the host from ``lse`` and ``delta``.
+
 Tokens are addressed in a *row order*: the identity, or for ``hash``/``drop`` the stable sort of
 queries and keys by group (:mod:`.layout`), whose permutations the kernels read to gather q/k/v rows
 and scatter outputs back, so that no sorted copy is ever made. Every predicate is evaluated on
@@ -301,6 +308,43 @@ def _entry(
 
 
 @triton.jit
+def _tanh(x):
+    """``tanh`` in float32 from ``exp2`` (Triton has no ``tanh`` that runs under its interpreter too):
+    ``(1 - e) / (1 + e)`` with ``e = exp(-2|x|)`` (no overflow), and below ``|x| = 1/8``, where that
+    cancels, its odd Taylor polynomial to ``x^7`` (the next term is under 2e-10 there)."""
+    a = tl.abs(x)
+    e = tl.math.exp2(a * -2.8853900817779268)
+    big = (1.0 - e) / (1.0 + e)
+    a2 = a * a
+    small = a * (1.0 + a2 * (-0.3333333333333333 + a2 * (0.13333333333333333 + a2 * -0.05396825396825397)))
+    t = tl.where(a < 0.125, small, big)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _modify(qk, qp2, kp2, h, Slopes, Lut, sm_scale, softcap, rel_md, Hq,
+            ALIBI: tl.constexpr, REL: tl.constexpr, SOFTCAP: tl.constexpr):
+    """The score modifiers of DESIGN §4.2 on a raw ``q·k`` tile, in their order: ``s = sm_scale * q·k``,
+    ALiBi's ``+ slope[h] * rel`` and the relative-position bias ``+ lut[clamp(rel) + rel_md, h]``
+    (``rel = k_pos - q_pos``; the host's look-up table holds ``table[bucket(r), h]`` for ``r`` in
+    ``[-rel_md, rel_md]``, the bucket being constant beyond), then the soft-cap ``c * tanh(s / c)``.
+    Returns ``(s in log2 units, t = tanh(s / c), rel)`` (``t``/``rel``: placeholders where absent)."""
+    s = qk * sm_scale
+    rel = kp2 - qp2
+    if ALIBI:
+        s = s + tl.load(Slopes + h).to(tl.float32) * rel.to(tl.float32)
+    if REL:
+        idx = tl.minimum(tl.maximum(rel, -rel_md), rel_md) + rel_md
+        s = s + tl.load(Lut + idx.to(tl.int64) * Hq + h)
+    if SOFTCAP:
+        t = _tanh(s / softcap)
+        s = t * softcap
+    else:
+        t = s
+    return s * 1.4426950408889634, t, rel
+
+
+@triton.jit
 def _bq(x, TRANS: tl.constexpr):
     """A per-query vector broadcast along the query axis of a (transposed) tile."""
     if TRANS:
@@ -326,6 +370,7 @@ def _attention_kernel(
     QPerm, KPerm, Lo, Hi, QPos, KPos, QSeg, KSeg, QVal, KVal, Mask, Pat, List, Cnt,
     s_qpos, s_kpos, s_qseg, s_kseg, s_qval, s_kval, smb, smh, smm, smn, sph, spr, spc, slb, slh, slt, scb, sch,
     pos_off, win_left, win_right, Hq, Nq, Nk, qk_scale, sm_scale, seed, dropout_p, inv_keep,
+    Slopes, Lut, Sinks, DSlopes, DLut, softcap, rel_md,
     GROUPS: tl.constexpr, HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr,
     CHECK_Q: tl.constexpr, CHECK_K: tl.constexpr, POLICY: tl.constexpr, NM_N: tl.constexpr, NM_M: tl.constexpr,
@@ -333,7 +378,8 @@ def _attention_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SEG: tl.constexpr, QVAL: tl.constexpr, KVAL: tl.constexpr,
     SPION_BS: tl.constexpr, SCHED: tl.constexpr, MODE: tl.constexpr, NATURAL: tl.constexpr,
     TMA: tl.constexpr = False, DQ_ATOMIC: tl.constexpr = False, NM_EXP: tl.constexpr = False,
-    KV_SORTED: tl.constexpr = False,
+    KV_SORTED: tl.constexpr = False, ALIBI: tl.constexpr = False, REL: tl.constexpr = False,
+    SOFTCAP: tl.constexpr = False, SINKS: tl.constexpr = False, MPOS: tl.constexpr = False,
 ):
     """The template's one kernel. ``MODE``: ``MODE_FWD`` (``out``, ``lse``), ``MODE_DQ`` (the
     backward's ``dq`` from ``DO``, ``Lse`` in log2 units and ``Delta``): one program per (query tile,
@@ -361,10 +407,20 @@ def _attention_kernel(
     BLOCK_M, BLOCK_D)``; query rows in order) and each tile's share is one bulk reduction
     (``cp.reduce.async.bulk``) instead of per-element atomics. The order of the additions varies from
     run to run: not deterministic (see backend.attention_backward).
+
+    Score modifiers (``ALIBI``, ``REL``, ``SOFTCAP``, ``SINKS``; the tensors ``Slopes (Hq,)``, ``Lut (2 *
+    rel_md + 1, Hq)`` float32, ``Sinks (Hq,)``, the cap ``softcap``): see :func:`_modify`; positions are the
+    predicates' (``MPOS``: vectors that no window reads) or the defaults. The dK/dV mode writes ALiBi's
+    gradient as one partial sum per (batch, query head, key tile) to ``DSlopes`` and adds each logit's
+    gradient into ``DLut`` (float32, zeroed) with atomics: its order varies from run to run.
     """
     PERMUTED: tl.constexpr = POLICY == 2
     # NM_EXP (forward, 2:4 only): the selection is fused with the exponentials instead of applied in _entry
     ENTRY_POLICY: tl.constexpr = 0 if NM_EXP else POLICY
+    # the logit modifiers (their result is in log2 units: the tiles are prescaled, PRESCALE), and the
+    # positions they read: the predicates' vectors also where no window reads them (MPOS)
+    MODS: tl.constexpr = ALIBI or REL or SOFTCAP
+    TPOS: tl.constexpr = 2 if MPOS else POS
     if PRESCALE:
         sc = 1.0
     else:
@@ -386,7 +442,7 @@ def _attention_kernel(
                        CHECK_K, False)
         v = _load_tile(V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh, kj, nval, svn, offs_dv, HEAD_DV, BLOCK_DV,
                        CHECK_K, False)
-        kp, ks, kv = _tok_vals(kj, nval, b, KPos, s_kpos, KSeg, s_kseg, KVal, s_kval, 0, POS, SEG, KVAL)
+        kp, ks, kv = _tok_vals(kj, nval, b, KPos, s_kpos, KSeg, s_kseg, KVal, s_kval, 0, TPOS, SEG, KVAL)
         dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
         # queries i reach key j iff i + off - left <= j <= i + off + right
@@ -399,6 +455,7 @@ def _attention_kernel(
             q_base = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
             do_base = DO + b.to(tl.int64) * sdob + h.to(tl.int64) * sdoh
             lrow, t_lo, t_hi = _inner_tiles(List, Cnt, b, h, ktile, slb, slh, slt, scb, sch, m_lo, m_hi, SCHED)
+            dslope = tl.zeros([BLOCK_N], dtype=tl.float32)  # ALiBi: this key tile's share of dslope[h]
             for t in range(t_lo, t_hi):
                 start_m, pred_check = _inner_tile(lrow, t, ktile * BLOCK_N, pos_off, win_left, win_right, BLOCK_M,
                                                   BLOCK_N, False, SCHED, POS, HAS_LEFT, HAS_RIGHT, PERMUTED,
@@ -406,7 +463,7 @@ def _attention_kernel(
                 offs_m = start_m + offs_m0
                 mval = offs_m < Nq
                 qi, qp, qs, qv, lo, hi = _query_side(QPerm, Lo, Hi, row0, offs_m, mval, b, QPos, s_qpos, QSeg, s_qseg,
-                                                     QVal, s_qval, pos_off, PERMUTED, POS, SEG, QVAL)
+                                                     QVal, s_qval, pos_off, PERMUTED, TPOS, SEG, QVAL)
                 if TMA:
                     q = tl.reshape(Desc0.load([b, h, start_m, 0]), (BLOCK_M, BLOCK_D))
                     if T:
@@ -421,10 +478,18 @@ def _attention_kernel(
                     qk = _dot(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32))
                 else:
                     qk = _dot(k, q, tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32))
+                if MODS:
+                    qk, tc, rel = _modify(qk, _bq(qp, T), _bk(kp, T), h, Slopes, Lut, sm_scale, softcap, rel_md, Hq,
+                                          ALIBI, REL, SOFTCAP)
+                    esc = 1.0
+                else:
+                    tc = qk
+                    rel = qk
+                    esc = qk_scale
                 s = _entry(qk, _bq(offs_m, T), _bk(offs_n, T), _bq(qi, T), _bk(kj, T), _bq(qp, T), _bq(qs, T),
                            _bq(qv, T), _bq(lo, T), _bq(hi, T), _bk(kp, T), _bk(ks, T), _bk(kv, T), b, h, pred_check,
                            ktile * BLOCK_N,
-                           Mask, smb, smh, smm, smn, Pat, sph, spr, spc, Nq, Nk, win_left, win_right, qk_scale,
+                           Mask, smb, smh, smm, smn, Pat, sph, spr, spc, Nq, Nk, win_left, win_right, esc,
                            BLOCK_M, BLOCK_N, MASK_KIND, CHECK_K, POLICY, NM_N, NM_M, EXCLUDE_SELF, POS, HAS_LEFT,
                            HAS_RIGHT, SEG, QVAL, KVAL, SPION_BS, T, PRESCALE)
                 p = tl.math.exp2(s * sc - _bq(lse2, T))
@@ -439,6 +504,17 @@ def _attention_kernel(
                 else:
                     pd = p
                 ds = p * (dp - _bq(di, T))
+                if SOFTCAP:  # through c * tanh(s / c): the gradient of the logit before the cap
+                    ds = ds * (1.0 - tc * tc)
+                if ALIBI:
+                    if NATURAL:
+                        dslope += tl.sum(ds * rel.to(tl.float32), 0)
+                    else:
+                        dslope += tl.sum(ds * rel.to(tl.float32), 1)
+                if REL:  # each logit's gradient to its entry of the host's look-up table (summed per bucket there)
+                    idx = tl.minimum(tl.maximum(rel, -rel_md), rel_md) + rel_md
+                    tl.atomic_add(DLut + idx.to(tl.int64) * Hq + h, ds,
+                                  mask=_bq(mval, T) & _bk(nval, T) & (ds != 0.0), sem="relaxed")
                 if NATURAL:
                     dv = _dot(tl.trans(pd.to(do.dtype)), do, dv)
                     dk = _dot(tl.trans(ds.to(q.dtype)), q, dk)
@@ -460,6 +536,8 @@ def _attention_kernel(
                                    + qi[:, None].to(tl.int64) * sdqm + offs_d[None, :])
                         tl.atomic_add(dq_ptrs, dq * sm_scale, mask=mval[:, None] & (offs_d[None, :] < HEAD_D),
                                       sem="relaxed")
+            if ALIBI:  # one partial sum per (batch, head, key tile), summed on the host: no atomics
+                tl.store(DSlopes + (b * Hq + h).to(tl.int64) * tl.num_programs(0) + ktile, tl.sum(dslope, 0))
         _store_tile(DK + b.to(tl.int64) * sdkb + hk.to(tl.int64) * sdkh, kj, nval, sdkn, offs_d, dk * sm_scale,
                     HEAD_D, BLOCK_D, CHECK_K)
         _store_tile(DV + b.to(tl.int64) * sdvb + hk.to(tl.int64) * sdvh, kj, nval, sdvn, offs_dv, dv,
@@ -477,7 +555,7 @@ def _attention_kernel(
         offs_dv = tl.arange(0, BLOCK_DV)
         row0 = bh.to(tl.int64) * Nq
         qi, qp, qs, qv, lo, hi = _query_side(QPerm, Lo, Hi, row0, offs_m, mval, b, QPos, s_qpos, QSeg, s_qseg,
-                                             QVal, s_qval, pos_off, PERMUTED, POS, SEG, QVAL)
+                                             QVal, s_qval, pos_off, PERMUTED, TPOS, SEG, QVAL)
         q = _load_tile(Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh, qi, mval, sqm, offs_d, HEAD_D, BLOCK_D,
                        CHECK_Q, False)
         kperm = KPerm + (b * (Hq // GROUPS) + hk).to(tl.int64) * Nk
@@ -526,11 +604,19 @@ def _attention_kernel(
                 kT = tl.trans(tl.reshape(Desc0.load([b, hk, start_n, 0]), (BLOCK_N, BLOCK_D)))
             else:
                 kT = _load_tile(k_base, krow, nval, skn, offs_d, HEAD_D, BLOCK_D, CHECK_K, True)
-            kp, ks, kv = _tok_vals(kj, nval, b, KPos, s_kpos, KSeg, s_kseg, KVal, s_kval, 0, POS, SEG, KVAL)
-            s = _entry(_dot(q, kT, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)),
+            kp, ks, kv = _tok_vals(kj, nval, b, KPos, s_kpos, KSeg, s_kseg, KVal, s_kval, 0, TPOS, SEG, KVAL)
+            qk = _dot(q, kT, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32))
+            if MODS:
+                qk, tc, rel = _modify(qk, qp[:, None], kp[None, :], h, Slopes, Lut, sm_scale, softcap, rel_md, Hq,
+                                      ALIBI, REL, SOFTCAP)
+                esc = 1.0
+            else:
+                tc = qk
+                esc = qk_scale
+            s = _entry(qk,
                        offs_m[:, None], offs_n[None, :], qi[:, None], kj[None, :], qp[:, None], qs[:, None], qv[:, None],
                        lo[:, None], hi[:, None], kp[None, :], ks[None, :], kv[None, :], b, h, pred_check, start_n,
-                       Mask, smb, smh, smm, smn, Pat, sph, spr, spc, Nq, Nk, win_left, win_right, qk_scale,
+                       Mask, smb, smh, smm, smn, Pat, sph, spr, spc, Nq, Nk, win_left, win_right, esc,
                        BLOCK_M, BLOCK_N, MASK_KIND, CHECK_K, ENTRY_POLICY, NM_N, NM_M, EXCLUDE_SELF, POS, HAS_LEFT,
                        HAS_RIGHT, SEG, QVAL, KVAL, SPION_BS, False, PRESCALE)
             if MODE == 1:
@@ -543,6 +629,8 @@ def _attention_kernel(
                 if DROPOUT:
                     dp = dp * _dropout_scale(seed, drop_row[:, None], kj[None, :], dropout_p, inv_keep)
                 ds = p * (dp - di[:, None])
+                if SOFTCAP:
+                    ds = ds * (1.0 - tc * tc)
                 acc = _dot(ds.to(kT.dtype), tl.trans(kT), acc)
             else:
                 # (with NM_EXP ``s`` is not yet selected: a group's largest logit is always kept, so
@@ -570,6 +658,16 @@ def _attention_kernel(
         if MODE == 1:
             _store_tile(DQ + b.to(tl.int64) * sdqb + h.to(tl.int64) * sdqh, qi, mval, sdqm, offs_d, acc * sm_scale,
                         HEAD_D, BLOCK_D, CHECK_Q)
+        elif SINKS:
+            # the sink's logit joins the denominator (and attends to nothing): a row with no kept key
+            # outputs 0 and has lse = sink
+            sink = tl.load(Sinks + h).to(tl.float32) * 1.4426950408889634
+            m_f = tl.maximum(m_i, sink)
+            alpha = tl.math.exp2(m_i - m_f)
+            l_f = l_i * alpha + tl.math.exp2(sink - m_f)
+            tl.store(Lse + row0 + qi, (m_f + tl.math.log2(l_f)) * 0.6931471805599453, mask=mval)
+            _store_tile(O + b.to(tl.int64) * sob + h.to(tl.int64) * soh, qi, mval, som, offs_dv,
+                        acc * (alpha / l_f)[:, None], HEAD_DV, BLOCK_DV, CHECK_Q)
         else:
             empty = l_i == 0.0
             l_safe = tl.where(empty, 1.0, l_i)
