@@ -169,7 +169,14 @@ def _match_softmax(gm: fx.GraphModule, sm: fx.Node) -> Optional[Site]:
             if not _reaches_matmul(a):
                 raise NoMatch("not attention: no QK^T product before the softmax")
             if not _is_scalar(gm, b):
-                raise NoMatch(f"logits are multiplied by a tensor ({getattr(b, 'name', b)}), not a scalar scale")
+                fill = _complement_fill(gm, biases, b) if _is(cur, MUL) else None
+                if fill is None:
+                    raise NoMatch(f"logits are multiplied by a tensor ({getattr(b, 'name', b)}), not a scalar scale")
+                # OpenAI-GPT's ``w * b + -1e4 * (1 - b)`` with a 0/1 buffer b: where(b, w, -1e4), a mask
+                biases.remove(fill)
+                exclusions_raw.append((b, True))
+                cur = a
+                continue
             scale_factors.append(("div" if _is(cur, DIV) else "mul", b))
             cur = a
             continue
@@ -307,6 +314,8 @@ def _match_softmax(gm: fx.GraphModule, sm: fx.Node) -> Optional[Site]:
                 groups=groups, biases=biases, dropout=dropout, dropout_node=dropout_node, notes=notes,
                 softcap=softcap, sinks=sinks)
     # --- masks
+    exclusions_raw = [(_peel_expand_as(c), a) for c, a in exclusions_raw]
+    site.biases = [_peel_expand_as(b) if isinstance(b, fx.Node) else b for b in site.biases]
     for cond, is_allowed in exclusions_raw:
         band = _causal_buffer(gm, cond, is_allowed, s_shape)
         if band is not None:
@@ -714,6 +723,53 @@ def _match_sdpa(gm: fx.GraphModule, n: fx.Node) -> Site:
     if causal:
         site.pattern += ", causal"
     return site
+
+
+def _zero_one_buffer(gm, n) -> bool:
+    """Whether ``n`` is a slice of a constant buffer whose entries are all 0 or 1."""
+    while isinstance(n, fx.Node) and n.op == "call_function" and (
+            n.target is operator.getitem and isinstance(n.args[1], tuple) or n.target is aten.slice.Tensor):
+        n = n.args[0]
+    if not isinstance(n, fx.Node) or n.op != "get_attr":
+        return False
+    buf = get_attr_value(gm, n)
+    return isinstance(buf, torch.Tensor) and bool(((buf == 0) | (buf == 1)).all())
+
+
+def _complement_fill(gm, biases: list, b):
+    """The entry of ``biases`` that is ``c * (1 - b)`` with a constant ``c <= -1e4`` (either order, ``1 - b``
+    as ``sub`` or ``rsub``), when ``b`` is a 0/1 buffer: then ``s * b + c * (1 - b)`` keeps ``s`` where
+    ``b`` is 1 and is ``c`` (an excluded entry) where it is 0. None otherwise."""
+    if not _zero_one_buffer(gm, b):
+        return None
+
+    def complement(t) -> bool:
+        if not isinstance(t, fx.Node) or t.op not in ("call_function", "call_method"):
+            return False
+        name = getattr(t.target, "__name__", t.target)
+        if name in ("sub", "rsub") and len(t.args) == 2:
+            one, x = t.args if name == "sub" else t.args[::-1]
+            return x is b and isinstance(one, (int, float)) and one == 1
+        return False
+
+    for f in biases:
+        if isinstance(f, fx.Node) and _is(f, MUL):
+            for c, t in (f.args[:2], f.args[1::-1]):
+                cv = scalar_value(gm, c) if not isinstance(c, fx.Node) or _is_scalar(gm, c) else UNKNOWN
+                if cv is not UNKNOWN and cv <= _MASK_FILL_MAX and complement(t):
+                    return f
+    return None
+
+
+def _peel_expand_as(n):
+    """``x`` for ``x.expand_as(other)`` (XLM: ``mask.view(...).expand_as(scores)``): the expansion reads only
+    ``other``'s shape, and a mask broadcasts against the logits as it is, so the mask no longer depends on
+    the logits it masks."""
+    while isinstance(n, fx.Node) and len(n.args) == 2 and isinstance(n.args[0], fx.Node) and (
+            n.op == "call_method" and n.target == "expand_as"
+            or n.op == "call_function" and n.target in (aten.expand_as.default, torch.Tensor.expand_as)):
+        n = n.args[0]
+    return n
 
 
 def _check_convex(gm, qk: fx.Node, av: fx.Node, site: Site) -> None:

@@ -61,6 +61,8 @@ CASES = {
     "masked_fill_bool": lambda s, q, k, v, m: torch.softmax((q @ k.transpose(-1, -2)).masked_fill(~m, float("-inf")), -1) @ v,
     "where_bool": lambda s, q, k, v, m: torch.softmax(torch.where(m, q @ k.transpose(-1, -2), torch.tensor(-1e9, dtype=q.dtype)), -1) @ v,
     "causal_buffer": lambda s, q, k, v, m: s.drop(s.sm((q @ k.transpose(-2, -1)).masked_fill(s.tril[:, :, :q.size(2), :q.size(2)] == 0, float("-inf")))) @ v,
+    "padding_expand_as_logits": lambda s, q, k, v, m: (lambda a: torch.softmax(a.masked_fill((m == 0).view(q.size(0), 1, 1, -1).expand_as(a), torch.finfo(a.dtype).min), -1) @ v)(q @ k.transpose(-1, -2) / sd(q)),  # XLM
+    "multiplicative_buffer_mask": lambda s, q, k, v, m: (lambda w, b: torch.softmax(w * b + -1e4 * (1 - b), -1) @ v)(q @ k.transpose(-1, -2) * 0.25, s.tril[:, :, :q.size(2), :q.size(2)]),  # OpenAI-GPT
     "relative_bias_no_scale": lambda s, q, k, v, m: torch.softmax((q @ k.transpose(-1, -2)) + m.float().to(q.dtype), -1, dtype=torch.float32).to(q.dtype) @ v,
     "softmax_upcast_to": lambda s, q, k, v, m: F.softmax(q @ k.transpose(-1, -2) * 0.25, dim=-1, dtype=torch.float32).type_as(q) @ v,
     "dropout_eval": lambda s, q, k, v, m: F.dropout(torch.softmax(q @ k.transpose(-1, -2), -1), 0.1, training=False) @ v,
@@ -82,6 +84,8 @@ NEGATIVE = {
     "probabilities_escape": lambda s, q, k, v, m: (lambda p: (p @ v, p))(torch.softmax(q @ k.transpose(-1, -2), -1)),
     "data_dependent_mask": lambda s, q, k, v, m: (lambda a: torch.softmax(a.masked_fill(a > 1.0, float("-inf")), -1) @ v)(q @ k.transpose(-1, -2)),
     "logits_times_tensor": lambda s, q, k, v, m: torch.softmax((q @ k.transpose(-1, -2)) * m.to(q.dtype), -1) @ v,
+    "logits_times_buffer_no_fill": lambda s, q, k, v, m: torch.softmax((q @ k.transpose(-1, -2)) * s.tril[:, :, :q.size(2), :q.size(2)], -1) @ v,
+    "logits_times_buffer_small_fill": lambda s, q, k, v, m: (lambda w, b: torch.softmax(w * b + -10.0 * (1 - b), -1) @ v)(q @ k.transpose(-1, -2), s.tril[:, :, :q.size(2), :q.size(2)]),
     "fill_not_a_mask": lambda s, q, k, v, m: torch.softmax((q @ k.transpose(-1, -2)).masked_fill(~m, 0.5), -1) @ v,
 }
 
@@ -96,6 +100,9 @@ def inputs(name, nq=N, nk=N):
     m = None
     if name in ("additive_float", "relative_bias_no_scale"):
         m = torch.randn(1, H, nq, nk, dtype=torch.float64)
+    if name == "padding_expand_as_logits":
+        m = torch.ones(B, nk)
+        m[1, nk - 4:] = 0
     if name == "finfo_min_padding":
         m = torch.ones(B, 1, 1, nk, dtype=torch.float64)
         m[0, ..., nk - 3:] = 0
