@@ -182,3 +182,101 @@ def test_short_launches_equal_jit_launches(_setup, policy, kinds, mask_kind):
         for r in res[1:]:
             for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), res[0], r):
                 assert torch.equal(a, b), f"{name} differs between the short and the JIT launch path"
+
+
+# score modifiers (DESIGN §4.2) in the template, forward and backward, at GPU sizes: (policy, predicates,
+# residual mask, modifiers); the gradients of the slopes, table and sinks too
+_MOD_CASES = [
+    ("dense", ("causal",), "none", ("alibi",)),
+    ("dense", ("bottom_right", "k_valid"), "float", ("rel", "softcap")),
+    ("dense", ("window", "segments"), "none", ("alibi", "rel", "softcap", "sinks")),
+    ("dfss", ("causal",), "none", ("softcap", "sinks")),
+    ("hash", ("causal", "k_valid"), "none", ("alibi", "rel")),
+    ("drop", ("bottom_right",), "none", ("rel", "sinks")),
+    ("spion", ("window", "k_valid"), "bool", ("alibi", "softcap")),
+]
+
+
+def _mods(names, g, Hq, dev):
+    """``(spec fields, Modifiers)`` with random slopes, table (8 buckets, a max distance below the lengths),
+    cap and sinks (as the interpreter tests' ``make_mods``)."""
+    from attncomp.spec import Modifiers
+
+    fields, slopes, table, sinks = {}, None, None, None
+    if "alibi" in names:
+        fields["alibi"] = True
+        slopes = (torch.rand(Hq, generator=g) * 0.1).to(dev)
+    if "rel" in names:
+        fields.update(rel_buckets=8, rel_max_distance=64)
+        table = torch.randn(8, Hq, generator=g).to(dev)
+    if "softcap" in names:
+        fields["softcap"] = 6.0
+    if "sinks" in names:
+        fields["sinks"] = True
+        sinks = torch.randn(Hq, generator=g).to(dev)
+    return fields, Modifiers(slopes, table, sinks)
+
+
+def _run_mods(TB, policy, kinds, mask_kind, names, B, Hq, Hk, Nq, Nk, D, dtype, seed=0, be=None):
+    from attncomp.spec import Modifiers
+
+    spec, q, k, v, mask, qa, ka, bp, preds, go = _inputs(policy, kinds, mask_kind, B, Hq, Hk, Nq, Nk, D, dtype, seed)
+    fields, mods = _mods(names, torch.Generator().manual_seed(seed + 1), Hq, q.device)
+    spec = spec.replace(**fields)
+    be = be or TB.TritonBackend()
+    out, lse = be.forward(spec, q, k, v, mask, qa, ka, bp, 0.0, seed, preds=preds, mods=mods)
+    m64 = mask if mask is None or mask.dtype == torch.bool else mask.double()
+    m64s = Modifiers(*(None if t is None else t.double() for t in mods))
+    args = dict(spec=spec, q_aux=qa, k_aux=ka, block_pattern=bp, preds=preds, mods=m64s)
+    ro, rl = R.attention(q.double(), k.double(), v.double(), m64, **args)
+    _close("out", out, ro, dtype)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(rl))
+    fin = torch.isfinite(rl)
+    _close("lse", lse[fin], rl[fin], torch.float32)
+    got = be.backward(spec, q, k, v, mask, qa, ka, bp, 0.0, seed, out, lse, go, preds=preds, mods=mods)
+    ref = R.attention_backward_mods(q.double(), k.double(), v.double(), m64, go.double(), **args)
+    for name, a, b in zip(("dq", "dk", "dv"), got[:3], ref[:3]):
+        _close(name, a, b, dtype, grad=True)
+    for name, a, b, t in zip(("dslopes", "dtable", "dsinks"), got[4], ref[4], mods):
+        assert (a is None) == (t is None), name
+        if t is not None:
+            _close(name, a, b, dtype, grad=True)
+    return spec, out, lse, got
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=dtype_name)
+@pytest.mark.parametrize("case", _MOD_CASES, ids=lambda c: "-".join([c[0], "+".join(c[1]), c[2], "+".join(c[3])]))
+def test_modifiers_on_gpu(_setup, case, dtype):
+    _run_mods(_setup, *case, 2, 4, 2, 333, 405, 64, dtype)
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_modifiers_with_atomic_dq_candidates(_setup, monkeypatch, D):
+    """Every one-launch backward candidate (dQ added in the dK/dV pass) with all four modifiers, forced."""
+    from attncomp.codegen.triton import configs
+
+    TB = _setup
+    bwd = [c for c in configs.bwd_candidates(D, D, torch.bfloat16, 1) if c.get("DQ_ATOMIC")]
+    for cfg in bwd:
+        real_bwd = TB.attention_backward
+        monkeypatch.setattr(TB, "attention_backward",
+                            lambda *a, _f=real_bwd, _c=cfg, **kw: _f(*a, **{**kw, "config": _c}))
+        try:
+            _run_mods(TB, "dense", ("causal",), "none", ("alibi", "rel", "softcap", "sinks"), 2, 4, 2, 700, 700, D,
+                      torch.bfloat16, seed=D)
+        finally:
+            monkeypatch.setattr(TB, "attention_backward", real_bwd)
+
+
+def test_modifiers_decline_gluon_and_repeat_with_new_values(_setup):
+    """A dense causal site with modifiers runs the template (on sm_90 the Gluon kernel declines it, saying
+    why); repeated calls (the short launch path) read each call's modifier tensors: new table and sink
+    values give the new reference."""
+    TB = _setup
+    be = TB.TritonBackend()
+    for seed in (1, 2, 3):
+        _run_mods(TB, "dense", ("causal",), "none", ("rel", "sinks"), 2, 8, 8, 1024, 1024, 128, torch.bfloat16,
+                  seed=seed, be=be)
+        if torch.cuda.get_device_capability()[0] == 9:
+            assert "score modifiers" in (TB.gluon_skipped.get("fwd") or ""), TB.gluon_skipped
+            assert "score modifiers" in (TB.gluon_skipped.get("bwd") or ""), TB.gluon_skipped

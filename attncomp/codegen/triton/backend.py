@@ -538,6 +538,8 @@ def attention_forward(spec: AttentionSpec, q, k, v, attn_mask=None, dropout_p: f
         if config is not None and config.get("KERNEL") == "gluon":
             raise ValueError(f"config {config} asks for the Gluon forward, which cannot run this call: score "
                              f"modifiers ({spec.describe_modifiers()})")
+        if q.is_cuda:
+            gluon_skipped["fwd"] = f"score modifiers ({spec.describe_modifiers()})"
         if check is not None:
             check()
         q, k, v = _last_contiguous(q), _last_contiguous(k), _last_contiguous(v)
