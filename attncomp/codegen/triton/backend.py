@@ -11,7 +11,12 @@ sorted layouts come from the device (:mod:`.layout`).
 
 The backward is deterministic (two launches, no atomics) unless a ``DQ_ATOMIC`` launch configuration
 is chosen (dQ added with float32 atomics in the dK/dV pass); with PyTorch's deterministic algorithms
-enabled such configurations are never candidates and a forced one falls back to the two launches.
+enabled such configurations are never candidates and a forced one falls back to the two launches. One
+exception: a relative-position bias's table gradient is added with float32 atomics in every configuration
+(its last bits can differ between runs; dq, dk, dv and the other modifiers' gradients do not).
+
+Score modifiers (DESIGN.md §4.2) run in the template (:class:`Site` turns ``mods`` into kernel arguments; a
+relative bias into a look-up table, :func:`rel_lut`); such sites take no launch plan and no Gluon kernel.
 """
 
 from __future__ import annotations
