@@ -259,6 +259,12 @@ def _match_softmax(gm: fx.GraphModule, sm: fx.Node) -> Optional[Site]:
         if _is(u, MATMUL) and u.args[0] is cur:
             av = u
             break
+        if _zeroes_excluded(gm, u, cur, exclusions_raw):
+            # CPM-Ant zeroes the excluded probabilities again after the softmax: they are 0 already, and a row
+            # with no allowed entry becomes 0, which is what the op returns for it
+            cur = u
+            chain.append(u)
+            continue
         raise NoMatch(f"softmax output feeds {u.op} {getattr(u.target, '__name__', u.target)}, "
                       "not a product with values")
     if av is None:
@@ -723,6 +729,42 @@ def _match_sdpa(gm: fx.GraphModule, n: fx.Node) -> Site:
     if causal:
         site.pattern += ", causal"
     return site
+
+
+def _same_value(a, b, depth: int = 0) -> bool:
+    """Whether ``a`` and ``b`` compute the same value: the same node, equal constants, or the same pure
+    operation on arguments that compute the same values (a mask written twice)."""
+    if a is b:
+        return True
+    if isinstance(a, fx.Node) and isinstance(b, fx.Node):
+        if depth > 12 or a.op != b.op or a.target != b.target or a.op not in ("call_function", "call_method") \
+                or len(a.args) != len(b.args) or a.kwargs.keys() != b.kwargs.keys():
+            return False
+        return all(_same_value(x, y, depth + 1) for x, y in zip(a.args, b.args)) and \
+            all(_same_value(a.kwargs[kw], b.kwargs[kw], depth + 1) for kw in a.kwargs)
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_same_value(x, y, depth + 1) for x, y in zip(a, b))
+    if isinstance(a, fx.Node) or isinstance(b, fx.Node) or type(a) is not type(b):
+        return False
+    return a == b
+
+
+def _zeroes_excluded(gm, u, p, exclusions_raw) -> bool:
+    """Whether ``u`` is ``where(cond, 0, p)`` / ``where(cond, p, 0)`` that sets to 0 exactly the entries one of
+    the site's own masks excluded before the softmax (the same condition, computed again)."""
+    if not _is(u, WHERE) or len(u.args) != 3:
+        return False
+    cond, a, b = u.args
+    if a is p and b is not p:
+        fill, p_is_kept = b, True    # where(cond, p, 0): cond marks the kept entries
+    elif b is p and a is not p:
+        fill, p_is_kept = a, False   # where(cond, 0, p): cond marks the zeroed entries
+    else:
+        return False
+    fv = fill if isinstance(fill, (int, float)) else scalar_value(gm, fill)
+    if fv is UNKNOWN or fv != 0:
+        return False
+    return any(is_allowed == p_is_kept and _same_value(cond, c) for c, is_allowed in exclusions_raw)
 
 
 def _zero_one_buffer(gm, n) -> bool:

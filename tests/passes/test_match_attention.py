@@ -63,6 +63,7 @@ CASES = {
     "causal_buffer": lambda s, q, k, v, m: s.drop(s.sm((q @ k.transpose(-2, -1)).masked_fill(s.tril[:, :, :q.size(2), :q.size(2)] == 0, float("-inf")))) @ v,
     "padding_expand_as_logits": lambda s, q, k, v, m: (lambda a: torch.softmax(a.masked_fill((m == 0).view(q.size(0), 1, 1, -1).expand_as(a), torch.finfo(a.dtype).min), -1) @ v)(q @ k.transpose(-1, -2) / sd(q)),  # XLM
     "multiplicative_buffer_mask": lambda s, q, k, v, m: (lambda w, b: torch.softmax(w * b + -1e4 * (1 - b), -1) @ v)(q @ k.transpose(-1, -2) * 0.25, s.tril[:, :, :q.size(2), :q.size(2)]),  # OpenAI-GPT
+    "zeroed_again_after_softmax": lambda s, q, k, v, m: torch.softmax((q @ k.transpose(-1, -2)).masked_fill(m == False, float("-inf")), -1).masked_fill(m == False, 0.0) @ v,  # noqa: E712 (CPM-Ant)
     "relative_bias_no_scale": lambda s, q, k, v, m: torch.softmax((q @ k.transpose(-1, -2)) + m.float().to(q.dtype), -1, dtype=torch.float32).to(q.dtype) @ v,
     "softmax_upcast_to": lambda s, q, k, v, m: F.softmax(q @ k.transpose(-1, -2) * 0.25, dim=-1, dtype=torch.float32).type_as(q) @ v,
     "dropout_eval": lambda s, q, k, v, m: F.dropout(torch.softmax(q @ k.transpose(-1, -2), -1), 0.1, training=False) @ v,
@@ -86,6 +87,7 @@ NEGATIVE = {
     "logits_times_tensor": lambda s, q, k, v, m: torch.softmax((q @ k.transpose(-1, -2)) * m.to(q.dtype), -1) @ v,
     "logits_times_buffer_no_fill": lambda s, q, k, v, m: torch.softmax((q @ k.transpose(-1, -2)) * s.tril[:, :, :q.size(2), :q.size(2)], -1) @ v,
     "logits_times_buffer_small_fill": lambda s, q, k, v, m: (lambda w, b: torch.softmax(w * b + -10.0 * (1 - b), -1) @ v)(q @ k.transpose(-1, -2), s.tril[:, :, :q.size(2), :q.size(2)]),
+    "zeroed_after_softmax_elsewhere": lambda s, q, k, v, m: torch.softmax((q @ k.transpose(-1, -2)).masked_fill(m == False, float("-inf")), -1).masked_fill(m.transpose(-1, -2) == False, 0.0) @ v,  # noqa: E712
     "fill_not_a_mask": lambda s, q, k, v, m: torch.softmax((q @ k.transpose(-1, -2)).masked_fill(~m, 0.5), -1) @ v,
 }
 
@@ -106,9 +108,12 @@ def inputs(name, nq=N, nk=N):
     if name == "finfo_min_padding":
         m = torch.ones(B, 1, 1, nk, dtype=torch.float64)
         m[0, ..., nk - 3:] = 0
-    if name in ("masked_fill_bool", "where_bool", "sdpa_mask", "fill_not_a_mask", "logits_times_tensor"):
+    if name in ("masked_fill_bool", "where_bool", "sdpa_mask", "fill_not_a_mask", "logits_times_tensor",
+                "zeroed_again_after_softmax", "zeroed_after_softmax_elsewhere"):
         m = torch.rand(B, 1, nq, nk) > 0.3
         m[..., 0] = True
+        if name == "zeroed_again_after_softmax":  # a row with no allowed key: 0 in the model and in the op
+            m[0, :, 2] = False
     return (q, k, v, m)
 
 
