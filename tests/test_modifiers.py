@@ -246,13 +246,16 @@ def test_op_checks_modifier_tensors():
 def test_backends_decline_modifiers_and_dispatch_runs_the_reference():
     q = torch.randn(1, 2, 4, 8)
     spec = AttentionSpec(softcap=5.0)
-    for name in ("sdpa", "triton", "tvm"):
+    for name in ("sdpa", "tvm", "triton"):
         try:
             be = get_backend(name)
         except ImportError:
             continue
         reason = be.supports(spec, q)
-        assert reason is not None and "softcap" in reason, (name, reason)
+        if name == "triton":  # the template applies every modifier: what it lacks here is a GPU
+            assert "softcap" in be.modifiers and (reason is None or "softcap" not in reason), reason
+        else:
+            assert reason is not None and "softcap" in reason, (name, reason)
     assert select_backend(spec, q, q, q).name == "reference"
     assert select_backend(AttentionSpec(), q, q, q).name == "sdpa"
     with pytest.raises(RuntimeError, match="score modifier softcap not applied by the SDPA backend"):

@@ -77,6 +77,7 @@ class Site:
     causal: bool = False
     window_left: Optional[int] = None                      # a banded causal buffer: i - j <= window_left
     biases: List[object] = field(default_factory=list)    # float tensors added to the logits
+    bias_scales: List[float] = field(default_factory=list)  # each bias times the scale applied after it
     allowed: List[fx.Node] = field(default_factory=list)  # bool tensors, True = may attend
     mask: Optional[fx.Node] = None                         # an SDPA attn_mask as given
     dropout: float = 0.0
@@ -137,6 +138,7 @@ def _match_softmax(gm: fx.GraphModule, sm: fx.Node) -> Optional[Site]:
     # --- up: from the softmax input to the QK^T matmul
     scale_factors: List[object] = []
     biases: List[object] = []
+    bias_scales: List[float] = []
     exclusions_raw: List[Tuple[fx.Node, bool]] = []
     # score modifiers (.score_modifiers): a sink column concatenated to the logits, a soft-cap
     cur, sinks = peel_sinks(gm, x)
@@ -173,6 +175,9 @@ def _match_softmax(gm: fx.GraphModule, sm: fx.Node) -> Optional[Site]:
                 if fill is None:
                     raise NoMatch(f"logits are multiplied by a tensor ({getattr(b, 'name', b)}), not a scalar scale")
                 # OpenAI-GPT's ``w * b + -1e4 * (1 - b)`` with a 0/1 buffer b: where(b, w, -1e4), a mask
+                if scale_factors:
+                    raise NoMatch("logits masked by a 0/1 product are scaled again")
+                del bias_scales[biases.index(fill)]
                 biases.remove(fill)
                 exclusions_raw.append((b, True))
                 cur = a
@@ -192,6 +197,7 @@ def _match_softmax(gm: fx.GraphModule, sm: fx.Node) -> Optional[Site]:
                 raise NoMatch("a boolean tensor is added to the logits")
             if not isinstance(bias, (int, float)):  # a constant shift changes no softmax
                 biases.append(bias)
+                bias_scales.append(_outer_scale(gm, scale_factors, "a bias is added"))
             cur = chain
             continue
         if _is(cur, WHERE):
@@ -201,7 +207,10 @@ def _match_softmax(gm: fx.GraphModule, sm: fx.Node) -> Optional[Site]:
                 raise NoMatch("not attention: where() does not select between logits and a fill value")
             fill = b if ra else a
             fv = scalar_value(gm, fill)
-            if fv is UNKNOWN or fv > _MASK_FILL_MAX:
+            if fv is not UNKNOWN:
+                c = _outer_scale(gm, scale_factors, "a mask is applied")
+                fv = fv * c if c > 0 else float("nan")  # the fill as the softmax sees it, scaled after it
+            if fv is UNKNOWN or not fv <= _MASK_FILL_MAX:
                 raise NoMatch(f"where()/masked_fill fills logits with {fill!r}, not a masking value (<= -1e4)")
             # where(cond, fill, s): cond marks excluded entries; where(cond, s, fill): cond marks allowed
             exclusions_raw.append((cond, ra))
@@ -317,7 +326,7 @@ def _match_softmax(gm: fx.GraphModule, sm: fx.Node) -> Optional[Site]:
     if sinks is not None and rank != 4:
         raise NoMatch("a sink column on 3-D logits (one head per batch entry)")
     site = Site(anchor=av, name="", pattern="", q=q, k=k, v=v, rank=rank, k_transposed=k_transposed,
-                groups=groups, biases=biases, dropout=dropout, dropout_node=dropout_node, notes=notes,
+                groups=groups, biases=biases, bias_scales=bias_scales, dropout=dropout, dropout_node=dropout_node, notes=notes,
                 softcap=softcap, sinks=sinks)
     # --- masks
     exclusions_raw = [(_peel_expand_as(c), a) for c, a in exclusions_raw]
@@ -731,6 +740,18 @@ def _match_sdpa(gm: fx.GraphModule, n: fx.Node) -> Site:
     return site
 
 
+def _outer_scale(gm, factors, what: str) -> float:
+    """The product of the scale factors met so far walking up from the softmax, which apply to what is added
+    below them as well as to the logits (``(s + b) * c``); a factor known only at run time raises."""
+    c = 1.0
+    for kind, f in factors:
+        val = scalar_value(gm, f)
+        if val is UNKNOWN or val == 0:
+            raise NoMatch(f"{what} to the logits before a scale that is not a nonzero constant")
+        c = c / val if kind == "div" else c * val
+    return c
+
+
 def _same_value(a, b, depth: int = 0) -> bool:
     """Whether ``a`` and ``b`` compute the same value: the same node, equal constants, or the same pure
     operation on arguments that compute the same values (a mask written twice)."""
@@ -920,7 +941,9 @@ def _combine_masks(g: fx.Graph, site: Site) -> fx.Node:
             node = g.call_method("to", (node, torch.bool))
         allowed = node if allowed is None else g.call_function(torch.logical_and, (allowed, node))
     bias = None
-    for b in site.biases:
+    for b, c in zip(site.biases, site.bias_scales):
+        if c != 1.0:  # (s + b) * c: the site's scale takes c for s, b is multiplied here
+            b = g.call_function(MUL, (b, c))
         bias = b if bias is None else g.call_function(ADD, (bias, b))
     if bias is None:
         return allowed

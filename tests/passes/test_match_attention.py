@@ -64,6 +64,8 @@ CASES = {
     "padding_expand_as_logits": lambda s, q, k, v, m: (lambda a: torch.softmax(a.masked_fill((m == 0).view(q.size(0), 1, 1, -1).expand_as(a), torch.finfo(a.dtype).min), -1) @ v)(q @ k.transpose(-1, -2) / sd(q)),  # XLM
     "multiplicative_buffer_mask": lambda s, q, k, v, m: (lambda w, b: torch.softmax(w * b + -1e4 * (1 - b), -1) @ v)(q @ k.transpose(-1, -2) * 0.25, s.tril[:, :, :q.size(2), :q.size(2)]),  # OpenAI-GPT
     "zeroed_again_after_softmax": lambda s, q, k, v, m: torch.softmax((q @ k.transpose(-1, -2)).masked_fill(m == False, float("-inf")), -1).masked_fill(m == False, 0.0) @ v,  # noqa: E712 (CPM-Ant)
+    "bias_inside_the_scale": lambda s, q, k, v, m: torch.softmax((q @ k.transpose(-1, -2) + m) * 0.5, -1) @ v,
+    "mask_inside_the_scale": lambda s, q, k, v, m: torch.softmax((q @ k.transpose(-1, -2)).masked_fill(~m, float("-inf")) / 4.0, -1) @ v,
     "relative_bias_no_scale": lambda s, q, k, v, m: torch.softmax((q @ k.transpose(-1, -2)) + m.float().to(q.dtype), -1, dtype=torch.float32).to(q.dtype) @ v,
     "softmax_upcast_to": lambda s, q, k, v, m: F.softmax(q @ k.transpose(-1, -2) * 0.25, dim=-1, dtype=torch.float32).type_as(q) @ v,
     "dropout_eval": lambda s, q, k, v, m: F.dropout(torch.softmax(q @ k.transpose(-1, -2), -1), 0.1, training=False) @ v,
@@ -88,6 +90,7 @@ NEGATIVE = {
     "logits_times_buffer_no_fill": lambda s, q, k, v, m: torch.softmax((q @ k.transpose(-1, -2)) * s.tril[:, :, :q.size(2), :q.size(2)], -1) @ v,
     "logits_times_buffer_small_fill": lambda s, q, k, v, m: (lambda w, b: torch.softmax(w * b + -10.0 * (1 - b), -1) @ v)(q @ k.transpose(-1, -2), s.tril[:, :, :q.size(2), :q.size(2)]),
     "zeroed_after_softmax_elsewhere": lambda s, q, k, v, m: torch.softmax((q @ k.transpose(-1, -2)).masked_fill(m == False, float("-inf")), -1).masked_fill(m.transpose(-1, -2) == False, 0.0) @ v,  # noqa: E712
+    "fill_scaled_above_a_mask": lambda s, q, k, v, m: torch.softmax((q @ k.transpose(-1, -2)).masked_fill(~m, -1e4) * 0.5, -1) @ v,
     "fill_not_a_mask": lambda s, q, k, v, m: torch.softmax((q @ k.transpose(-1, -2)).masked_fill(~m, 0.5), -1) @ v,
 }
 
@@ -100,7 +103,7 @@ def inputs(name, nq=N, nk=N):
     if name == "pretransposed":
         k = k.transpose(-1, -2).contiguous()
     m = None
-    if name in ("additive_float", "relative_bias_no_scale"):
+    if name in ("additive_float", "relative_bias_no_scale", "bias_inside_the_scale"):
         m = torch.randn(1, H, nq, nk, dtype=torch.float64)
     if name == "padding_expand_as_logits":
         m = torch.ones(B, nk)
@@ -109,7 +112,8 @@ def inputs(name, nq=N, nk=N):
         m = torch.ones(B, 1, 1, nk, dtype=torch.float64)
         m[0, ..., nk - 3:] = 0
     if name in ("masked_fill_bool", "where_bool", "sdpa_mask", "fill_not_a_mask", "logits_times_tensor",
-                "zeroed_again_after_softmax", "zeroed_after_softmax_elsewhere"):
+                "zeroed_again_after_softmax", "zeroed_after_softmax_elsewhere", "mask_inside_the_scale",
+                "fill_scaled_above_a_mask"):
         m = torch.rand(B, 1, nq, nk) > 0.3
         m[..., 0] = True
         if name == "zeroed_again_after_softmax":  # a row with no allowed key: 0 in the model and in the op
