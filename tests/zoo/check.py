@@ -153,6 +153,11 @@ def check(registry: str, model_type: str, class_name: Optional[str] = None, trai
     inputs, wants = [], []
     try:
         for i, (b, n, side) in enumerate(SHAPES):
+            if registry == "image":
+                # an image classifier pools over every position (ImageGPT's mean), so its output mixes in the
+                # rows that attend to nothing (left padding under a causal mask), whose values are the softmax
+                # of fill constants in eager and are left out of every comparison here: right padding only
+                side = "right"
             x, valid = Z.make_inputs(registry, model, cfg, b, n, side, seed=i)
             with torch.no_grad():
                 if i == 0:
