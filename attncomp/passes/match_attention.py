@@ -323,9 +323,13 @@ def _match_softmax(gm: fx.GraphModule, sm: fx.Node) -> Optional[Site]:
         k, v, gk = k_full, v_full, 1
     groups = gk
 
+    anchor = av
+    lse_sink = _lse_sink_scale(gm, x, sm, av) if sinks is None else None
+    if lse_sink is not None:  # Granite-SWA: out * sigmoid(logsumexp(s) - sink), a sink in the denominator
+        anchor, sinks = lse_sink
     if sinks is not None and rank != 4:
         raise NoMatch("a sink column on 3-D logits (one head per batch entry)")
-    site = Site(anchor=av, name="", pattern="", q=q, k=k, v=v, rank=rank, k_transposed=k_transposed,
+    site = Site(anchor=anchor, name="", pattern="", q=q, k=k, v=v, rank=rank, k_transposed=k_transposed,
                 groups=groups, biases=biases, bias_scales=bias_scales, dropout=dropout, dropout_node=dropout_node, notes=notes,
                 softcap=softcap, sinks=sinks)
     # --- masks
@@ -341,7 +345,7 @@ def _match_softmax(gm: fx.GraphModule, sm: fx.Node) -> Optional[Site]:
         site.allowed.append(cond if is_allowed else ("not", cond))
     site.scale = _resolve_scale(gm, factors, site)
     # --- convexity: nothing inside the region is used outside it; no input depends on it
-    _check_convex(gm, qk, av, site)
+    _check_convex(gm, qk, anchor, site)
     bits = ["matmul-softmax-matmul"]
     if site.scale is None or factors:
         bits.append("scale on " + "/".join(sorted(set(
@@ -750,6 +754,60 @@ def _outer_scale(gm, factors, what: str) -> float:
             raise NoMatch(f"{what} to the logits before a scale that is not a nonzero constant")
         c = c / val if kind == "div" else c * val
     return c
+
+
+def _lse_sink_scale(gm, x, sm, av):
+    """``(out, sink)`` when the site's output is rescaled by a sink through the logits' log-sum-exp:
+    ``out = (softmax(x) @ v) * sigmoid(logsumexp(x, -1) - sink)[..., None]`` (casts anywhere), with ``sink``
+    one value per head (``(1, H, 1)`` or ``(H, 1)``). Since ``sigmoid(lse - t) = e^lse / (e^lse + e^t)``, that is
+    the softmax whose denominator gains ``exp(sink)``: the spec's sinks. None otherwise."""
+    others = [u for u in x.users if u is not sm]
+    if len(others) != 1:
+        return None
+    n = others[0]
+    is_lse = (n.op == "call_function" and n.target in (torch.logsumexp, aten.logsumexp.default)) or \
+        (n.op == "call_method" and n.target == "logsumexp")
+    if not is_lse or n.args[0] is not x:
+        return None
+    dim = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim")
+    dim = dim[0] if isinstance(dim, (list, tuple)) and len(dim) == 1 else dim
+    xs = meta_shape(x)
+    if dim != -1 and not (xs is not None and dim == len(xs) - 1) or n.kwargs.get("keepdim", False) \
+            or (len(n.args) > 2 and n.args[2]):
+        return None
+
+    def single_user(m):
+        us = list(m.users)
+        return us[0] if len(us) == 1 else None
+
+    def skip_casts(m):
+        while m is not None and is_cast(m):
+            m = single_user(m)
+        return m
+
+    sub = single_user(n)
+    if sub is None or getattr(sub.target, "__name__", sub.target) != "sub" or len(sub.args) != 2 \
+            or sub.args[0] is not n or not isinstance(sub.args[1], fx.Node) or _depends_on_input(sub.args[1]):
+        return None
+    sink = sub.args[1]
+    sh = meta_shape(sink)
+    if sh is None or not 2 <= len(sh) <= 3 or any(static_int(d) != 1 for d in sh[-1:]) \
+            or (len(sh) == 3 and static_int(sh[0]) != 1):
+        return None
+    sig = skip_casts(single_user(sub))
+    if sig is None or not ((sig.op == "call_function" and sig.target in (torch.sigmoid, aten.sigmoid.default))
+                           or (sig.op == "call_method" and sig.target == "sigmoid")):
+        return None
+    un = skip_casts(single_user(sig))
+    if un is None or not (un.op == "call_method" and un.target == "unsqueeze" and tuple(un.args[1:]) in ((-1,), (3,))):
+        return None
+    mul = skip_casts(single_user(un))
+    last = un
+    while last is not None and single_user(last) is not mul:
+        last = single_user(last)
+    if mul is None or not _is(mul, MUL) or last is None or set(mul.args[:2]) != {av, last} or len(av.users) != 1:
+        return None
+    return mul, sink
 
 
 def _same_value(a, b, depth: int = 0) -> bool:

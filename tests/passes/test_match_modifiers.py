@@ -49,7 +49,14 @@ def _sink_softmax(self, s):
     return torch.softmax(c, dim=-1)[..., :-1]
 
 
+def _lse_sinks(self, s, v):
+    """Granite-SWA's spelling: the output rescaled by sigmoid(logsumexp(s) - sink)."""
+    scale = (torch.logsumexp(s, dim=-1) - self.sinks.view(1, -1, 1)).to(F64).sigmoid()
+    return (torch.softmax(s, dim=-1) @ v) * scale.unsqueeze(-1).to(v.dtype)
+
+
 CASES = {
+    "sinks_lse_scaled": lambda s, q, k, v, m: _lse_sinks(s, q @ k.transpose(2, 3) * 0.25 + m, v),
     "softcap": lambda s, q, k, v, m: torch.softmax(_softcap(q @ k.transpose(2, 3) * D ** -0.5, s.cap) + m, -1) @ v,
     "softcap_mul_first": lambda s, q, k, v, m: torch.softmax(s.cap * torch.tanh((q @ k.transpose(2, 3)) / s.cap), -1) @ v,
     "sinks": lambda s, q, k, v, m: _sink_softmax(s, q @ k.transpose(2, 3) * 0.25 + m) @ v,
@@ -69,6 +76,9 @@ NEGATIVE = {
                          "scaled again"),
     "tanh_not_a_cap": (lambda s, q, k, v, m: torch.softmax(torch.tanh(q @ k.transpose(2, 3) * 0.5) * 3.0, -1) @ v,
                        "tanh"),
+    "lse_sink_per_query": (lambda s, q, k, v, m: (lambda a: (torch.softmax(a, -1) @ v)
+                           * (torch.logsumexp(a, -1) - q[..., 0]).sigmoid().unsqueeze(-1))(q @ k.transpose(2, 3) + m),
+                           "used outside"),
     "sink_kept": (lambda s, q, k, v, m: _sink_kept(s, q, k, v), "escape"),
     "column_per_query": (lambda s, q, k, v, m: torch.softmax(torch.cat([q @ k.transpose(2, 3), q[..., :1]], -1), -1)[..., :-1] @ v,
                          None),
@@ -109,7 +119,7 @@ def test_modifier_site_is_one_op_and_exact(name):
     assert (spec.softcap, spec.sinks) == (want["softcap"], want["sinks"])
     assert ctx.sites[0].details["modifiers"] == spec.describe_modifiers()
     assert ("softcap" in ctx.sites[0].pattern) == ("softcap" in name)
-    left = _targets(gm) & {"tanh", "softmax", "cat", "max"}
+    left = _targets(gm) & {"tanh", "softmax", "cat", "max", "logsumexp", "sigmoid"}
     assert not left, f"{name}: {left} left in the graph\n{gm.graph}"
     for n in (N, 6):
         x = inputs(n, seed=n)
