@@ -34,7 +34,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ...opspec import bounded_put as _put, bucket_range, call_signature, half_given_aux, output_strides, tensor_sig
 from ...policy import DFSS, SPION, Drop, Hash
-from ...spec import AttentionSpec, Modifiers, rel_bucket
+from ...spec import AttentionSpec, Modifiers
+from ..modifiers import mod_grads, rel_lut
 from ..reference import cacheable, default_positions
 from . import configs
 from .common import LOG2E, MASK_BOOL, MASK_FLOAT, MASK_NONE
@@ -101,46 +102,6 @@ def _token_tensor(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         return None
     t = _last_contiguous(t)
     return t.view(torch.uint8) if t.dtype == torch.bool else t
-
-
-def rel_lut(spec: AttentionSpec, table: torch.Tensor, device) -> torch.Tensor:
-    """The relative-position bias as the kernels read it: float32 ``(2 * max_distance + 1, Hq)``, row
-    ``r + max_distance`` holding ``table[bucket(r), :]`` for ``r`` in ``[-max_distance, max_distance]``. T5's
-    bucket is constant beyond ``max_distance`` on either side, so a kernel clamps ``k_pos - q_pos`` to that
-    range and reads the row: no logarithm in the kernel (whose rounding could differ from the model's and
-    move a distance into the next bucket). A gather on the device: no read to the host."""
-    return table.to(device=device, dtype=torch.float32)[_lut_buckets(spec, device)].contiguous()
-
-
-def _lut_buckets(spec: AttentionSpec, device) -> torch.Tensor:
-    """``bucket(r)`` for ``r`` in ``[-max_distance, max_distance]`` (int64), cached per device where a
-    cache may keep it (:func:`..reference.cacheable`)."""
-    args = (spec.rel_buckets, spec.rel_max_distance, spec.rel_bidirectional, torch.device(device))
-    return _lut_buckets_of(*args) if cacheable(device) else _lut_buckets_of.__wrapped__(*args)
-
-
-@functools.lru_cache(maxsize=64)
-def _lut_buckets_of(n_buckets: int, max_distance: int, bidirectional: bool, device: torch.device) -> torch.Tensor:
-    r = torch.arange(-max_distance, max_distance + 1, device=device)
-    return rel_bucket(r, n_buckets, max_distance, bidirectional)
-
-
-def mod_grads(spec: AttentionSpec, mods: Modifiers, lse, delta, dslopes, dlut) -> Modifiers:
-    """The gradients of the modifier tensors from the dK/dV pass's buffers (``dslopes``: ALiBi's partial sums
-    ``(B, Hq, key tiles)``; ``dlut``: float32 ``(2 * max_distance + 1, Hq)``, summed here per bucket) and, for
-    the sinks, from ``lse`` and ``delta = rowsum(dO * O)``: ``dsink[h] = -sum_i exp(sink[h] - lse_i) * delta_i``
-    (the sink's probability times the row's ``-delta``). Torch ops on the device, no read to the host."""
-    ds = dt = dk = None
-    if mods.alibi_slopes is not None:
-        ds = dslopes.sum(dim=(0, 2)).to(mods.alibi_slopes.dtype).reshape(mods.alibi_slopes.shape)
-    if mods.rel_table is not None:
-        tab = mods.rel_table
-        dt = torch.zeros(tab.shape, dtype=torch.float32, device=tab.device)
-        dt = dt.index_add_(0, _lut_buckets(spec, dlut.device), dlut).to(tab.dtype)
-    if mods.sinks is not None:
-        sk = mods.sinks.reshape(1, -1, 1).to(torch.float32)
-        dk = (-(torch.exp(sk - lse) * delta).sum(dim=(0, 2))).to(mods.sinks.dtype).reshape(mods.sinks.shape)
-    return Modifiers(ds, dt, dk)
 
 
 class Site:
