@@ -74,6 +74,12 @@ class Variant:
     mma: str = ""
     #: operand dtype of the tensor-core kernels (float16 | bfloat16); "" for the others
     operand_dtype: str = ""
+    #: score modifiers (DESIGN.md §4.2): ALiBi, the relative-position bias (a look-up table per clamped
+    #: distance), the soft-cap (its cap a scalar argument), attention sinks
+    alibi: bool = False
+    rel: bool = False
+    softcap: bool = False
+    sinks: bool = False
 
     def __post_init__(self):
         if self.policy == "dfss" and self.block_k % self.nm_m:
@@ -98,11 +104,24 @@ class Variant:
         """Whether the kernel reads per-key-tile summaries (positions given, segments, key validity)."""
         return (self.positional and (self.q_pos or self.k_pos)) or self.seg or self.k_valid
 
+    @property
+    def logit_mods(self) -> bool:
+        """Whether the logits are modified (ALiBi, relative bias, soft-cap; the sinks change only the softmax)."""
+        return self.alibi or self.rel or self.softcap
+
     def to_json(self) -> dict:
-        return dataclasses.asdict(self)
+        # a variant without modifiers describes itself as it did before they existed
+        d = dataclasses.asdict(self)
+        for f in _MOD_FIELDS:
+            if not d[f]:
+                del d[f]
+        return d
 
     def digest(self) -> str:
         return hashlib.sha256(repr(sorted(self.to_json().items())).encode()).hexdigest()[:12]
+
+
+_MOD_FIELDS = ("alibi", "rel", "softcap", "sinks")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -135,7 +154,21 @@ def _extra_args(v: Variant) -> List[Tuple[str, str]]:
     a += [("scale", v.dtype), ("qoff", "int32")]
     if v.dropout:
         a += [("seed", "int64"), ("drop_p", "float32"), ("inv_keep", "float32")]
+    if v.alibi:
+        a += [("slopes", "handle")]
+    if v.rel:
+        a += [("lut", "handle"), ("rel_md", "int32")]
+    if v.softcap:
+        a += [("softcap", v.dtype)]
+    if v.sinks:
+        a += [("sinks", "handle")]
     return a
+
+
+def mod_grad_args(v: Variant) -> Tuple[str, ...]:
+    """The dK/dV kernels' outputs for the modifiers' gradients (after dk, dv): ALiBi's partial sums
+    ``dslopes (B, Hq, Nk)`` (one per key and query head), the look-up table's ``dlut``."""
+    return (("dslopes",) if v.alibi else ()) + (("dlut",) if v.rel else ())
 
 
 #: the backward kernels' leading arguments (then dk, dv or dq)
@@ -144,7 +177,7 @@ BWD_ARGS = ("q", "k", "kt", "v", "vt", "do", "lse", "delta")
 
 def arg_names(kind: str, v: Variant) -> Tuple[str, ...]:
     kind = kind.split("_", 1)[0]  # fwd_sp_emu, dq_cuda_emu, ...: the arguments of their kind
-    base = {"fwd": FWD_ARGS, "dkdv": BWD_ARGS + ("dk", "dv"), "dq": BWD_ARGS + ("dq",)}[kind]
+    base = {"fwd": FWD_ARGS, "dkdv": BWD_ARGS + ("dk", "dv") + mod_grad_args(v), "dq": BWD_ARGS + ("dq",)}[kind]
     return tuple(base) + tuple(n for n, _ in _extra_args(v))
 
 
@@ -196,6 +229,23 @@ def _common_buffers(v: Variant) -> List[str]:
             L += [f"    {nm}_n = T.int32()", f'    {nm.upper()} = T.match_buffer({nm}, ({nm}_n,), "int32")']
     if v.summaries:
         L += ["    ksum_n = T.int32()", '    KSUM = T.match_buffer(ksum, (ksum_n,), "int32")']
+    dt = v.dtype
+    if v.alibi:
+        L += [f'    SLOPES = T.match_buffer(slopes, (Hq,), "{dt}")']
+    if v.rel:
+        L += ["    lut_n = T.int32()", f'    LUT = T.match_buffer(lut, (lut_n,), "{dt}")']
+    if v.sinks:
+        L += [f'    SINKS = T.match_buffer(sinks, (Hq,), "{dt}")']
+    return L
+
+
+def mod_grad_buffers(v: Variant) -> List[str]:
+    """Buffers of :func:`mod_grad_args` (``dlut`` flat: its layout is the kernel family's)."""
+    L = []
+    if v.alibi:
+        L += [f'    DSL = T.match_buffer(dslopes, (B, Hq, Nk), "{v.dtype}")']
+    if v.rel:
+        L += ["    dlut_n = T.int32()", f'    DLUT = T.match_buffer(dlut, (dlut_n,), "{v.dtype}")']
     return L
 
 
@@ -209,6 +259,45 @@ def _qpos(v: Variant, qi: str) -> str:
 
 def _kpos(v: Variant, kj: str) -> str:
     return f"KPOS[b * kpos_sb + {kj}]" if v.k_pos else f"({kj})"
+
+
+def _rel(v: Variant, qi: str, kj: str) -> str:
+    """``k_pos - q_pos`` of an entry (int32), what ALiBi and the relative bias read."""
+    return f"({_kpos(v, kj)} - {_qpos(v, qi)})"
+
+
+def lut_index(v: Variant, qi: str, kj: str) -> str:
+    """Row of the look-up table of the relative bias: ``clamp(rel, -rel_md, rel_md) + rel_md``."""
+    return f"(T.min(T.max({_rel(v, qi, kj)}, 0 - rel_md), rel_md) + rel_md)"
+
+
+def logit(v: Variant, dot: str, qi: str, kj: str) -> str:
+    """The logit of entry (qi, kj) (indices in range) from its dot product ``dot``: ``scale * dot``, the
+    score modifiers in their order (ALiBi plus the relative bias, then the soft-cap), then the float mask."""
+    dt = v.dtype
+    val = f"{dot} * T.Cast(\"{dt}\", scale)"
+    bias = []
+    if v.alibi:
+        bias.append(f"SLOPES[h] * T.Cast(\"{dt}\", {_rel(v, qi, kj)})")
+    if v.rel:
+        bias.append(f"LUT[{lut_index(v, qi, kj)} * Hq + h]")
+    if bias:
+        val = f"{val} + ({' + '.join(bias)})"
+    if v.softcap:
+        val = f"softcap * T.tanh(({val}) / softcap)"
+    if v.mask == "float":
+        val += f" + MASK[b * m_sb + h * m_sh + {qi} * m_si + {kj} * m_sj]"
+    return val
+
+
+def cap_factor(v: Variant, sij: str, qi: str, kj: str) -> str:
+    """``1 - tanh^2`` of a soft-capped logit ``sij`` (the float mask taken off it, as the reference
+    does), 0 for an entry that is not kept (``sij`` -inf)."""
+    t = f"({sij})"
+    if v.mask == "float":
+        t = f"({sij} - MASK[b * m_sb + h * m_sh + {qi} * m_si + {kj} * m_sj])"
+    t = f"({t} / softcap)"
+    return f"T.if_then_else({sij} == {_neg_inf(v)}, T.{v.dtype}(0), T.{v.dtype}(1) - {t} * {t})"
 
 
 def _allowed(v: Variant, qi: str, kj: str, tile: bool = False) -> List[str]:
@@ -421,6 +510,8 @@ def _scores(v: Variant, ind: str) -> List[str]:
     val = f"S[i, j] * T.Cast(\"{v.dtype}\", scale)"
     if v.mask == "float":
         val = f"S[i, j] * T.Cast(\"{v.dtype}\", scale) + MASK[b * m_sb + h * m_sh + {qc} * m_si + {kc} * m_sj]"
+    if v.logit_mods:
+        val = logit(v, "S[i, j]", qc, kc)
     L += [f"{ind}for i, j in T.grid({BQ}, {BK}):",
           f"{ind}    S[i, j] = T.if_then_else({_and(conds)}, {val}, {ninf})"]
     if v.policy == "dfss":
@@ -561,6 +652,12 @@ def forward_source(v: Variant) -> str:
           f"{ind3}        for e in T.vectorized({Dv}):",
           f"{ind3}            ACC[i0 * {RV} + ii, e] = ACC[i0 * {RV} + ii, e] + P[i0 * {RV} + ii, j] * V[b, hk, k0 + j, e]"]
     keep = f" * T.Cast(\"{dt}\", inv_keep)" if v.dropout else ""
+    if v.sinks:
+        L += [f"{ind}for i in range({BQ}):", f"{ind}    if q0 + i < Nq:"]
+        L += sink_epilogue(v, ind + "        ", "Mx[i]", "Ls[i]", "W[0]", "LSE[b, h, q0 + i]", keep)
+        L += [f"{ind}        for e in T.vectorized({Dv}):",
+              f"{ind}            O[b, h, q0 + i, e] = ACC[i, e] * W[0]"]
+        return "\n".join(L) + "\n"
     L += [f"{ind}for i in range({BQ}):",
           f"{ind}    if q0 + i < Nq:",
           f"{ind}        W[0] = T.if_then_else(Ls[i] > T.{dt}(0), T.{dt}(1) / Ls[i], T.{dt}(0)){keep}",
@@ -569,6 +666,20 @@ def forward_source(v: Variant) -> str:
           f"{ind}        LSE[b, h, q0 + i] = T.if_then_else(Ls[i] > T.{dt}(0), "
           f"T.Cast(\"float32\", Mx[i] + T.log(Ls[i])), T.float32(\"-inf\"))"]
     return "\n".join(L) + "\n"
+
+
+def sink_epilogue(v: Variant, ind: str, mx: str, ls: str, w: str, lse: str, keep: str = "",
+                  dt: Optional[str] = None) -> List[str]:
+    """A row's end with attention sinks: the sink's logit joins the running max ``mx`` and sum ``ls``;
+    ``w`` gets the factor of the accumulated output (0 for a row with no kept key: the sink attends to
+    nothing), ``lse`` the row's log-sum-exp (the sink's logit for such a row)."""
+    dt = dt or v.dtype
+    return [f"{ind}sk = T.Cast(\"{dt}\", SINKS[h])",
+            f"{ind}mf = T.max({mx}, sk)",
+            f"{ind}al = T.exp({mx} - mf)",
+            f"{ind}lf = {ls} * al + T.exp(sk - mf)",
+            f"{ind}{w} = al / lf{keep}",
+            f"{ind}{lse} = T.Cast(\"float32\", mf + T.log(lf))"]
 
 
 def _probs_bwd(v: Variant, ind: str) -> List[str]:
@@ -594,6 +705,10 @@ def _probs_bwd(v: Variant, ind: str) -> List[str]:
               f"{ind}    Dp[i, j] = T.if_then_else(du >= drop_p, Dp[i, j] * T.Cast(\"{dt}\", inv_keep), T.{dt}(0))"]
     L += [f"{ind}for i, j in T.grid({BQ}, {BK}):",
           f"{ind}    Ds[i, j] = P[i, j] * (Dp[i, j] - Dl[i])"]
+    if v.softcap:  # through c * tanh(s / c): the gradient of the logit before the cap
+        f = cap_factor(v, "S[i, j]", _clamp_q("q0 + i"), _clamp_k("k0 + j"))
+        L += [f"{ind}for i, j in T.grid({BQ}, {BK}):",
+              f"{ind}    Ds[i, j] = Ds[i, j] * {f}"]
     return L
 
 
@@ -643,8 +758,8 @@ def _load_rows(v: Variant, ind: str) -> List[str]:
 def dkdv_source(v: Variant) -> str:
     """dK, dV: parallel over (b, hk, key tile); loops over the group's query heads and query tiles."""
     BQ, BK, D, Dv, dt = v.block_q, v.block_k, v.head_dim, v.head_dim_v, v.dtype
-    L = _signature("attn_bwd_dkdv", BWD_ARGS + ("dk", "dv"), v)
-    L += _bwd_buffers(v, ["dk", "dv"]) + _common_buffers(v) + _header(v)
+    L = _signature("attn_bwd_dkdv", BWD_ARGS + ("dk", "dv") + mod_grad_args(v), v)
+    L += _bwd_buffers(v, ["dk", "dv"]) + mod_grad_buffers(v) + _common_buffers(v) + _header(v)
     ind = "        "
     L += ["    for bkt in T.parallel(B * Hk * NKT):",
           f"{ind}b = bkt // (Hk * NKT)", f"{ind}hk = bkt // NKT % Hk",
@@ -656,9 +771,14 @@ def dkdv_source(v: Variant) -> str:
           f"{ind}for j, e in T.grid({BK}, {Dv}):", f"{ind}    DV[j, e] = T.{dt}(0)"]
     L += _ksum_base(v, ind)
     L += _query_tile_range(v, ind)
+    if v.alibi:
+        L += [f'{ind}DSA = T.alloc_buffer(({BK},), "{dt}", scope="local")']
     L += [f"{ind}for gh in range(G):"]
     ind2 = ind + "    "
-    L += [f"{ind2}h = hk * G + gh", f"{ind2}for qt in range(qt_lo, qt_hi):"]
+    L += [f"{ind2}h = hk * G + gh"]
+    if v.alibi:
+        L += [f"{ind2}for j in range({BK}):", f"{ind2}    DSA[j] = T.{dt}(0)"]
+    L += [f"{ind2}for qt in range(qt_lo, qt_hi):"]
     ind3 = ind2 + "    "
     L += [f"{ind3}q0 = qt * {BQ}"]
     L += _query_summary(v, ind3)
@@ -674,6 +794,18 @@ def dkdv_source(v: Variant) -> str:
           f"{ind3}            DV[j, e] = DV[j, e] + {pv}[i, j] * Do[i, e]",
           f"{ind3}        for d in T.vectorized({D}):",
           f"{ind3}            DK[j, d] = DK[j, d] + Ds[i, j] * Qs[i, d]"]
+    qc, kc = _clamp_q("q0 + i"), _clamp_k("k0 + j")
+    if v.alibi:  # this key's share of dslope[h] (summed over keys and batches on the host)
+        L += [f"{ind3}for j, i in T.grid({BK}, {BQ}):",
+              f"{ind3}    DSA[j] = DSA[j] + Ds[i, j] * T.Cast(\"{dt}\", {_rel(v, qc, kc)})"]
+    if v.rel:
+        # each logit's gradient into this tile's own (b, h, key tile) row of per-distance sums: no
+        # two parallel iterations write one element
+        L += [f"{ind3}for i, j in T.grid({BQ}, {BK}):",
+              f"{ind3}    lj = ((b * Hq + h) * NKT + k0 // {BK}) * (2 * rel_md + 1) + {lut_index(v, qc, kc)}",
+              f"{ind3}    DLUT[lj] = DLUT[lj] + Ds[i, j]"]
+    if v.alibi:
+        L += [f"{ind2}for j in range(kn):", f"{ind2}    DSL[b, h, k0 + j] = DSA[j]"]
     L += [f"{ind}for j in range(kn):",
           f"{ind}    for d in T.vectorized({D}):",
           f"{ind}        DK_[b, hk, k0 + j, d] = DK[j, d] * T.Cast(\"{dt}\", scale)",
