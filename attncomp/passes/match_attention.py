@@ -170,6 +170,11 @@ def _match_softmax(gm: fx.GraphModule, sm: fx.Node) -> Optional[Site]:
                 a, b = b, a
             if not _reaches_matmul(a):
                 raise NoMatch("not attention: no QK^T product before the softmax")
+            if not _is_scalar(gm, b) and _is(cur, MUL) and _per_head(b, cur):
+                # Swin-V2's learned logit scale, one per head: a factor on q (run-time, differentiable)
+                scale_factors.append(("mul", b))
+                cur = a
+                continue
             if not _is_scalar(gm, b):
                 fill = _complement_fill(gm, biases, b) if _is(cur, MUL) else None
                 if fill is None:
@@ -844,6 +849,15 @@ def _zeroes_excluded(gm, u, p, exclusions_raw) -> bool:
     if fv is UNKNOWN or fv != 0:
         return False
     return any(is_allowed == p_is_kept and _same_value(cond, c) for c, is_allowed in exclusions_raw)
+
+
+def _per_head(b, logits) -> bool:
+    """Whether ``b`` holds one value per head of the 4-D ``logits``: shape ``(H, 1, 1)`` or ``(1, H, 1, 1)``."""
+    bs, ls = meta_shape(b), meta_shape(logits)
+    if bs is None or ls is None or len(ls) != 4 or len(bs) not in (3, 4):
+        return False
+    bs = [static_int(d) for d in bs]
+    return bs[-3] == static_int(ls[1]) and bs[-3] is not None and bs[-2:] == [1, 1] and (len(bs) == 3 or bs[0] == 1)
 
 
 def _zero_one_buffer(gm, n) -> bool:

@@ -32,6 +32,7 @@ class Site(nn.Module):
         self.register_buffer("tril", torch.tril(torch.ones(n_max, n_max)).view(1, 1, n_max, n_max))
         self.register_buffer("tril_bool", torch.tril(torch.ones(n_max, n_max, dtype=torch.bool)))
         self.w = nn.Parameter(torch.randn(D, N, dtype=torch.float64))
+        self.head_scale = nn.Parameter(torch.rand(H, 1, 1, dtype=torch.float64) + 0.5)
 
     def forward(self, q, k, v, m=None):
         return self.fn(self, q, k, v, m)
@@ -66,6 +67,7 @@ CASES = {
     "zeroed_again_after_softmax": lambda s, q, k, v, m: torch.softmax((q @ k.transpose(-1, -2)).masked_fill(m == False, float("-inf")), -1).masked_fill(m == False, 0.0) @ v,  # noqa: E712 (CPM-Ant)
     "bias_inside_the_scale": lambda s, q, k, v, m: torch.softmax((q @ k.transpose(-1, -2) + m) * 0.5, -1) @ v,
     "mask_inside_the_scale": lambda s, q, k, v, m: torch.softmax((q @ k.transpose(-1, -2)).masked_fill(~m, float("-inf")) / 4.0, -1) @ v,
+    "per_head_logit_scale": lambda s, q, k, v, m: torch.softmax(F.normalize(q, dim=-1) @ F.normalize(k, dim=-1).transpose(-2, -1) * s.head_scale.exp() + m, -1) @ v,  # Swin-V2
     "relative_bias_no_scale": lambda s, q, k, v, m: torch.softmax((q @ k.transpose(-1, -2)) + m.float().to(q.dtype), -1, dtype=torch.float32).to(q.dtype) @ v,
     "softmax_upcast_to": lambda s, q, k, v, m: F.softmax(q @ k.transpose(-1, -2) * 0.25, dim=-1, dtype=torch.float32).type_as(q) @ v,
     "dropout_eval": lambda s, q, k, v, m: F.dropout(torch.softmax(q @ k.transpose(-1, -2), -1), 0.1, training=False) @ v,
@@ -91,6 +93,7 @@ NEGATIVE = {
     "logits_times_buffer_small_fill": lambda s, q, k, v, m: (lambda w, b: torch.softmax(w * b + -10.0 * (1 - b), -1) @ v)(q @ k.transpose(-1, -2), s.tril[:, :, :q.size(2), :q.size(2)]),
     "zeroed_after_softmax_elsewhere": lambda s, q, k, v, m: torch.softmax((q @ k.transpose(-1, -2)).masked_fill(m == False, float("-inf")), -1).masked_fill(m.transpose(-1, -2) == False, 0.0) @ v,  # noqa: E712
     "fill_scaled_above_a_mask": lambda s, q, k, v, m: torch.softmax((q @ k.transpose(-1, -2)).masked_fill(~m, -1e4) * 0.5, -1) @ v,
+    "per_key_logit_scale": lambda s, q, k, v, m: torch.softmax((q @ k.transpose(-1, -2)) * s.head_scale[:1, :1].expand(1, 1, q.size(2)), -1) @ v,
     "fill_not_a_mask": lambda s, q, k, v, m: torch.softmax((q @ k.transpose(-1, -2)).masked_fill(~m, 0.5), -1) @ v,
 }
 
@@ -103,7 +106,7 @@ def inputs(name, nq=N, nk=N):
     if name == "pretransposed":
         k = k.transpose(-1, -2).contiguous()
     m = None
-    if name in ("additive_float", "relative_bias_no_scale", "bias_inside_the_scale"):
+    if name in ("additive_float", "relative_bias_no_scale", "bias_inside_the_scale", "per_head_logit_scale"):
         m = torch.randn(1, H, nq, nk, dtype=torch.float64)
     if name == "padding_expand_as_logits":
         m = torch.ones(B, nk)
