@@ -306,8 +306,9 @@ def _match_softmax(gm: fx.GraphModule, sm: fx.Node) -> Optional[Site]:
     # a matmul-softmax-matmul whose "keys" are constants (a learned matrix) is not attention
     if _is_constant(gm, kb) or _is_constant(gm, v):
         raise NoMatch("key or value side is a constant (parameter or buffer), not an attention site")
-    if not _depends_on_input(kb) or not _depends_on_input(qa):
-        raise NoMatch("query or key side does not depend on the model inputs")
+    # learned queries over input keys (Perceiver's latents, an attention-pooling head) are attention
+    if not _depends_on_input(kb):
+        raise NoMatch("key side does not depend on the model inputs")
 
     # --- q and k: peel scalar multiplications (scale on q, on k, or both) and the transpose of k
     q, qf = _peel_scale(gm, qa)

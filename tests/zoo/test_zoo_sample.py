@@ -47,16 +47,8 @@ SAMPLE = [
 
 #: "registry/model_type" -> the status and reason the sweep measured (tests/zoo/RESULTS.md)
 FAILING = {
-    "masked-lm/flaubert": "not-rewritten: 2 of 2 sites, 'mask_N feeds the site but depends on its logits "
-                          "(data-dependent mask)' (the padding mask applied with masked_fill on the scores)",
     "seq2seq/prophetnet": "not-rewritten: the 2 decoder self-attention sites, '5-D logits; attention sites are "
                           "3-D or 4-D' (6 of 8 sites rewritten)",
-    "image/perceiver": "not-rewritten: the 2 cross-attention sites from learned latents, 'query or key side does "
-                       "not depend on the model inputs' (2 of 4 rewritten)",
-    "image/imagegpt": "wrong-output: relative error 0.034 at batch 3 (input ids left-padded), 1.7e-07 at batch 2 "
-                      "(right-padded): the classifier mean-pools every position, and a left-padded query row "
-                      "attends to no key, which the op outputs as zeros (DESIGN §4) where eager averages the "
-                      "masked keys",
 }
 
 
@@ -64,7 +56,7 @@ FAILING = {
 #: their xfail) and one of each kind the others cover
 IN_MAKE_TEST = ("causal-lm/gpt_bigcode", "causal-lm/gemma3_text", "causal-lm/deepseek_v3", "causal-lm/gpt_oss",
                 "masked-lm/deberta-v2", "masked-lm/eurobert", "seq2seq/marian", "image/segformer",
-                "image/data2vec-vision") + tuple(FAILING)
+                "image/data2vec-vision", "image/imagegpt") + tuple(FAILING)
 
 
 def _params():
