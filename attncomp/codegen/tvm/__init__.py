@@ -6,9 +6,10 @@ imported only when a kernel is built.
 What runs where:
 
 * CPU tensors: every policy (dense/et, dfss N:M, hash, drop, spion), every mask kind, the §4.1
-  predicates, GQA, dropout; forward and backward; float16/bfloat16 computed in float32, float64 in
+  predicates, the §4.2 score modifiers (ALiBi, relative bias, soft-cap, sinks, with the gradients of
+  their tensors), GQA, dropout; forward and backward; float16/bfloat16 computed in float32, float64 in
   float64.
-* CUDA tensors: the same variants from prebuilt cubins (``python -m attncomp build-kernels``; the
+* CUDA tensors: the same variants (modifiers included) from prebuilt cubins (``python -m attncomp build-kernels``; the
   backward kernels too unless ``--no-backward``): the forward (:mod:`.cuda`; for dfss 2:4 and 1:2 on
   float16/bfloat16 inputs the sparse tensor-core kernel of :mod:`.sparse`,
   ``ATTNCOMP_TVM_DFSS_KERNEL=scalar`` selects the scalar one) and the dK/dV and dQ kernels

@@ -10,6 +10,10 @@ Everything the kernels read is O(N) besides q, k, v (predicate tensors, per-key-
 the tile schedule) except a dense ``attn_mask`` when the caller gives one, which is read in place
 through its broadcast strides.
 
+Score modifiers (DESIGN.md §4.2): ``forward``/``backward`` take their tensors as ``mods`` (as the reference
+and Triton backends); the relative bias goes to the kernels as a look-up table and the gradients of the
+modifier tensors come back as a fifth element of ``backward`` (:mod:`attncomp.codegen.modifiers`).
+
 CUDA tensors run prebuilt cubins (:func:`cuda_forward`, :func:`cuda_backward`, loaded without TVM by
 :mod:`attncomp.runtime.cubin`); :func:`sparse_emulated_forward` and
 :func:`cuda_schedule_backward_on_cpu` run those kernels' schedules built for the CPU (tests).
@@ -23,7 +27,8 @@ from typing import List, Optional, Tuple
 import torch
 
 from ...policy import DFSS, SPION, Hash, seed_mix
-from ...spec import AttentionSpec
+from ...spec import AttentionSpec, Modifiers
+from ..modifiers import mod_grads, rel_lut
 from . import build as _build
 from .kernels import KSUM_FIELDS, Variant, arg_names
 
@@ -71,11 +76,16 @@ def make_variant(spec: AttentionSpec, q, v, attn_mask, preds, dropout_p: float) 
     has = (lambda nm: p is not None and getattr(p, nm) is not None)
     positional = spec.causal or getattr(spec, "window_left", None) is not None \
         or getattr(spec, "window_right", None) is not None
+    # ALiBi and the relative bias read the given positions also where no window does
+    alibi, rel = bool(spec.alibi), spec.rel_buckets is not None
+    positional = positional or alibi or rel
+    mods = {nm: True for nm, on in (("alibi", alibi), ("rel", rel), ("softcap", spec.softcap is not None),
+                                    ("sinks", bool(spec.sinks))) if on}
     return Variant(head_dim=D, head_dim_v=Dv, dtype="float64" if q.dtype == torch.float64 else "float32",
                    block_q=bq, block_k=bk, policy=name, mask=mask, causal=bool(spec.causal),
                    window_left=getattr(spec, "window_left", None), window_right=getattr(spec, "window_right", None),
                    q_pos=positional and has("q_pos"), k_pos=positional and has("k_pos"), seg=has("q_seg") and has("k_seg"),
-                   q_valid=has("q_valid"), k_valid=has("k_valid"), dropout=float(dropout_p) > 0.0, **kw)
+                   q_valid=has("q_valid"), k_valid=has("k_valid"), dropout=float(dropout_p) > 0.0, **kw, **mods)
 
 
 def _i32(t: torch.Tensor) -> torch.Tensor:
@@ -124,8 +134,9 @@ def tile_summaries(variant: Variant, preds, Nk: int, qoff: int, device) -> Tuple
 
 
 def _extra_values(variant: Variant, spec: AttentionSpec, q, k, attn_mask, q_aux, k_aux, block_pattern, preds,
-                  dropout_p: float, seed: int, ct: torch.dtype) -> dict:
-    """Values of the variant's extra kernel arguments, by name."""
+                  dropout_p: float, seed: int, ct: torch.dtype, mods: Optional[Modifiers] = None) -> dict:
+    """Values of the variant's extra kernel arguments, by name (``mods``: the score modifiers' tensors,
+    in the compute dtype ``ct`` as the kernels read them)."""
     B, Hq, Nq, D = (int(s) for s in q.shape)
     Nk = int(k.shape[2])
     vals = {}
@@ -162,7 +173,44 @@ def _extra_values(variant: Variant, spec: AttentionSpec, q, k, attn_mask, q_aux,
     if variant.dropout:
         vals.update(seed=seed_mix(seed), drop_p=float(dropout_p),
                     inv_keep=1.0 / (1.0 - float(dropout_p)))
+    if variant.alibi or variant.rel or variant.sinks:
+        mods = mods if mods is not None else Modifiers()
+        for on, t, nm in ((variant.alibi, mods.alibi_slopes, "alibi_slopes"),
+                          (variant.rel, mods.rel_table, "rel_table"), (variant.sinks, mods.sinks, "sinks")):
+            if on and t is None:
+                raise ValueError(f"the spec has {spec.describe_modifiers()} but no {nm} was given")
+        if variant.alibi:
+            vals["slopes"] = mods.alibi_slopes.detach().reshape(-1).to(device=q.device, dtype=ct).contiguous()
+        if variant.rel:
+            vals["lut"] = rel_lut(spec, mods.rel_table.detach(), q.device, ct).reshape(-1)
+            vals["rel_md"] = int(spec.rel_max_distance)
+        if variant.sinks:
+            vals["sinks"] = mods.sinks.detach().reshape(-1).to(device=q.device, dtype=ct).contiguous()
+    if variant.softcap:
+        vals["softcap"] = float(spec.softcap)
     return vals
+
+
+def _no_mod_grads(mods: Optional[Modifiers]) -> Modifiers:
+    """The modifiers' gradients of a problem without logits: zeros."""
+    return Modifiers(*(None if t is None else torch.zeros_like(t) for t in (mods or Modifiers())))
+
+
+def _flat(grads: dict) -> dict:
+    """The gradient buffers as the kernels take them (the table's flat)."""
+    return {n: (t.reshape(-1) if n == "dlut" else t) for n, t in grads.items()}
+
+
+def _mod_grad_buffers(variant: Variant, q, Nk: int, ct, dlut_shape) -> dict:
+    """The dK/dV kernel's gradient outputs of the modifiers: ALiBi's per-key partial sums (every element
+    written by the kernel) and the table's sums (zeroed: the kernel adds into them)."""
+    B, Hq = int(q.shape[0]), int(q.shape[1])
+    out = {}
+    if variant.alibi:
+        out["dslopes"] = _empty((B, Hq, Nk), ct, q.device)
+    if variant.rel:
+        out["dlut"] = torch.zeros(dlut_shape, dtype=ct, device=q.device)
+    return out
 
 
 def _prep(x: torch.Tensor, ct: torch.dtype) -> torch.Tensor:
@@ -193,6 +241,14 @@ def _no_keys(q, v, lse):
     return _empty(q.shape[:-1] + (v.shape[-1],), q.dtype, q.device).zero_(), lse.fill_(float("-inf"))
 
 
+def _sink_lse(spec: AttentionSpec, empty, mods: Optional[Modifiers]):
+    """An empty problem's result; with sinks a row with no key has ``lse = sink[h]`` (its output 0)."""
+    out, lse = empty
+    if spec.sinks and mods is not None and mods.sinks is not None and lse.numel():
+        lse.copy_(mods.sinks.detach().to(device=lse.device, dtype=torch.float32).reshape(1, -1, 1).expand_as(lse))
+    return out, lse
+
+
 def _forward_start(q, k, v):
     """``(compute dtype, lse buffer, result)`` of a forward: the result of an empty problem, else None."""
     B, Hq, Nq, _ = q.shape
@@ -202,43 +258,61 @@ def _forward_start(q, k, v):
 
 
 def attention_forward(spec: AttentionSpec, q, k, v, attn_mask=None, q_aux=None, k_aux=None, block_pattern=None,
-                      dropout_p: float = 0.0, seed: int = 0, preds=None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(out, lse)`` of DESIGN.md §4 through the compiled TVM forward kernel."""
+                      dropout_p: float = 0.0, seed: int = 0, preds=None,
+                      mods: Optional[Modifiers] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of DESIGN.md §4 through the compiled TVM forward kernel (``mods``: the tensors of
+    the spec's score modifiers, DESIGN.md §4.2)."""
     ct, lse, empty = _forward_start(q, k, v)
     if empty is not None:
-        return empty
+        return _sink_lse(spec, empty, mods)
     B, Hq, Nq, _ = q.shape
     Dv = v.shape[-1]
     variant = make_variant(spec, q, v, attn_mask, preds, dropout_p)
     qc, kc, vc = _prep(q, ct), _prep(k, ct), _prep(v, ct)
     out = _empty((B, Hq, Nq, Dv), ct, q.device)
-    extra = _extra_values(variant, spec, q, k, attn_mask, q_aux, k_aux, block_pattern, preds, dropout_p, seed, ct)
+    extra = _extra_values(variant, spec, q, k, attn_mask, q_aux, k_aux, block_pattern, preds, dropout_p, seed, ct,
+                          mods)
     kt = _transposed(kc, variant.block_k)
     _call("fwd", variant, {"q": qc, "k": kc, "kt": kt, "v": vc, "o": out, "lse": lse}, extra)
     return out.to(q.dtype), lse
 
 
 def attention_backward(spec: AttentionSpec, q, k, v, attn_mask, out, lse, grad_out, q_aux=None, k_aux=None,
-                       block_pattern=None, dropout_p: float = 0.0, seed: int = 0, preds=None):
-    """``(dq, dk, dv)`` of :func:`attention_forward`'s ``out`` for ``grad_out``."""
+                       block_pattern=None, dropout_p: float = 0.0, seed: int = 0, preds=None,
+                       mods: Optional[Modifiers] = None):
+    """``(dq, dk, dv)`` of :func:`attention_forward`'s ``out`` for ``grad_out``; for a spec with score
+    modifiers ``(dq, dk, dv, dmods)``, ``dmods`` the :class:`Modifiers` of the gradients of ``mods``' tensors
+    (:func:`..modifiers.mod_grads`)."""
     ct = _compute_dtype(q.dtype)
     B, Hq, Nq, _ = q.shape
     Nk = k.shape[2]
+    with_mods = bool(spec.modifiers())
     if Nq == 0 or Nk == 0 or B * Hq == 0:
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        zeros = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        return (*zeros, _no_mod_grads(mods)) if with_mods else zeros
     variant = make_variant(spec, q, v, attn_mask, preds, dropout_p)
     qc, kc, vc, doc = _prep(q, ct), _prep(k, ct), _prep(v, ct), _prep(grad_out, ct)
-    delta = (doc * out.detach().to(ct)).sum(-1).to(torch.float32).contiguous()
+    delta_ct = (doc * out.detach().to(ct)).sum(-1)
+    delta = delta_ct.to(torch.float32).contiguous()
     lse = lse.detach().to(torch.float32).contiguous()
-    extra = _extra_values(variant, spec, q, k, attn_mask, q_aux, k_aux, block_pattern, preds, dropout_p, seed, ct)
+    extra = _extra_values(variant, spec, q, k, attn_mask, q_aux, k_aux, block_pattern, preds, dropout_p, seed, ct,
+                          mods)
     dq = _empty(q.shape, ct, q.device)
     dk = _empty(k.shape, ct, q.device)
     dv = _empty(v.shape, ct, q.device)
     base = {"q": qc, "k": kc, "kt": _transposed(kc, variant.block_k), "v": vc,
             "vt": _transposed(vc, variant.block_k), "do": doc, "lse": lse, "delta": delta}
-    _call("dkdv", variant, dict(base, dk=dk, dv=dv), extra)
+    # the table's sums: one row of per-distance sums per (batch, query head, key tile), summed here
+    nkt = -(-Nk // variant.block_k)
+    lut_rows = 2 * int(spec.rel_max_distance or 0) + 1
+    grads = _mod_grad_buffers(variant, q, Nk, ct, (B, Hq, nkt, lut_rows))
+    _call("dkdv", variant, dict(base, dk=dk, dv=dv, **_flat(grads)), extra)
     _call("dq", variant, dict(base, dq=dq), extra)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    res = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    if not with_mods:
+        return res
+    dlut = grads["dlut"].sum(dim=(0, 2)).t() if "dlut" in grads else None
+    return (*res, mod_grads(spec, mods or Modifiers(), lse, delta_ct, grads.get("dslopes"), dlut))
 
 
 _cubins: dict = {}
@@ -290,7 +364,7 @@ def _kernel_inputs(variant: Variant, q, k, v, ct: torch.dtype):
 
 
 def sparse_emulated_forward(spec: AttentionSpec, q, k, v, attn_mask=None, preds=None,
-                            seed: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
+                            seed: int = 0, mods: Optional[Modifiers] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """The sparse tensor-core DFSS forward built for the CPU (``llvm``): the same schedule, packing
     and metadata as the CUDA kernel, each warp instruction emulated from the lanes' packed registers
     (:mod:`.sparse`). For tests of that kernel's logic on machines without a GPU; raises where the
@@ -310,7 +384,7 @@ def sparse_emulated_forward(spec: AttentionSpec, q, k, v, attn_mask=None, preds=
     qc, kc, vc = _kernel_inputs(sp, q, k, v, ct)
     if sp.operand_dtype == "bfloat16":  # the CPU build reads bfloat16 operands as their bits
         qc, kc, vc = (x.view(torch.int16) for x in (qc, kc, vc))
-    extra = _extra_values(sp, spec, q, k, attn_mask, None, None, None, preds, 0.0, seed, ct)
+    extra = _extra_values(sp, spec, q, k, attn_mask, None, None, None, preds, 0.0, seed, ct, mods)
     _call("fwd_sp_emu", sp, {"q": qc, "k": kc, "kt": kc, "v": vc, "o": out, "lse": lse}, extra)
     return out.to(q.dtype), lse
 
@@ -331,15 +405,22 @@ def build_command(variant: Variant, arch: str) -> str:
     bits.append("--causal" if variant.causal else "--no-causal")
     if variant.mask != "none":
         bits.append(f"--mask {variant.mask}")
-    return " ".join(bits)
+    cmd = " ".join(bits)
+    if variant.alibi or variant.rel or variant.softcap or variant.sinks:
+        # build-kernels has no flags for them: the kernels of such a site are built by get_cubin
+        return (f"python -c \"from attncomp.codegen.tvm import cuda, kernels; v = kernels.Variant(**{variant.to_json()!r}); "
+                f"[cuda.get_cubin(v, '{arch}', kind=k) for k in cuda.KINDS]\" (score modifiers; then copy the "
+                "cache entries)")
+    return cmd
 
 
 def cuda_forward(spec: AttentionSpec, q, k, v, attn_mask=None, q_aux=None, k_aux=None, block_pattern=None,
-                 dropout_p: float = 0.0, seed: int = 0, preds=None) -> Tuple[torch.Tensor, torch.Tensor]:
+                 dropout_p: float = 0.0, seed: int = 0, preds=None,
+                 mods: Optional[Modifiers] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """The forward on CUDA tensors through the prebuilt cubin of the call's kernel variant."""
     ct, lse, empty = _forward_start(q, k, v)
     if empty is not None:
-        return empty
+        return _sink_lse(spec, empty, mods)
     B, Hq, Nq, _ = q.shape
     Dv = v.shape[-1]
     variant = cuda_kernel_variant(spec, q, v, attn_mask, preds, dropout_p)
@@ -347,7 +428,8 @@ def cuda_forward(spec: AttentionSpec, q, k, v, attn_mask=None, q_aux=None, k_aux
     kernel = _cuda_kernels(spec, variant, ("fwd",), f"sm_{major}{minor}")["fwd"]
     qc, kc, vc = _kernel_inputs(variant, q, k, v, ct)
     out = _empty((B, Hq, Nq, Dv), ct, q.device)
-    extra = _extra_values(variant, spec, q, k, attn_mask, q_aux, k_aux, block_pattern, preds, dropout_p, seed, ct)
+    extra = _extra_values(variant, spec, q, k, attn_mask, q_aux, k_aux, block_pattern, preds, dropout_p, seed, ct,
+                          mods)
     tensors = {"q": qc, "k": kc, "v": vc, "o": out, "lse": lse}
     tensors.update({n: t for n, t in extra.items() if isinstance(t, torch.Tensor)})
     scalars = {n: x for n, x in extra.items() if not isinstance(x, torch.Tensor)}
@@ -355,20 +437,34 @@ def cuda_forward(spec: AttentionSpec, q, k, v, attn_mask=None, q_aux=None, k_aux
     return out.to(q.dtype), lse
 
 
-def _backward_setup(spec, q, k, v, attn_mask, out, lse, grad_out, q_aux, k_aux, block_pattern, dropout_p, seed, preds):
+def _backward_setup(spec, q, k, v, attn_mask, out, lse, grad_out, q_aux, k_aux, block_pattern, dropout_p, seed, preds,
+                    mods=None):
+    """``(variant, base tensors, extra(kernel variant), gradient buffers, finish)`` of a backward through the
+    CUDA kernels' schedule; ``finish(dq, dk, dv)`` adds the modifiers' gradients where the spec has any."""
     ct = _compute_dtype(q.dtype)
     variant = make_variant(spec, q, v, attn_mask, preds, dropout_p)
     qc, kc, vc, doc = _prep(q, ct), _prep(k, ct), _prep(v, ct), _prep(grad_out, ct)
-    delta = (doc * out.detach().to(ct)).sum(-1).to(torch.float32).contiguous()
+    delta_ct = (doc * out.detach().to(ct)).sum(-1)
+    delta = delta_ct.to(torch.float32).contiguous()
     lse = lse.detach().to(torch.float32).contiguous()
     grads = {"dq": _empty(q.shape, ct, q.device), "dk": _empty(k.shape, ct, q.device), "dv": _empty(v.shape, ct, q.device)}
     base = {"q": qc, "k": kc, "v": vc, "do": doc, "lse": lse, "delta": delta}
+    # the CUDA dK/dV kernel adds the table's gradient into one (2 * max_distance + 1, Hq) buffer
+    lut_shape = (2 * int(spec.rel_max_distance or 0) + 1, int(q.shape[1]))
+    mgrads = _mod_grad_buffers(variant, q, int(k.shape[2]), ct, lut_shape)
+    grads.update(_flat(mgrads))
 
     def extra(kernel_variant: Variant) -> dict:
         # per kernel: the tile summaries follow that kernel's key tile
         return _extra_values(kernel_variant, spec, q, k, attn_mask, q_aux, k_aux, block_pattern, preds, dropout_p,
-                             seed, ct)
-    return variant, base, extra, grads
+                             seed, ct, mods)
+
+    def finish(dq, dk, dv):
+        res = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        if not spec.modifiers():
+            return res
+        return (*res, mod_grads(spec, mods or Modifiers(), lse, delta_ct, mgrads.get("dslopes"), mgrads.get("dlut")))
+    return variant, base, extra, grads, finish
 
 
 def _cuda_kernels(spec, variant: Variant, kinds, arch: str):
@@ -403,14 +499,17 @@ def _cuda_kernels(spec, variant: Variant, kinds, arch: str):
 
 
 def cuda_backward(spec: AttentionSpec, q, k, v, attn_mask, out, lse, grad_out, q_aux=None, k_aux=None,
-                  block_pattern=None, dropout_p: float = 0.0, seed: int = 0, preds=None):
-    """``(dq, dk, dv)`` on CUDA tensors through the prebuilt backward cubins (:mod:`.cuda_bwd`)."""
+                  block_pattern=None, dropout_p: float = 0.0, seed: int = 0, preds=None,
+                  mods: Optional[Modifiers] = None):
+    """``(dq, dk, dv)`` on CUDA tensors through the prebuilt backward cubins (:mod:`.cuda_bwd`); with score
+    modifiers ``(dq, dk, dv, dmods)`` as :func:`attention_backward`."""
     B, Hq, Nq, _ = q.shape
     Nk = k.shape[2]
     if Nq == 0 or Nk == 0 or B * Hq == 0:
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    variant, base, extra, grads = _backward_setup(spec, q, k, v, attn_mask, out, lse, grad_out, q_aux, k_aux,
-                                                  block_pattern, dropout_p, seed, preds)
+        zeros = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        return (*zeros, _no_mod_grads(mods)) if spec.modifiers() else zeros
+    variant, base, extra, grads, finish = _backward_setup(spec, q, k, v, attn_mask, out, lse, grad_out, q_aux, k_aux,
+                                                          block_pattern, dropout_p, seed, preds, mods)
     major, minor = torch.cuda.get_device_capability(q.device)
     from . import cuda as _cuda
 
@@ -420,22 +519,23 @@ def cuda_backward(spec: AttentionSpec, q, k, v, attn_mask, out, lse, grad_out, q
         tensors = dict(base, **grads)
         tensors.update({n: t for n, t in ex.items() if isinstance(t, torch.Tensor)})
         kernels[kind].launch(tensors, {n: x for n, x in ex.items() if not isinstance(x, torch.Tensor)})
-    return grads["dq"].to(q.dtype), grads["dk"].to(k.dtype), grads["dv"].to(v.dtype)
+    return finish(grads["dq"], grads["dk"], grads["dv"])
 
 
 def cuda_schedule_backward_on_cpu(spec: AttentionSpec, q, k, v, attn_mask, out, lse, grad_out, q_aux=None,
-                                  k_aux=None, block_pattern=None, dropout_p: float = 0.0, seed: int = 0, preds=None):
+                                  k_aux=None, block_pattern=None, dropout_p: float = 0.0, seed: int = 0, preds=None,
+                                  mods: Optional[Modifiers] = None):
     """The CUDA backward kernels' TIR (same generator, tile sizes and statements; threads as loops
     between barriers) built for the CPU and run on CPU tensors: what the CPU tests check."""
     from . import cuda as _cuda
 
-    variant, base, extra, grads = _backward_setup(spec, q, k, v, attn_mask, out, lse, grad_out, q_aux, k_aux,
-                                                  block_pattern, dropout_p, seed, preds)
+    variant, base, extra, grads, finish = _backward_setup(spec, q, k, v, attn_mask, out, lse, grad_out, q_aux, k_aux,
+                                                          block_pattern, dropout_p, seed, preds, mods)
     tensors = dict(base, kt=base["k"], vt=base["v"], **grads)
     for kind in ("dkdv", "dq"):
         kv = _cuda.kernel_variant(variant, kind)
         _call(f"{kind}_cuda", kv, tensors, extra(kv))
-    return grads["dq"].to(q.dtype), grads["dk"].to(k.dtype), grads["dv"].to(v.dtype)
+    return finish(grads["dq"], grads["dk"], grads["dv"])
 
 
 class TVMBackend:
@@ -443,8 +543,9 @@ class TVMBackend:
     every policy, forward and backward."""
 
     name = "tvm"
-    #: the score modifiers (DESIGN.md §4.2) its kernels apply: none yet (the reference applies them all)
-    modifiers: tuple = ()
+    #: the score modifiers (DESIGN.md §4.2) its kernels apply, forward and backward: the CPU (llvm) kernels and
+    #: the CUDA ones (on the CUDA table gradient's atomics: :mod:`.cuda_bwd`)
+    modifiers: tuple = ("alibi", "relative bias", "softcap", "sinks")
 
     def supports(self, spec: AttentionSpec, q: torch.Tensor, preds=None) -> Optional[str]:
         pol = spec.policy.name
@@ -474,27 +575,24 @@ class TVMBackend:
             return "more than 2^31 query elements"
         return None
 
-    def forward(self, spec, q, k, v, attn_mask, q_aux, k_aux, block_pattern, dropout_p, seed, preds=None):
+    def forward(self, spec, q, k, v, attn_mask, q_aux, k_aux, block_pattern, dropout_p, seed, preds=None,
+                mods=None):
         self._check(spec, q, k, v, preds)
-        if q.is_cuda:
-            with torch.no_grad():
-                return cuda_forward(spec, q, k, v, attn_mask, q_aux, k_aux, block_pattern, dropout_p, seed, preds)
+        run = cuda_forward if q.is_cuda else attention_forward
         with torch.no_grad():
-            return attention_forward(spec, q, k, v, attn_mask, q_aux, k_aux, block_pattern, dropout_p, seed, preds)
+            return run(spec, q, k, v, attn_mask, q_aux, k_aux, block_pattern, dropout_p, seed, preds, mods=mods)
 
     def backward(self, spec, q, k, v, attn_mask, q_aux, k_aux, block_pattern, dropout_p, seed,
-                 out, lse, grad_out, need_mask_grad=False, preds=None):
+                 out, lse, grad_out, need_mask_grad=False, preds=None, mods=None):
+        """``(dq, dk, dv, dmask | None)``; for a spec with score modifiers a fifth element, the
+        :class:`Modifiers` of their gradients (as ``ReferenceBackend.backward``)."""
         # the mask gradient (a full B x H x Nq x Nk tensor) is left to the caller's fallback
         self._check(spec, q, k, v, preds)
-        if q.is_cuda:
-            with torch.no_grad():
-                dq, dk, dv = cuda_backward(spec, q, k, v, attn_mask, out, lse, grad_out, q_aux, k_aux,
-                                           block_pattern, dropout_p, seed, preds)
-            return dq, dk, dv, None
+        run = cuda_backward if q.is_cuda else attention_backward
         with torch.no_grad():
-            dq, dk, dv = attention_backward(spec, q, k, v, attn_mask, out, lse, grad_out, q_aux, k_aux,
-                                            block_pattern, dropout_p, seed, preds)
-        return dq, dk, dv, None
+            res = run(spec, q, k, v, attn_mask, out, lse, grad_out, q_aux, k_aux, block_pattern, dropout_p, seed,
+                      preds, mods=mods)
+        return (*res[:3], None, *res[3:])
 
     def _check(self, spec, q, k, v, preds) -> None:
         reason = self.supports(spec, q, preds)

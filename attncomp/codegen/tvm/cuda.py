@@ -126,6 +126,8 @@ def cuda_forward_source(v: Variant) -> str:
     val = f"W[2] * T.Cast(\"{dt}\", scale)"
     if v.mask == "float":
         val += f" + MASK[b * m_sb + h * m_sh + {qc} * m_si + {kc} * m_sj]"
+    if v.logit_mods:
+        val = K.logit(v, "W[2]", qc, kc)
     L += [f"{ind2}for j in range({BK}):",
           f"{ind2}    W[2] = T.{dt}(0)",
           f"{ind2}    for d in range({D}):",
@@ -161,6 +163,10 @@ def cuda_forward_source(v: Variant) -> str:
           f"{ind2}W[0] = W[2]",
           f"{ind2}T.tvm_storage_sync(\"shared\")"]
     keep = f" * T.Cast(\"{dt}\", inv_keep)" if v.dropout else ""
+    if v.sinks:
+        L += [f"{ind}if qi < Nq:"] + K.sink_epilogue(v, ind + "    ", "W[0]", "W[1]", "W[2]", "LSE[b, h, qi]", keep)
+        L += [f"{ind}    for e in range({Dv}):", f"{ind}        O[b, h, qi, e] = ACC[e] * W[2]"]
+        return "\n".join(L) + "\n"
     L += [f"{ind}if qi < Nq:",
           f"{ind}    W[2] = T.if_then_else(W[1] > T.{dt}(0), T.{dt}(1) / W[1], T.{dt}(0)){keep}",
           f"{ind}    for e in range({Dv}):",

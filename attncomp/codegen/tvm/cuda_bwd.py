@@ -14,6 +14,11 @@ from the host, as on the CPU.
 * ``attn_bwd_dq``: one thread block per (query tile, batch x query head), one thread per query row;
   key and value tiles staged in shared memory, ``dQ_i += dS_ij k_j`` in registers.
 
+Score modifiers as in :mod:`.kernels`; the dK/dV kernel's thread writes its key's share of ALiBi's
+gradient, and adds each logit's gradient into the relative bias's table ``(2 * max_distance + 1, Hq)``
+with float32 atomics (whose order varies: the table's gradient can differ in its last bits between runs;
+the CPU build runs its blocks in order and adds plainly).
+
 One generator writes each kernel for ``target="cuda"`` (thread bindings, shared memory, barriers)
 and ``target="llvm"``: the same statements with the block's threads as loops between barriers and
 per-thread registers given a thread dimension. The llvm build is what the CPU tests run against the
@@ -99,6 +104,8 @@ class _Gen:
         val = f"{dot} * T.Cast(\"{self.dt}\", scale)"
         if v.mask == "float":
             val += f" + MASK[b * m_sb + h * m_sh + {qc} * m_si + {kc} * m_sj]"
+        if v.logit_mods:
+            val = K.logit(v, dot, qc, kc)
         return f"T.if_then_else({K._and(conds)}, {val}, {K._neg_inf(v)})"
 
     def kept(self, row: str, j: str) -> str:
@@ -119,21 +126,29 @@ class _Gen:
                   f"{ind}ds = p * (dpd - {dl})"]
         else:
             L += [f"{ind}pd = p", f"{ind}ds = p * (dpv - {dl})"]
+        if v.softcap:  # through c * tanh(s / c): the gradient of the logit before the cap
+            L[-1] = L[-1].replace(f"{ind}ds = ", f"{ind}dsr = ")
+            L += [f"{ind}ds = dsr * {K.cap_factor(v, sij, f'T.min({qi}, Nq - 1)', f'T.min({kj}, Nk - 1)')}"]
         return L
 
     def signature(self) -> List[str]:
         v, D, Dv, dt = self.v, self.v.head_dim, self.v.head_dim_v, self.dt
         name = "attn_bwd_dkdv" if self.kind == "dkdv" else "attn_bwd_dq"
         grads = ("dk", "dv") if self.kind == "dkdv" else ("dq",)
-        L = K._signature(name, K.BWD_ARGS + grads, v)
+        mods = K.mod_grad_args(v) if self.kind == "dkdv" else ()
+        L = K._signature(name, K.BWD_ARGS + grads + mods, v)
         L += K._qkv_buffers(v, dt, grad_out=True) + ['    DELTA = T.match_buffer(delta, (B, Hq, Nq), "float32")']
         shapes = {"dq": f"(B, Hq, Nq, {D})", "dk": f"(B, Hk, Nk, {D})", "dv": f"(B, Hk, Nk, {Dv})"}
         L += [f'    {g.upper()}_ = T.match_buffer({g}, {shapes[g]}, "{dt}")' for g in grads]
+        if mods:
+            L += K.mod_grad_buffers(v)
         return L + K._common_buffers(v)
 
     def blocks(self, nblocks: str, rows: str) -> List[str]:
         if self.cpu:
-            return [f"    for blk in T.parallel(({nblocks}) * {rows}):",
+            # the CUDA kernel adds the table's gradient with atomics: here the blocks run in order
+            loop = "T.serial" if self.v.rel and self.kind == "dkdv" else "T.parallel"
+            return [f"    for blk in {loop}(({nblocks}) * {rows}):",
                     f"        bx = blk % ({nblocks})", f"        by = blk // ({nblocks})"], "        "
         return [f"    for bx in T.thread_binding({nblocks}, thread=\"blockIdx.x\"):",
                 f"        for by in T.thread_binding({rows}, thread=\"blockIdx.y\"):",
@@ -152,6 +167,7 @@ class _Gen:
               self.shared(ind, "Lr", (BQ,), dt), self.shared(ind, "Dl", (BQ,), dt),
               self.shared(ind, "S", (BQ, BK), dt),
               self.alloc_reg(ind, "DK", D, dt), self.alloc_reg(ind, "DV", Dv, dt),
+              *([self.alloc_reg(ind, "DSA", 1, dt)] if v.alibi else []),
               f'{ind}W = T.alloc_buffer((2,), "{dt}", scope="local")']
         L += [f"{ind}NQT = (Nq + {BQ - 1}) // {BQ}", f"{ind}G = Hq // Hk",
               f"{ind}b = by // Hk", f"{ind}hk = by % Hk", f"{ind}k0 = bx * {BK}"]
@@ -161,7 +177,10 @@ class _Gen:
         body = [f"for d in range({D}):", f"    {self.reg('DK', 'd')} = T.{dt}(0)",
                  f"for e in range({Dv}):", f"    {self.reg('DV', 'e')} = T.{dt}(0)"]
         L += self.phase(ind, body)
-        L += [f"{ind}for gh in range(G):", f"{ind}    h = hk * G + gh", f"{ind}    for qt in range(qt_lo, qt_hi):"]
+        L += [f"{ind}for gh in range(G):", f"{ind}    h = hk * G + gh"]
+        if v.alibi:
+            L += self.phase(ind + "    ", [f"{self.reg('DSA', '0')} = T.{dt}(0)"])
+        L += [f"{ind}    for qt in range(qt_lo, qt_hi):"]
         ind3 = ind + "        "
         L += [f"{ind3}q0 = qt * {BQ}"] + K._query_summary(v, ind3)
         guard = K._tile_visit(v, f"(k0 // {BK})")
@@ -186,7 +205,18 @@ class _Gen:
         body += self.grads("    ", "q0 + i", "k0 + tx", sij, "Lr[i]", "Dl[i]", "W[1]")
         body += [f"    for e in range({Dv}):", f"        {self.reg('DV', 'e')} = {self.reg('DV', 'e')} + pd * Dos[i, e]",
                  f"    for d in range({D}):", f"        {self.reg('DK', 'd')} = {self.reg('DK', 'd')} + ds * Qs[i, d]"]
+        qc, kc = "T.min(q0 + i, Nq - 1)", "T.min(k0 + tx, Nk - 1)"
+        if v.alibi:  # this key's share of dslope[h] (summed over keys and batches on the host)
+            body += [f"    {self.reg('DSA', '0')} = {self.reg('DSA', '0')} + ds * T.Cast(\"{dt}\", "
+                     f"{K._rel(v, qc, kc)})"]
+        if v.rel:  # each logit's gradient into the table's row of its distance
+            lj = f"{K.lut_index(v, qc, kc)} * Hq + h"
+            add = (f"DLUT[{lj}] = DLUT[{lj}] + ds" if self.cpu
+                   else f"T.evaluate(T.cuda.atomic_add(T.address_of(DLUT[{lj}]), ds))")
+            body += ["    if ds != T.{}(0):".format(dt), f"        {add}"]
         L += self.phase(ind3, body, guard)
+        if v.alibi:
+            L += self.phase(ind + "    ", ["if k0 + tx < Nk:", f"    DSL[b, h, k0 + tx] = {self.reg('DSA', '0')}"])
         body = ["if k0 + tx < Nk:",
                 f"    for d in range({D}):",
                 f"        DK_[b, hk, k0 + tx, d] = {self.reg('DK', 'd')} * T.Cast(\"{dt}\", scale)",

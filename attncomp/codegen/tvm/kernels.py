@@ -17,6 +17,15 @@ Kernels (all ``float32`` or ``float64`` compute; the host converts half types):
   ``lse`` with the same predicate and selection code, so every policy whose keep rule is elementwise or
   local to a key group (all of them) has its backward.
 
+Score modifiers (DESIGN.md §4.2, :func:`logit`): ALiBi and the relative bias (read from a host look-up
+table per clamped distance, :func:`attncomp.codegen.modifiers.rel_lut`) are added to ``scale * q·k``, then
+the soft-cap, before the float mask and the policy's selection; sinks join the row's max and sum at its
+end (:func:`sink_epilogue`). Backward: the soft-cap's ``1 - tanh^2`` on ``dS`` (:func:`cap_factor`); the
+dK/dV kernel writes ALiBi's gradient as one partial sum per key and query head and the table's as per-tile
+sums of each distance (each element owned by one parallel iteration); the host sums both and computes
+the sinks' gradient from ``lse`` and ``delta``. A variant without modifiers generates the source it did
+before they existed.
+
 Tile schedule: with default positions (``q_pos = i + qoff``, ``k_pos = j``) a causal or windowed
 query tile visits only the key tiles its window can reach; a ``spion`` tile (``BQ``, ``BK`` dividing
 the block size) is skipped when its block is off the pattern and off the diagonal; with positions,

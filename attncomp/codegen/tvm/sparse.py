@@ -312,6 +312,8 @@ class _Gen:
         val = "Cf[i] * scale"
         if v.mask == "float":
             val += f" + MASK[b * m_sb + h * m_sh + {qc} * m_si + {kc} * m_sj]"
+        if v.logit_mods:
+            val = K.logit(v, "Cf[i]", qc, kc)
         body = [f"for nb in range({BK // 8}):",
                 f"    for i in {self.U(4)}:", "        Cf[i] = T.float32(0)",
                 f"    for kd in {self.U(D // 16)}:"]
@@ -391,6 +393,10 @@ class _Gen:
                 "    if q0 + tx < Nq:",
                 "        LSE[b, h, q0 + tx] = T.if_then_else(Ls[tx] > T.float32(0), Mx[tx] + T.log(Ls[tx]), "
                 f"{ninf})"]
+        if v.sinks:  # the sink's logit joins the row's max and sum (lse written by rows in range only)
+            body = [f"if tx < {BQ}:"] + ["    " + x for x in K.sink_epilogue(v, "", "Mx[tx]", "Ls[tx]", "Al[tx]",
+                                                                              "Wm[0]", dt="float32")]
+            body += ["    if q0 + tx < Nq:", "        LSE[b, h, q0 + tx] = Wm[0]"]
         L += phase(ind, body)
         body = [f"for nbv in {self.U(Dv // 8)}:",
                 f"    for i in {self.U(4)}:",
