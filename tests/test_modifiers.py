@@ -252,7 +252,7 @@ def test_backends_decline_modifiers_and_dispatch_runs_the_reference():
         except ImportError:
             continue
         reason = be.supports(spec, q)
-        if name == "triton":  # the template applies every modifier: what it lacks here is a GPU
+        if name in ("triton", "tvm"):  # their kernels apply every modifier (Triton lacks a GPU here)
             assert "softcap" in be.modifiers and (reason is None or "softcap" not in reason), reason
         else:
             assert reason is not None and "softcap" in reason, (name, reason)
