@@ -408,7 +408,8 @@ def build_command(variant: Variant, arch: str) -> str:
     cmd = " ".join(bits)
     if variant.alibi or variant.rel or variant.softcap or variant.sinks:
         # build-kernels has no flags for them: the kernels of such a site are built by get_cubin
-        return (f"python -c \"from attncomp.codegen.tvm import cuda, kernels; v = kernels.Variant(**{variant.to_json()!r}); "
+        return ("python -c \"from attncomp.codegen.tvm import cuda, kernels; "
+                f"v = kernels.Variant(**{variant.to_json()!r}); "
                 f"[cuda.get_cubin(v, '{arch}', kind=k) for k in cuda.KINDS]\" (score modifiers; then copy the "
                 "cache entries)")
     return cmd
