@@ -28,6 +28,7 @@ from .passes.node_info import MODULE_PATHS, module_paths
 from .passes.pipeline import run_passes
 from .policy import Policy, get_policy
 from .runtime import env
+from .runtime.dispatch import MEASURING_MODES
 from .spec import BACKENDS
 
 log = logging.getLogger(__name__)
@@ -773,6 +774,8 @@ def compile(model: nn.Module, policy: Union[str, Policy] = "dense", *, example_i
         raise ValueError("this module is already compiled by attncomp; compile the original "
                          "(compiled.original) instead")
     inductor = _inductor_default() if inductor is None else bool(inductor)
+    if mode in MEASURING_MODES:  # this process may time kernels from now on (DESIGN.md §6)
+        env.allow_measuring()
     state = _State(model, pol, backend, fallback, inference, capture, inductor, mode, dynamic)
     fast = _wrap(model, state)
     if example_inputs is None:

@@ -597,6 +597,7 @@ def main(argv=None) -> int:
         os.environ["TRITON_INTERPRET"] = "1"
         args.no_flex = args.no_unfused = True
     os.environ["ATTNCOMP_TRITON_TUNE"] = "1" if args.tune else "0"
+    os.environ["ATTNCOMP_AUTOTUNE"] = "1" if args.tune else "0"  # (a process measures only when asked)
     import torch
 
     policies = [p for p in args.policies.split(",") if p]

@@ -8,9 +8,10 @@
   SDPA and attncomp's Triton kernel for the site's predicates per shape bucket (pow2 of Nq, Nk, D;
   dtype; predicate kind) and GPU: the autotune store's entry under :data:`DENSE_CHOICE`
   (:func:`dense_choice_key`), else the table shipped for the GPU model (:mod:`.choice_tables`), else
-  measured once and kept in the store. Never measured while a CUDA graph is being
-  captured or while ``torch.cuda.get_sync_debug_mode()`` is set (timing synchronises): such a call
-  takes the stored choice, else SDPA, and measures nothing;
+  measured once and kept in the store, only where measuring is allowed (a compile with
+  ``mode="max-autotune"`` in this process, or ``ATTNCOMP_AUTOTUNE=1``: no first call of a default compile
+  measures), and never while a CUDA graph is being captured or while ``torch.cuda.get_sync_debug_mode()``
+  is set (timing synchronises): such a call takes the stored choice, the shipped table's, else SDPA;
 * other sites on CUDA tensors with Triton importable and supporting the spec: the sequence-length
   rule below picks the fused (flash-style, on-the-fly) Triton kernel or the split form;
 * elsewhere the reference backend (exact).
@@ -280,7 +281,7 @@ def record_dense_choice(key: Dict[str, Any], timings: Dict[str, float]) -> str:
 
 def _dense_on_cuda(spec, q, k, v, attn_mask, preds, arch: str, kind: str):
     """SDPA or Triton for a keep-everything CUDA call: the stored winner, else the winner in the table
-    shipped for this GPU (:mod:`.choice_tables`), else measure now (once)."""
+    shipped for this GPU (:mod:`.choice_tables`), else measure now (once) where measuring is allowed, else SDPA."""
     cands = []
     for nm in ("sdpa", "triton"):
         try:
@@ -315,8 +316,11 @@ def _dense_on_cuda(spec, q, k, v, attn_mask, preds, arch: str, kind: str):
 
 
 def _no_measuring() -> Optional[str]:
-    """Why timing kernels is not allowed now (it synchronises the device), or None: a CUDA graph is
-    being captured, or a sync debug mode is set."""
+    """Why timing kernels is not allowed now (it synchronises the device), or None: outside
+    ``mode="max-autotune"`` (:func:`.env.measuring_allowed`), a CUDA graph is being captured, or a sync
+    debug mode is set."""
+    if not env.measuring_allowed():
+        return "outside mode='max-autotune' (ATTNCOMP_AUTOTUNE=1 allows it)"
     try:
         if torch.cuda.is_current_stream_capturing():
             return "during CUDA graph capture"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-__all__ = ["raw", "get", "flag"]
+__all__ = ["raw", "get", "flag", "allow_measuring", "measuring_allowed"]
 
 _DATA = getattr(os.environ, "_data", None)
 _KEYS: dict = {}
@@ -44,3 +44,22 @@ def flag(name: str, default: bool) -> bool:
     if v is None or v == "":
         return default
     return v.strip().lower() not in ("0", "false", "no", "off")
+
+
+_MEASURING = [False]
+
+
+def allow_measuring() -> None:
+    """Let this process time kernels from now on (tuned Triton configurations, SDPA against Triton): set
+    by a compile with ``mode="max-autotune"``; every other call runs the shipped defaults and tables."""
+    _MEASURING[0] = True
+
+
+def measuring_allowed() -> bool:
+    """Whether a call may time kernels now: ``ATTNCOMP_AUTOTUNE=1`` always, ``ATTNCOMP_AUTOTUNE=0`` never,
+    unset: only once a compile with ``mode="max-autotune"`` ran in this process (:func:`allow_measuring`).
+    No first call of a default compile or of the functional API measures (DESIGN.md §6)."""
+    v = get("ATTNCOMP_AUTOTUNE")
+    if v is not None and v != "":
+        return flag("ATTNCOMP_AUTOTUNE", False)
+    return _MEASURING[0]

@@ -156,6 +156,7 @@ def fake_gpu(monkeypatch):
         return {n: timings[n] for n in names}
 
     monkeypatch.setattr(dispatch, "_time_candidates", time_candidates)
+    monkeypatch.setenv("ATTNCOMP_AUTOTUNE", "1")  # these tests measure; the default is tested below
     dispatch.clear_rule_cache()
     autotune.clear_memo()
     yield backends, timings, calls
@@ -184,6 +185,57 @@ def test_cuda_measures_once_per_bucket_and_remembers(fake_gpu):
     autotune.clear_memo()
     assert dispatch.select_backend(spec, *_qk(900)[:1], _qk(900)[1]).name == "sdpa"
     assert len(calls) == 2
+
+
+def test_no_first_call_measures_outside_max_autotune(fake_gpu, monkeypatch):
+    """DESIGN §6: a process that compiled nothing with mode="max-autotune" (ATTNCOMP_AUTOTUNE unset) never
+    times kernels: a bucket nothing measured takes SDPA; after a max-autotune compile it is measured."""
+    from attncomp.runtime import env
+
+    backends, timings, calls = fake_gpu
+    monkeypatch.delenv("ATTNCOMP_AUTOTUNE")
+    monkeypatch.setattr(env, "_MEASURING", [False])
+    timings.update(sdpa=5.0, triton=1.0)                      # a measurement would pick triton
+    q, k = _qk(700)
+    assert dispatch.select_backend(AttentionSpec(), q, k, k).name == "sdpa"
+    assert calls == []
+    monkeypatch.setenv("ATTNCOMP_AUTOTUNE", "0")
+    env.allow_measuring()                                     # ATTNCOMP_AUTOTUNE=0 wins over the mode
+    assert not env.measuring_allowed()
+    monkeypatch.delenv("ATTNCOMP_AUTOTUNE")
+    import attncomp
+
+    attncomp.compile(torch.nn.Linear(2, 2), mode="max-autotune")  # what sets it in a real process
+    assert env.measuring_allowed()
+    assert dispatch.select_backend(AttentionSpec(), q, k, k).name == "triton"
+    assert len(calls) == 1
+
+
+def test_triton_configs_are_not_timed_outside_max_autotune(monkeypatch, tmp_path):
+    """The Triton kernels' tile configuration: the default (first candidate) or a stored choice, never a
+    timing, unless measuring is allowed."""
+    from attncomp.codegen.triton import configs
+    from attncomp.runtime import env
+
+    monkeypatch.setenv("ATTNCOMP_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.delenv("ATTNCOMP_AUTOTUNE", raising=False)
+    monkeypatch.setattr(env, "_MEASURING", [False])
+    autotune.clear_memo()
+    cands = [{"BLOCK_M": 64}, {"BLOCK_M": 128}]
+    timed = []
+
+    def bench(cfg):
+        timed.append(cfg)
+        return 1.0 if cfg["BLOCK_M"] == 128 else 2.0
+
+    assert configs.choose("t.fwd", {"k": 1}, cands, bench) == cands[0] and timed == []
+    monkeypatch.setenv("ATTNCOMP_AUTOTUNE", "1")
+    assert configs.choose("t.fwd", {"k": 1}, cands, bench) == cands[1] and len(timed) == 2
+    monkeypatch.delenv("ATTNCOMP_AUTOTUNE")                   # not measuring: the stored choice stands
+    configs._chosen.clear()
+    autotune.clear_memo()
+    assert configs.choose("t.fwd", {"k": 1}, cands, bench) == cands[1] and len(timed) == 2
 
 
 def test_cuda_choice_keyed_by_predicate_kind_dtype_and_head_dim(fake_gpu):

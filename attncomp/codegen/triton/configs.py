@@ -3,9 +3,10 @@
 Candidates are plain module-level lists, filtered per call by head dim, dtype and the N:M group
 size (a key tile must hold whole groups, laid out as :func:`common._key_order` expects: a multiple
 of ``4 * M`` keys). On CUDA, when the persistent tuning store ``attncomp.runtime.autotune`` is
-installed, it picks among the candidates by timing them once per key and remembers the choice on
-disk; otherwise (and with ``ATTNCOMP_TRITON_TUNE=0``) the first candidate, a default measured on an
-H200, is used. Under ``TRITON_INTERPRET=1`` (CPU tests) one small configuration is used and nothing
+installed and measuring is allowed (a compile with ``mode="max-autotune"`` in this process, or
+``ATTNCOMP_AUTOTUNE=1``), it picks among the candidates by timing them once per key and remembers the
+choice on disk; a choice on disk is used in any mode. Otherwise (and with ``ATTNCOMP_TRITON_TUNE=0``) the
+first candidate, a default measured per GPU model (H100, H200), is used: no first call tunes. Under ``TRITON_INTERPRET=1`` (CPU tests) one small configuration is used and nothing
 is timed. Backward candidates with ``DQ_ATOMIC`` (dQ by float32 atomics in the dK/dV pass) are left
 out while PyTorch's deterministic algorithms are enabled.
 """
@@ -33,9 +34,11 @@ def interpret_mode() -> bool:
 
 
 def tuning_enabled() -> tuple:
-    """Whether :func:`choose` may time candidates (``ATTNCOMP_TRITON_TUNE=0`` turns it off), and
-    which tuning store it would use (read on every call: part of per-call memo keys)."""
-    return env.get("ATTNCOMP_TRITON_TUNE", "1") != "0", env.raw("ATTNCOMP_CACHE_DIR")
+    """Whether :func:`choose` may time candidates (only where :func:`env.measuring_allowed`: under
+    ``mode="max-autotune"`` or ``ATTNCOMP_AUTOTUNE=1``; ``ATTNCOMP_TRITON_TUNE=0`` turns it off even
+    there), and which tuning store it would use (read on every call: part of per-call memo keys)."""
+    on = env.get("ATTNCOMP_TRITON_TUNE", "1") != "0" and env.measuring_allowed()
+    return on, env.raw("ATTNCOMP_CACHE_DIR")
 
 
 def _cfg(bm, bn, warps, stages) -> Config:
@@ -378,12 +381,14 @@ _chosen: Dict[str, Config] = {}
 
 
 def choose(name: str, key: dict, candidates: List[Config], bench: Optional[Callable[[Config], float]]) -> Config:
-    """Pick a configuration: through the persistent tuning store when it exists and tuning is on."""
+    """Pick a configuration: the persistent tuning store's choice, timed now only where measuring is allowed."""
     if len(candidates) == 1 or bench is None or interpret_mode():
         return candidates[0]
-    if not tuning_enabled()[0]:
+    if env.get("ATTNCOMP_TRITON_TUNE", "1") == "0":
         return candidates[0]
-    memo = json.dumps([name, key, candidates, os.environ.get("ATTNCOMP_CACHE_DIR", "")], sort_keys=True, default=str)
+    measure = env.measuring_allowed()  # else a choice stored on disk, or the default: no timing
+    memo = json.dumps([name, key, candidates, os.environ.get("ATTNCOMP_CACHE_DIR", ""), measure], sort_keys=True,
+                      default=str)
     if memo in _chosen:
         return _chosen[memo]
     try:
@@ -391,7 +396,7 @@ def choose(name: str, key: dict, candidates: List[Config], bench: Optional[Calla
     except ImportError:
         return candidates[0]
     try:
-        best = dict(tune(name, key, candidates, bench))
+        best = dict(tune(name, key, candidates, bench, measure=measure))
     except Exception as e:  # a broken store must not break attention: fall back to the default
         log.warning("autotuning %s failed (%s); using the default configuration", name, e)
         return candidates[0]
