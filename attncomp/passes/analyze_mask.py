@@ -811,7 +811,9 @@ class _Eval:
                 fill = 1 if "ones" in str(name) else 0 if "zeros" in str(name) else (a[2] if len(a) > 2 else
                                                                                       n.kwargs.get("fill_value"))
             else:
-                shape = a[0]
+                # torch.ones(T, T) takes its sizes as separate arguments, torch.full((T, T), v) as one
+                shape = list(a) if n.target in (torch.ones, torch.zeros) and a and not isinstance(
+                    a[0], (list, tuple, torch.Size)) else a[0]
                 fill = 1 if n.target in (torch.ones, aten.ones.default) else 0 if n.target in (
                     torch.zeros, aten.zeros.default) else (a[1] if len(a) > 1 else n.kwargs.get("fill_value"))
             if isinstance(shape, int):

@@ -21,6 +21,9 @@ Guarantees (same values, canonical spelling, as ``call_function`` nodes):
   scale=, enable_gqa=)``: from aten;
 * casts ``x.to(dtype)`` (``call_method`` ``to`` with one dtype argument): from ``float()``, ``half()``,
   ``bfloat16()``, ``type(dtype)``, aten ``to``/``_to_copy``;
+* ``tril(x, d)`` / ``triu(x, d)`` (a causal mask built in ``forward``, ``torch.triu(torch.ones(T, T), 1)``):
+  ``x`` where ``arange(m)[None, :] - arange(n)[:, None] <= d`` (``>= d``), else 0, so that the mask
+  analysis reads a position bound (:mod:`.analyze_mask`) instead of an opaque N x N tensor;
 * export's ``_assert_tensor_metadata`` checks are dropped (they only re-check dtypes the graph fixes);
 * in-place ``masked_fill_``/``add_``/``mul_``/``div_`` (and ``+=``/``*=``/``/=``) on a value become out-of-place, and later readers
   of the mutated value read the new node (functionalisation of those four), unless the written memory is
@@ -40,7 +43,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .base import CompileContext, PassResult
-from .node_info import without_guards
+from .node_info import infer_meta, without_guards
 
 log = logging.getLogger(__name__)
 
@@ -256,6 +259,8 @@ def _canon_node(gm: fx.GraphModule, n: fx.Node, modules) -> Optional[fx.Node]:
             if n.meta.get("attncomp_module_dropout") != float(mod.p):
                 n.meta["attncomp_module_dropout"] = float(mod.p)
         return None
+    if (op == "call_method" and t in ("tril", "triu")) or (op == "call_function" and t in _TRIS):
+        return _canon_tri(gm, n)
     if op == "call_method":
         if t in _METHOD_MAP:
             target = _METHOD_MAP[t]
@@ -366,6 +371,39 @@ def _canon_baddbmm(gm: fx.GraphModule, n: fx.Node) -> Optional[fx.Node]:
         if beta != 1:
             inp = _with_val(gm.graph.call_function(MUL, (inp, float(beta))), n)
     return _replace(gm, n, ADD, (mm, inp))
+
+
+_TRIS = {torch.tril: "tril", torch.triu: "triu", aten.tril.default: "tril", aten.triu.default: "triu"}
+
+
+def _canon_tri(gm: fx.GraphModule, n: fx.Node) -> Optional[fx.Node]:
+    """``tril(x, d)`` / ``triu(x, d)`` as a position comparison (module docstring); None where the shape or the
+    diagonal is not known, or for dtypes other than bool, integers and floats."""
+    kind = n.target if n.op == "call_method" else _TRIS[n.target]
+    x, d = n.args[0], _kw(n, "diagonal", 1, 0)
+    xv = (x.meta.get("val", x.meta.get("example_value"))) if isinstance(x, fx.Node) else None
+    if not isinstance(d, int) or isinstance(d, bool) or not isinstance(xv, torch.Tensor) or xv.dim() < 2 \
+            or xv.dtype.is_complex:
+        return None
+    g = gm.graph
+
+    def emit(target, args, kwargs=None, op="call_function"):
+        return infer_meta(g.create_node(op, target, args, kwargs or {}), like=n)
+
+    with g.inserting_before(n):
+        sizes = []
+        for dim in (-2, -1):
+            sz = xv.shape[dim]
+            sizes.append(int(sz) if isinstance(sz, int) else emit("size", (x, dim), op="call_method"))
+        rows = emit("unsqueeze", (emit(torch.arange, (sizes[0],), {"device": xv.device}), -1), op="call_method")
+        cols = emit(torch.arange, (sizes[1],), {"device": xv.device})
+        diff = emit(torch.sub, (cols, rows))
+        keep = emit(torch.le if kind == "tril" else torch.ge, (diff, d))
+        if xv.dtype == torch.bool:
+            out = emit(torch.logical_and, (x, keep))
+        else:
+            out = emit(torch.where, (keep, x, 0.0 if xv.dtype.is_floating_point else 0))
+    return _swap(n, out)
 
 
 def _with_val(new: fx.Node, like: fx.Node) -> fx.Node:

@@ -49,7 +49,7 @@ from ..spec import AttentionSpec, dtype_name
 from .base import SITE_META, CompileContext, PassResult, SiteReport
 from .canonicalize import ADD, DIV, DROPOUT, MATMUL, MUL, SDPA, SOFTMAX, TRANSPOSE, WHERE, is_cast
 from .score_modifiers import drops_last_column, is_tanh, peel_sinks, softcap_of
-from .node_info import (UNKNOWN, get_attr_value, is_symbolic_number, meta_dtype, meta_shape, same_dim, scalar_value,
+from .node_info import (UNKNOWN, get_attr_value, infer_meta, is_symbolic_number, meta_dtype, meta_shape, same_dim, scalar_value,
                           site_name, static_int, to_networkx)
 
 log = logging.getLogger(__name__)
@@ -1008,19 +1008,23 @@ def _rewrite(gm: fx.GraphModule, site: Site, ctx: CompileContext) -> None:
 def _combine_masks(g: fx.Graph, site: Site) -> fx.Node:
     """One mask from the site's exclusions and biases: bool if only exclusions, else an additive float."""
     allowed = None
+
+    def fn(target, args):  # (with shape metadata: the mask analysis reads it)
+        return infer_meta(g.call_function(target, args))
+
     for a in site.allowed:
-        node = g.call_function(torch.logical_not, (a[1],)) if isinstance(a, tuple) else a
+        node = fn(torch.logical_not, (a[1],)) if isinstance(a, tuple) else a
         if meta_dtype(node if not isinstance(a, tuple) else a[1]) not in (torch.bool, None):
-            node = g.call_method("to", (node, torch.bool))
-        allowed = node if allowed is None else g.call_function(torch.logical_and, (allowed, node))
+            node = infer_meta(g.call_method("to", (node, torch.bool)))
+        allowed = node if allowed is None else fn(torch.logical_and, (allowed, node))
     bias = None
     for b, c in zip(site.biases, site.bias_scales):
         if c != 1.0:  # (s + b) * c: the site's scale takes c for s, b is multiplied here
-            b = g.call_function(MUL, (b, c))
-        bias = b if bias is None else g.call_function(ADD, (bias, b))
+            b = fn(MUL, (b, c))
+        bias = b if bias is None else fn(ADD, (bias, b))
     if bias is None:
         return allowed
     if allowed is not None:
-        neg = g.call_function(torch.where, (allowed, 0.0, float("-inf")))
-        bias = g.call_function(ADD, (bias, neg))
+        neg = fn(torch.where, (allowed, 0.0, float("-inf")))
+        bias = fn(ADD, (bias, neg))
     return bias

@@ -34,7 +34,7 @@ from .base import CompileContext, SiteReport, SITE_META
 __all__ = [
     # metadata
     "meta_val", "meta_shape", "meta_dtype", "shape_of", "dtype_of", "device_of", "same_dim", "static_int",
-    "itemsize", "copy_shape_meta",
+    "itemsize", "copy_shape_meta", "infer_meta",
     # constants
     "resolve_attr", "get_attr_value", "scalar_value", "UNKNOWN",
     # graph views and names
@@ -647,3 +647,40 @@ def copy_shape_meta(dst: fx.Node, src: fx.Node) -> None:
     for k in ("val", "tensor_meta"):
         if k in src.meta:
             dst.meta[k] = src.meta[k]
+
+
+def infer_meta(node: fx.Node, like: Optional[fx.Node] = None) -> fx.Node:
+    """Shape metadata for a node a pass created (``call_function`` or ``call_method``): its target run on its
+    arguments' recorded values (fake tensors, SymInts) under :func:`without_guards`, stored under the key the
+    graph uses (``val`` for aten/export graphs, ``example_value`` for dynamo's; ``like``'s or the first
+    argument's). Nothing is stored where an argument has no value or the op fails on them."""
+    args = list(node.args) + list(node.kwargs.values())
+    src = like if like is not None else next((a for a in args if isinstance(a, fx.Node)), None)
+    if src is None:
+        return node
+    key = "val" if "val" in src.meta else ("example_value" if "example_value" in src.meta else None)
+    if key is None:
+        return node
+
+    def val(a):
+        if isinstance(a, fx.Node):
+            if key not in a.meta:
+                raise KeyError(a.name)
+            return a.meta[key]
+        if isinstance(a, (list, tuple)):
+            return type(a)(val(x) for x in a)
+        return a
+
+    try:
+        vals, kw = [val(a) for a in node.args], {k: val(v) for k, v in node.kwargs.items()}
+        with without_guards(vals):
+            if node.op == "call_method":
+                out = getattr(vals[0], node.target)(*vals[1:], **kw)
+            elif node.op == "call_function":
+                out = node.target(*vals, **kw)
+            else:
+                return node
+        node.meta[key] = out
+    except Exception:  # metadata only: the passes cope without it
+        pass
+    return node

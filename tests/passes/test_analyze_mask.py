@@ -122,6 +122,14 @@ CASES = {
     "float_sum_of_masks": (lambda q, k, am, pid, cp, r: (1.0 - _padding(am).to(q.dtype)) * NEG
                            + torch.zeros_like(r).masked_fill(~_window(q, k), NEG),
                            "eager", ["window(3, 0)", "padding"], False),
+    # causal masks built in forward from triu/tril of ones (nanoGPT-style user code)
+    "triu_ones_in_forward": (lambda q, k, am, pid, cp, r: ~torch.triu(torch.ones(q.shape[2], k.shape[2], dtype=torch.bool), 1),
+                             "sdpa", ["causal"], False),
+    "tril_float_eq_zero": (lambda q, k, am, pid, cp, r: torch.zeros(q.shape[2], k.shape[2], dtype=q.dtype).masked_fill(
+        torch.tril(torch.ones(q.shape[2], k.shape[2])) == 0, NEG), "eager", ["causal"], False),
+    "tril_and_triu_band": (lambda q, k, am, pid, cp, r: torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril()
+                           & torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).triu(-3) & _padding(am),
+                           "sdpa", ["window(3, 0)", "padding"], False),
     "float_mask_to_sdpa": (lambda q, k, am, pid, cp, r: torch.where(_packed(q, k, pid), 0.0, float("-inf")), "sdpa",
                            ["causal", "documents"], False),
 }
@@ -267,7 +275,7 @@ def test_negative_twin_stays_materialised(name, route):
 
 
 @pytest.mark.parametrize("name", ["padding_causal_hf", "decode_cache_position", "all_combined", "float_where",
-                                  "causal_and_random"])
+                                  "causal_and_random", "triu_ones_in_forward", "tril_float_eq_zero"])
 def test_dynamo_graphs(name):
     case = CASES.get(name) or NEGATIVE[name]
     run, gm, ctx = _compile(case, "dynamo")
