@@ -105,3 +105,15 @@ def test_undetermined_max_distance_keeps_the_bias():
     mod, gm, ctx = compile_toy(INDEX["t5_bidirectional"], n=6)
     assert _op(gm).args[ops.ARG_INDEX["attn_mask"]] is not None
     assert "max distance not determined" in ctx.sites[0].details["modifiers"]
+
+
+def test_index_off_its_diagonals_keeps_the_bias():
+    """An index equal to T5's bucket on the first row and column but not inside (it varies along a diagonal)
+    is not a function of k - q: the bias stays."""
+    def index(rel):
+        b = INDEX["t5_bidirectional"](rel)
+        return torch.where((rel == 0) & (torch.arange(rel.shape[0])[:, None] == rel.shape[0] // 2), b + 1, b)
+
+    mod, gm, ctx = compile_toy(index)
+    assert _op(gm).args[ops.ARG_INDEX["attn_mask"]] is not None
+    assert ctx.sites[0].details["modifiers"].startswith("materialised bias: the index is not T5's bucket")
