@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.attncomp-installed
 JOBS   ?= 2
 
-.PHONY: demo test zoo test-gpu test-gpu-dist test-newest test-oldest venv clean
+.PHONY: demo test test-full zoo test-gpu test-gpu-dist test-newest test-oldest venv clean
 
 $(STAMP): pyproject.toml requirements.lock
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,11 @@ demo: $(STAMP)
 # pytest exits 5 when it collects no test: make fails on that like on any other failure.
 test: $(STAMP)
 	$(PY) -m pytest -q -n $(JOBS) --durations=10 tests
+
+# Every case of every list: the tests marked @pytest.mark.sample(n), of which make test runs n, run them all
+# (the kernel interpreter's combinatorial lists, the Hugging Face populations); about an hour on 2 cores.
+test-full: $(STAMP)
+	ATTNCOMP_TEST_FULL=1 $(PY) -m pytest -q -n $(JOBS) --durations=10 tests
 
 # The registry sweep: a tiny random-weight model of every causal-LM, masked-LM, seq2seq-LM and image-classification
 # family of the installed transformers, compiled and compared with eager, each in its own process (JOBS at a

@@ -14,6 +14,7 @@ if not torch.cuda.is_available():
 
 
 def pytest_collection_modifyitems(config, items):
+    _sample(config, items)
     if torch.cuda.is_available():
         if os.environ.get("TRITON_INTERPRET", "0") != "1":
             return
@@ -28,6 +29,32 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _sample(config, items):
+    """``@pytest.mark.sample(n)`` on a parametrized test: ``make test`` runs ``n`` of its cases, spread evenly
+    over its list (the first and the last always), the same ones on every run and every xdist worker;
+    ``ATTNCOMP_TEST_FULL=1`` (``make test-full``) runs them all. For the long combinatorial lists of the
+    kernel interpreter tests, whose every case is a few seconds of interpreted Triton."""
+    from tests.utils import FULL
+
+    if FULL:
+        return
+    groups = {}
+    for item in items:
+        mark = item.get_closest_marker("sample")
+        if mark is not None and getattr(item, "callspec", None) is not None:
+            groups.setdefault((item.module.__name__, item.originalname), (mark.args[0], []))[1].append(item)
+    drop = set()
+    for n, group in groups.values():
+        total = len(group)
+        if total <= n:
+            continue
+        keep = {round(i * (total - 1) / (n - 1)) for i in range(n)} if n > 1 else {0}
+        drop.update(id(it) for k, it in enumerate(group) if k not in keep)
+    if drop:
+        config.hook.pytest_deselected(items=[it for it in items if id(it) in drop])
+        items[:] = [it for it in items if id(it) not in drop]
 
 
 @pytest.fixture(autouse=True)

@@ -15,8 +15,8 @@ TOL = {
 }
 
 
-#: ``ATTNCOMP_TEST_FULL=1`` (``make zoo`` sets it): the population tests run every case of their lists;
-#: otherwise each keeps its sample (:func:`sample`), one case of each kind it covers
+#: ``ATTNCOMP_TEST_FULL=1`` (``make test-full``, ``make zoo``): the population tests run every case of their
+#: lists; otherwise each keeps its sample (:func:`sample`, ``@pytest.mark.sample(n)``)
 FULL = os.environ.get("ATTNCOMP_TEST_FULL", "0") == "1"
 
 

@@ -31,6 +31,7 @@ def _sm90(tmp_path, *args):
     return json.loads(out.read_text()), res
 
 
+@pytest.mark.sample(1)
 @pytest.mark.parametrize("gpu", ["h100", ""], ids=["h100", "h200"])
 def test_default_configurations_fit_hopper(tmp_path, gpu):
     """Every head-dim tier's default forward and backward (dense and DFSS 2:4; the H100 table and the lists'

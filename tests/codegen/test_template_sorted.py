@@ -75,6 +75,7 @@ def _check(spec, q, k, v, q_aux, k_aux, *, attn_mask=None, dropout_p=0.0, seed=0
 # hash
 
 
+@pytest.mark.sample(2)
 @pytest.mark.parametrize("draw", range(6))
 def test_hash_forward_random_buckets(draw):
     """Every collision pattern of a bucket draw is computed exactly: 6 draws over bucket counts 2..64,
@@ -204,6 +205,7 @@ def _core_tiles(lo, hi, bm, bn):
     return out
 
 
+@pytest.mark.sample(2)
 @pytest.mark.parametrize("causal,padded", [(False, False), (True, False), (False, True), (True, True)])
 def test_tiles_inside_every_rows_range_skip_the_range_test(causal, padded):
     """Key tiles inside every row's kept range (the ranges' core) skip the per-logit range test: in the
@@ -342,6 +344,7 @@ _SORTED_KV_CASES = {  # spec kwargs, (B, Hq, Hk, Nq, Nk, D, Dv), dtype, dropout
 }
 
 
+@pytest.mark.sample(3)
 @pytest.mark.parametrize("tma", [False, True], ids=["loads", "tma"])
 @pytest.mark.parametrize("case", list(_SORTED_KV_CASES))
 def test_drop_forward_reads_its_kept_keys_from_sorted_copies(case, tma, monkeypatch):
@@ -417,6 +420,7 @@ def test_sorted_copies_only_for_forwards_with_range_spans_and_enough_queries(mon
     assert not site().kv_sorted
 
 
+@pytest.mark.sample(1)
 @pytest.mark.parametrize("shape", [(2, 4, 2, 37, 37), (1, 4, 4, 5, 29)], ids=["gqa", "decode"])
 def test_drop_site_without_masks_draws_from_the_op_seed(shape, monkeypatch):
     """As compiled graphs call a ``drop`` site: no keep masks, the op's seed. The Triton backend draws
@@ -460,6 +464,7 @@ def test_drop_site_without_masks_draws_from_the_op_seed(shape, monkeypatch):
     assert not torch.equal(run("triton", seed + 1)[0], got[0])
 
 
+@pytest.mark.sample(1)
 @pytest.mark.parametrize("shape", [(2, 4, 2, 37, 37), (1, 4, 4, 5, 29)], ids=["gqa", "decode"])
 def test_policy_aux_draws_with_the_sort(shape, monkeypatch):
     """``attncomp::policy_aux`` (keep masks for a caller, and for graphs compiled before drop sites drew

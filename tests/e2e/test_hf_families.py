@@ -93,6 +93,7 @@ def test_family_compiles_and_matches_eager(name):
 CAUSAL = [n for n, f in ZOO.items() if f.causal_lm]
 
 
+@pytest.mark.sample(3)
 @pytest.mark.parametrize("name", _cases(CAUSAL, SAMPLE_GENERATE))
 def test_generate_equals_eager(name):
     fam = ZOO[name]
