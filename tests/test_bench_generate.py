@@ -1,9 +1,9 @@
 """``benchmarks/generate.py`` (``python -m attncomp bench generate``) in smoke mode on the CPU.
 
-Paths: eager (the reference), ``hf-static`` (transformers compiles its decode step with Inductor: about 18 s
-of this test on the 2-core CI machine, under the 60 s it may take to stay in), ``attncomp-dense`` and
-``attncomp-hash``; ``drop`` and ``dfss`` run the same code as ``hash`` and would add about 15 s each. The
-attncomp paths compile without Inductor here (``ATTNCOMP_INDUCTOR=0`` from tests/conftest.py).
+Paths: eager (the reference), ``attncomp-dense`` and ``attncomp-hash``; ``hf-static`` (transformers compiles
+its decode step with Inductor: about 18 s on the 2-core CI machine) is transformers' own code, and ``drop``
+and ``dfss`` run the same code as ``hash`` (about 15 s each): left to the GPU runs. The attncomp paths
+compile without Inductor here (``ATTNCOMP_INDUCTOR=0`` from tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 
 from benchmarks.generate import FIELDS, main, write  # noqa: E402
 
-PATHS = ["eager", "hf-static", "attncomp-dense", "attncomp-hash"]
+PATHS = ["eager", "attncomp-dense", "attncomp-hash"]
 
 
 def test_generate_smoke_writes_schema(tmp_path, fresh_dynamo, capsys):
@@ -45,8 +45,6 @@ def test_generate_smoke_writes_schema(tmp_path, fresh_dynamo, capsys):
     assert by["eager"]["tokens_equal"] == 1.0 and by["eager"]["logits_match"] is None
     # a sparse policy computes another function: no logits verdict, tokens compared
     assert by["attncomp-hash"]["logits_match"] is None and 0.0 <= by["attncomp-hash"]["tokens_equal"] <= 1.0
-    static = by["hf-static"]
-    assert static["error"] is not None or (static["logits_match"] is True and static["tokens_equal"] == 1.0), static
     table = capsys.readouterr().out
     assert "| attncomp-dense |" in table and "x eager" in table
 

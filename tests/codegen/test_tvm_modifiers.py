@@ -23,8 +23,9 @@ from attncomp.codegen import reference as R  # noqa: E402
 from attncomp.codegen.tvm import backend as TB  # noqa: E402
 from attncomp.codegen.tvm import cuda  # noqa: E402
 from attncomp.codegen.tvm.kernels import Variant  # noqa: E402
-from attncomp.policy import DFSS, Dense, Drop, Hash, SPION, ceil_div  # noqa: E402
+from attncomp.policy import DFSS, Dense, Drop, Hash, SPION  # noqa: E402
 from attncomp.spec import AttentionSpec, Modifiers, Predicates, dtype_name  # noqa: E402
+from tests.codegen.test_tvm import policy_tensors  # noqa: E402
 from tests.utils import TOL, assert_close, fresh_generator  # noqa: E402
 
 BACKEND = TB.TVMBackend()
@@ -54,17 +55,6 @@ def _spec(q, k, policy, mods_kw, mask=None, **kw):
     return AttentionSpec(policy=policy.resolved(q.dtype), mask_kind=mk, dtype=dtype_name(q.dtype), head_dim=q.shape[-1],
                          gqa_groups=q.shape[1] // k.shape[1], alibi=bool(mods_kw.get("alibi")),
                          softcap=mods_kw.get("softcap"), sinks=bool(mods_kw.get("sinks")), **extra, **kw)
-
-
-def _aux(g, policy, B, Hq, Hk, Nq, Nk):
-    if isinstance(policy, Hash):
-        return torch.randint(0, 3, (B, Hq, Nq), generator=g), torch.randint(0, 3, (B, Hk, Nk), generator=g), None
-    if isinstance(policy, Drop):
-        return torch.rand(B, Hq, Nq, generator=g) > 0.3, torch.rand(B, Hk, Nk, generator=g) > 0.3, None
-    if isinstance(policy, SPION):
-        bs = policy.block_size
-        return None, None, torch.rand(Hq, ceil_div(Nq, bs), ceil_div(Nk, bs), generator=g) > 0.5
-    return None, None, None
 
 
 def _preds(g, kind, B, Nq, Nk):
@@ -97,7 +87,7 @@ def _check(policy, B, Hq, Hk, Nq, Nk, D, mods_kw, preds="none", mask=None, dtype
         am[:, :, 2] = False
     spec = _spec(q, k, policy, mods_kw, am, **kw)
     mods = _mods(g, Hq, **mods_kw)
-    qa, ka, bp = _aux(g, policy, B, Hq, Hk, Nq, Nk)
+    qa, ka, bp = policy_tensors(policy, q, k)
     m64 = Modifiers(*(None if t is None else t.double() for t in mods))
     am64 = am if am is None or am.dtype == torch.bool else am.double()
     qd, kd, vd = q.double(), k.double(), v.double()

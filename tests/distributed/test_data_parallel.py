@@ -15,7 +15,7 @@ def dp_results(tmp_path_factory):
                               pg_timeout=120)
 
 
-@pytest.mark.sample(4)
+@pytest.mark.sample(2)
 @pytest.mark.parametrize("case", CASES)
 def test_compiled_model_trains_like_single_process(dp_results, case):
     for rank, res in enumerate(dp_results):

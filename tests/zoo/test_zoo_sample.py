@@ -54,8 +54,7 @@ FAILING = {
 
 #: what ``make test`` runs of the sample (``make zoo`` and ``make test-full``: all of it, the families that fail
 #: today too, whose fix flips their xfail): one of each kind the others cover
-IN_MAKE_TEST = ("causal-lm/gpt_bigcode", "causal-lm/gemma3_text", "masked-lm/deberta-v2", "image/segformer",
-                "image/imagegpt")
+IN_MAKE_TEST = ("causal-lm/gpt_bigcode", "masked-lm/deberta-v2", "image/imagegpt")
 
 
 def _params():
