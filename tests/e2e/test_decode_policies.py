@@ -22,6 +22,7 @@ from tests.e2e.hf_zoo import ZOO  # noqa: E402
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
+@pytest.mark.sample(2)
 @pytest.mark.parametrize("policy", ["dfss", "hash", attncomp.Drop(q_rate=0.3, k_rate=0.3, seed=5)],
                          ids=["dfss", "hash", "drop"])
 def test_decode_steps_equal_full_forward(policy):

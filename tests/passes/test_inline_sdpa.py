@@ -328,6 +328,7 @@ def test_under_cuda_graphs_the_choice_compares_device_time(inline_gpu, monkeypat
     assert calls == [False, True]
 
 
+@pytest.mark.sample(2)
 @pytest.mark.parametrize("mode,graphs", [(None, False), ("default", False), ("reduce-overhead", True)])
 def test_the_compile_mode_reaches_the_choice(mode, graphs, monkeypatch):
     seen = []
