@@ -118,12 +118,13 @@ _SUB = (operator.sub, torch.sub, aten.sub.Tensor)
 def peel_sinks(gm, x) -> Tuple[object, Optional[fx.Node]]:
     """``(s, sink)`` when the softmax input ``x`` is ``cat([s, col], -1)`` (less its row max, a shift the
     softmax ignores) with ``col`` one learned logit per head, broadcast: ``sink`` is the ``(1, H, 1, 1)``
-    (or ``(H, 1, 1)``) tensor before the broadcast. Else ``(x, None)``."""
+    (or ``(H, 1, 1)``) tensor before the broadcast. Else ``(x, None)``, or ``(s, None)`` for ``x = s - rowmax(s)``
+    without a sink column (MiMo-V2-Flash's layers without sinks: the softmax subtracts the row max itself)."""
     n = x
     if isinstance(n, fx.Node) and n.op == "call_function" and n.target in _SUB and _is_row_max(n.args[1], n.args[0]):
         n = n.args[0]
     if not (isinstance(n, fx.Node) and n.op == "call_function" and n.target in (torch.cat, aten.cat.default)):
-        return x, None
+        return n, None
     parts = n.args[0] if n.args else n.kwargs.get("tensors")
     dim = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", 0)
     if not isinstance(parts, (list, tuple)) or len(parts) != 2 or dim not in (-1, _last(n)):

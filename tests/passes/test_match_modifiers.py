@@ -56,6 +56,8 @@ def _lse_sinks(self, s, v):
 
 
 CASES = {
+    "row_max_shift_without_sink": lambda s, q, k, v, m: (lambda a: torch.softmax(a - a.max(dim=-1, keepdim=True).values, -1) @ v)(
+        q @ k.transpose(2, 3) * 0.25 + m),  # MiMo-V2-Flash's layers without sinks
     "sinks_lse_scaled": lambda s, q, k, v, m: _lse_sinks(s, q @ k.transpose(2, 3) * 0.25 + m, v),
     "softcap": lambda s, q, k, v, m: torch.softmax(_softcap(q @ k.transpose(2, 3) * D ** -0.5, s.cap) + m, -1) @ v,
     "softcap_mul_first": lambda s, q, k, v, m: torch.softmax(s.cap * torch.tanh((q @ k.transpose(2, 3)) / s.cap), -1) @ v,
@@ -117,7 +119,7 @@ def test_modifier_site_is_one_op_and_exact(name):
     spec = AttentionSpec.from_json(found[0].args[ops.ARG_INDEX["spec"]])
     want = {"softcap": 2.5 if "softcap" in name else None, "sinks": "sinks" in name}
     assert (spec.softcap, spec.sinks) == (want["softcap"], want["sinks"])
-    assert ctx.sites[0].details["modifiers"] == spec.describe_modifiers()
+    assert ctx.sites[0].details.get("modifiers", "") == spec.describe_modifiers()
     assert ("softcap" in ctx.sites[0].pattern) == ("softcap" in name)
     left = _targets(gm) & {"tanh", "softmax", "cat", "max", "logsumexp", "sigmoid"}
     assert not left, f"{name}: {left} left in the graph\n{gm.graph}"
