@@ -297,8 +297,8 @@ def _match_softmax(gm: fx.GraphModule, sm: fx.Node) -> Optional[Site]:
         notes = []
         if dim not in (-1, rank - 1):
             raise NoMatch(f"softmax over dim {dim}, not over the keys (last dim of {rank}-D logits)")
-        if rank not in (3, 4):
-            raise NoMatch(f"{rank}-D logits; attention sites are 3-D or 4-D")
+        if rank not in (3, 4, 5):
+            raise NoMatch(f"{rank}-D logits; attention sites are 3-D, 4-D or 5-D")
         for nm, t in (("query", qa), ("keys", kb), ("values", v)):
             ts = meta_shape(t)
             if ts is not None and len(ts) != rank:
@@ -325,7 +325,7 @@ def _match_softmax(gm: fx.GraphModule, sm: fx.Node) -> Optional[Site]:
     k_full, v_full = k, v
     k, gk = _peel_gqa(gm, k)
     v, gv = _peel_gqa(gm, v)
-    if gk != gv:  # k and v expanded differently: run on the expanded heads
+    if gk != gv or rank == 5:  # k and v expanded differently (or 5-D: dim 1 is not the heads): as they are
         k, v, gk = k_full, v_full, 1
     groups = gk
 
@@ -370,8 +370,8 @@ def _match_softmax(gm: fx.GraphModule, sm: fx.Node) -> Optional[Site]:
         bits.append("dropout")
     if groups > 1:
         bits.append(f"gqa x{groups}")
-    if rank == 3:
-        bits.append("3-D")
+    if rank in (3, 5):
+        bits.append(f"{rank}-D")
     site.pattern = ", ".join(b for b in bits if b)
     return site
 
@@ -958,6 +958,18 @@ def _rewrite(gm: fx.GraphModule, site: Site, ctx: CompileContext) -> None:
                 mshape = meta_shape(mask)
                 if mshape is None or len(mshape) == 3:
                     mask = g.call_method("unsqueeze", (mask, 1))
+        lead = None
+        if site.rank == 5:  # (B, n, H, N, D) (ProphetNet's n-gram streams): the op runs (B*n, H, N, D)
+            def size(t, d):
+                return infer_meta(g.call_method("size", (t, d)))
+
+            lead = (size(site.q, 0), size(site.q, 1))
+            k, v = (infer_meta(g.call_method("expand", (t, *lead, -1, -1, -1))) for t in (k, v))
+            if mask is not None:
+                full = lead + (size(site.q, 2), size(site.q, 3), size(k, 3))
+                mask = infer_meta(g.call_method("expand", (mask, *full)))
+                mask = infer_meta(g.call_method("flatten", (mask, 0, 1)))
+            q, k, v = (infer_meta(g.call_method("flatten", (t, 0, 1))) for t in (q, k, v))
         dt = meta_dtype(site.q) or meta_dtype(anchor)
         qshape = meta_shape(site.q)
         head_dim = static_int(qshape[-1]) if qshape else None
@@ -986,6 +998,8 @@ def _rewrite(gm: fx.GraphModule, site: Site, ctx: CompileContext) -> None:
         out = g.call_function(operator.getitem, (attn, 0))
         if site.rank == 3:
             out = g.call_method("squeeze", (out, 1))
+        if lead is not None:
+            out = g.call_method("unflatten", (out, 0, lead))
     out.meta.update({k: v for k, v in anchor.meta.items() if k in ("nn_module_stack", "stack_trace")})
     if "val" in anchor.meta:
         out.meta["val"] = anchor.meta["val"]

@@ -68,6 +68,7 @@ CASES = {
     "bias_inside_the_scale": lambda s, q, k, v, m: torch.softmax((q @ k.transpose(-1, -2) + m) * 0.5, -1) @ v,
     "mask_inside_the_scale": lambda s, q, k, v, m: torch.softmax((q @ k.transpose(-1, -2)).masked_fill(~m, float("-inf")) / 4.0, -1) @ v,
     "per_head_logit_scale": lambda s, q, k, v, m: torch.softmax(F.normalize(q, dim=-1) @ F.normalize(k, dim=-1).transpose(-2, -1) * s.head_scale.exp() + m, -1) @ v,  # Swin-V2
+    "five_d_streams": lambda s, q, k, v, m: torch.softmax(torch.einsum("bnhtc,bnhsc->bnhts", q, k) * 0.25 + m, -1) @ v,  # ProphetNet
     "relative_bias_no_scale": lambda s, q, k, v, m: torch.softmax((q @ k.transpose(-1, -2)) + m.float().to(q.dtype), -1, dtype=torch.float32).to(q.dtype) @ v,
     "softmax_upcast_to": lambda s, q, k, v, m: F.softmax(q @ k.transpose(-1, -2) * 0.25, dim=-1, dtype=torch.float32).type_as(q) @ v,
     "dropout_eval": lambda s, q, k, v, m: F.dropout(torch.softmax(q @ k.transpose(-1, -2), -1), 0.1, training=False) @ v,
@@ -106,6 +107,9 @@ def inputs(name, nq=N, nk=N):
     if name == "pretransposed":
         k = k.transpose(-1, -2).contiguous()
     m = None
+    if name == "five_d_streams":  # (B, n-gram stream, H, N, D), a bias per stream and position pair
+        q, k, v = (torch.randn(B, 2, *t.shape[1:], dtype=torch.float64) for t in (q, k, v))
+        return q, k, v, torch.randn(B, 2, 1, nq, nk, dtype=torch.float64)
     if name in ("additive_float", "relative_bias_no_scale", "bias_inside_the_scale", "per_head_logit_scale"):
         m = torch.randn(1, H, nq, nk, dtype=torch.float64)
     if name == "padding_expand_as_logits":

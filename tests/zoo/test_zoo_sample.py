@@ -46,10 +46,7 @@ SAMPLE = [
 ]
 
 #: "registry/model_type" -> the status and reason the sweep measured (tests/zoo/RESULTS.md)
-FAILING = {
-    "seq2seq/prophetnet": "not-rewritten: the 2 decoder self-attention sites, '5-D logits; attention sites are "
-                          "3-D or 4-D' (6 of 8 sites rewritten)",
-}
+FAILING: dict = {}
 
 
 #: what ``make test`` runs of the sample (``make zoo`` and ``make test-full``: all of it, the families that fail
