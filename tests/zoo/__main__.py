@@ -112,7 +112,7 @@ def write_markdown(data, path=RESULTS_MD):
     fams = data["families"]
     regs = list(Z.REGISTRIES)
     statuses = [s for s in ("pass", "eager-fails", "no-attention", "compile-error", "wrong-output",
-                            "sites-missing", "not-rewritten", "generate-error", "wrong-generate", "wrong-grad",
+                            "dynamo-differs", "sites-missing", "not-rewritten", "generate-error", "wrong-generate", "wrong-grad",
                             "crash", "timeout") if any(r["status"] == s for r in fams.values())]
     by = Counter((r["registry"], r["status"]) for r in fams.values())
     lines = ["# Registry sweep results", "",
