@@ -99,7 +99,7 @@ def _supports(be, spec, q, preds):
         return None if preds is None else "no predicate support"
 
 
-@pytest.mark.sample(4)
+@pytest.mark.sample(2)
 @pytest.mark.parametrize("row", MATRIX, ids=[r[0] for r in MATRIX])
 def test_parity(row):
     name, policy, kw, mask_kind, preds_kind = row

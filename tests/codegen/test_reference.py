@@ -384,7 +384,7 @@ def check_against_brute(c, dtype, seed, *, dropout_p=0.0, drop_seed=0, backward=
 # Tests.
 
 
-@pytest.mark.sample(64)
+@pytest.mark.sample(32)
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("mask_kind", MASKS)
 @pytest.mark.parametrize("pname", list(PC))
@@ -633,7 +633,7 @@ def pred_case(pname, shape, mask_kind, pred_kind, dtype, seed):
 PRED_POLICIES = ("dense", "et", "dfss_default", "dfss_3_8", "hash", "hash_exclude_self", "drop", "spion_one")
 
 
-@pytest.mark.sample(44)
+@pytest.mark.sample(22)
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("pname", PRED_POLICIES)
 @pytest.mark.parametrize("pred_kind", PREDS)

@@ -98,7 +98,7 @@ KERNEL_CHECKED_ELSEWHERE = {"plain-gqa-odd": "test_a_wrong_lse_is_seen",
                             "window-two-blocks": "test_kernel_writes_every_partial"}
 
 
-@pytest.mark.sample(6)
+@pytest.mark.sample(3)
 @pytest.mark.parametrize("name,impl,chunk", [(n, i, c) for n in CASES
                                               for i, c in (("triton", None), ("torch", 16), ("torch", None))
                                               if not (i == "triton" and n in KERNEL_CHECKED_ELSEWHERE)])

@@ -148,7 +148,7 @@ CASES = [
 ]
 
 
-@pytest.mark.sample(6)
+@pytest.mark.sample(3)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}Hq{}Hk{}Nq{}Nk{}D{}Dv{}-{}-{}-{}".format(
     *c[:7], str(c[7]).replace("torch.", ""), "causal" if c[8] else "full", c[9]))
 def test_dense_matches_reference(case):
@@ -221,7 +221,7 @@ DFSS_CASES = [
 ]
 
 
-@pytest.mark.sample(4)
+@pytest.mark.sample(2)
 @pytest.mark.parametrize("case", DFSS_CASES, ids=lambda c: "{}of{}-Nq{}Nk{}-{}-{}-{}".format(
     c[0], c[1], c[2], c[3], "causal" if c[4] else "full", c[5], str(c[6]).replace("torch.", "")))
 def test_dfss_matches_reference(case):

@@ -143,7 +143,7 @@ CASES = [
 ]
 
 
-@pytest.mark.sample(4)
+@pytest.mark.sample(3)
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_modifiers_forward_backward(case):
     _check(*case[1:])

@@ -16,7 +16,7 @@ def cp_results(request, tmp_path_factory):
                               world=request.param, timeout=300)
 
 
-@pytest.mark.sample(16)
+@pytest.mark.sample(8)
 @pytest.mark.parametrize("case", CASES)
 def test_context_parallel_matches_single_process(cp_results, case):
     tol = TOL["float32" if "float32" in case else "float64"]

@@ -372,7 +372,7 @@ def _run_hf(model, kwargs):
     return out, ctx
 
 
-@pytest.mark.sample(4)
+@pytest.mark.sample(2)
 @pytest.mark.parametrize("family,impl,side,words", HF, ids=[f"{f}-{i or 'sdpa'}-{s}" for f, i, s, _ in HF])
 def test_hf_models_masks_become_predicates(family, impl, side, words):
     model = _hf(family, impl)

@@ -131,7 +131,7 @@ def check_training(model, args, capture="dynamo"):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.sample(4)
+@pytest.mark.sample(2)
 @pytest.mark.parametrize("batch_first", [True, False])
 @pytest.mark.parametrize("need_weights", [False, None, True])
 @pytest.mark.parametrize("causal", [False, True])
