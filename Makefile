@@ -25,7 +25,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q -n $(JOBS) --durations=10 tests
 
 # Every case of every list: the tests marked @pytest.mark.sample(n), of which make test runs n, run them all
-# (the kernel interpreter's combinatorial lists, the Hugging Face populations); about an hour on 2 cores.
+# (the kernel interpreter's combinatorial lists, the Hugging Face populations); not timed yet.
 test-full: $(STAMP)
 	ATTNCOMP_TEST_FULL=1 $(PY) -m pytest -q -n $(JOBS) --durations=10 tests
 

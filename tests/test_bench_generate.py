@@ -1,8 +1,8 @@
 """``benchmarks/generate.py`` (``python -m attncomp bench generate``) in smoke mode on the CPU.
 
 Paths: eager (the reference), ``attncomp-dense`` and ``attncomp-hash``; ``hf-static`` (transformers compiles
-its decode step with Inductor: about 18 s on the 2-core CI machine) is transformers' own code, and ``drop``
-and ``dfss`` run the same code as ``hash`` (about 15 s each): left to the GPU runs. The attncomp paths
+its decode step with Inductor: this test took 29 s with it, 20-22 s without, in CI runs on the 2-core machine)
+is transformers' own code, and ``drop`` and ``dfss`` run the same code as ``hash``: left to the GPU runs. The attncomp paths
 compile without Inductor here (``ATTNCOMP_INDUCTOR=0`` from tests/conftest.py).
 """
 

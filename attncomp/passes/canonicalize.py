@@ -43,7 +43,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .base import CompileContext, PassResult
-from .node_info import infer_meta, without_guards
+from .node_info import infer_meta
 
 log = logging.getLogger(__name__)
 
@@ -363,13 +363,13 @@ def _canon_baddbmm(gm: fx.GraphModule, n: fx.Node) -> Optional[fx.Node]:
     if not all(isinstance(x, (int, float)) for x in (beta, alpha)) or None in (inp, b1, b2):
         return None
     with gm.graph.inserting_before(n):
-        mm = _with_val(gm.graph.call_function(MATMUL, (b1, b2)), n)
+        mm = infer_meta(gm.graph.call_function(MATMUL, (b1, b2)), like=n)
         if alpha != 1:
-            mm = _with_val(gm.graph.call_function(MUL, (mm, float(alpha))), n)
+            mm = infer_meta(gm.graph.call_function(MUL, (mm, float(alpha))), like=n)
         if beta == 0:
             return _swap(n, mm)
         if beta != 1:
-            inp = _with_val(gm.graph.call_function(MUL, (inp, float(beta))), n)
+            inp = infer_meta(gm.graph.call_function(MUL, (inp, float(beta))), like=n)
     return _replace(gm, n, ADD, (mm, inp))
 
 
@@ -404,21 +404,6 @@ def _canon_tri(gm: fx.GraphModule, n: fx.Node) -> Optional[fx.Node]:
         else:
             out = emit(torch.where, (keep, x, 0.0 if xv.dtype.is_floating_point else 0))
     return _swap(n, out)
-
-
-def _with_val(new: fx.Node, like: fx.Node) -> fx.Node:
-    """Shape metadata for a node built from a rewritten one: evaluated on its inputs' fake values."""
-    key = "val" if "val" in like.meta else ("example_value" if "example_value" in like.meta else None)
-    if key is None:
-        return new
-    try:
-        vals = [a.meta.get(key) if isinstance(a, fx.Node) else a for a in new.args]
-        if all(not isinstance(a, fx.Node) or isinstance(v, torch.Tensor) for a, v in zip(new.args, vals)):
-            with without_guards(vals):
-                new.meta[key] = new.target(*vals)
-    except Exception:  # metadata only: the matcher copes without it
-        pass
-    return new
 
 
 def _swap(n: fx.Node, new: fx.Node) -> fx.Node:

@@ -59,7 +59,6 @@ def measuring_allowed() -> bool:
     """Whether a call may time kernels now: ``ATTNCOMP_AUTOTUNE=1`` always, ``ATTNCOMP_AUTOTUNE=0`` never,
     unset: only once a compile with ``mode="max-autotune"`` ran in this process (:func:`allow_measuring`).
     No first call of a default compile or of the functional API measures (DESIGN.md §6)."""
-    v = get("ATTNCOMP_AUTOTUNE")
-    if v is not None and v != "":
-        return flag("ATTNCOMP_AUTOTUNE", False)
-    return _MEASURING[0]
+    if not raw("ATTNCOMP_AUTOTUNE"):  # (raw: this is read on the op's per-call path, through plan keys)
+        return _MEASURING[0]
+    return flag("ATTNCOMP_AUTOTUNE", False)
