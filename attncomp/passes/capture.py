@@ -28,7 +28,7 @@ from .base import CompileContext
 
 log = logging.getLogger(__name__)
 
-__all__ = ["capture", "CaptureError", "split_inputs"]
+__all__ = ["capture", "CaptureError", "split_inputs", "fix_dynamo_bound_methods"]
 
 
 class CaptureError(RuntimeError):
@@ -207,3 +207,61 @@ def _cache_hint(err: str) -> str:
         return ""
     return ("; the model returns a KV-cache object that torch.export cannot output: pass use_cache=False in the "
             "example inputs")
+
+
+_BOUND_FIX = []
+
+
+def fix_dynamo_bound_methods() -> bool:
+    """Make dynamo (torch 2.13) rebuild ``fn.__get__(obj)`` correctly when ``fn`` is not ``obj``'s attribute.
+
+    Dynamo names such a bound method by the source ``obj.<fn.__name__>``, as if ``fn`` were a method of
+    ``obj``'s class. RecurrentGemma binds module-level functions onto its cache inside ``forward``
+    (``cache.get_mask_sizes = _get_mask_sizes.__get__(cache)``): where the cache is an input, the compiled code
+    reads ``cache._get_mask_sizes`` to replay that store and fails with ``AttributeError`` (it would read a
+    different method where the class had one of that name). Here such a method is rebuilt as
+    ``types.MethodType(fn, obj)`` from ``fn``'s own source (a global) and ``obj``; where ``fn`` has no source, it
+    gets none (dynamo then breaks the graph before the store instead of failing). Methods that are ``obj``'s
+    attribute under that name (every method of its class) keep their source: nothing else changes.
+    Installed once per process; returns whether it is installed (False where dynamo has no such code)."""
+    if _BOUND_FIX:
+        return _BOUND_FIX[0]
+    import types
+
+    try:
+        from torch._dynamo.bytecode_transformation import create_call_function
+        from torch._dynamo.variables import functions as vf
+        orig = vf.UserFunctionVariable.tp_descr_get_impl
+        method_var = vf.UserMethodVariable
+    except (ImportError, AttributeError):
+        _BOUND_FIX.append(False)
+        return False
+
+    class BoundMethodVariable(method_var):
+        """``fn.__get__(obj)`` for an ``fn`` with a source of its own: rebuilt as ``MethodType(fn, obj)``."""
+
+        def reconstruct(self, codegen) -> None:
+            codegen.add_push_null(lambda: codegen.load_import_from("types", "MethodType"))
+            codegen(vf.UserFunctionVariable(self.fn, source=self.source_fn))
+            codegen(self.obj)
+            codegen.extend_output(create_call_function(2, False))
+
+    def tp_descr_get_impl(self, tx, obj, owner):
+        out = orig(self, tx, obj, owner)
+        value = getattr(obj, "value", None)
+        if getattr(out, "source", None) is None or value is None or type(out) is not method_var:
+            return out
+        try:
+            attr = inspect.getattr_static(value, self.fn.__name__, None)
+        except Exception:  # noqa: BLE001 (an object that resists static lookup: dynamo's own behaviour)
+            return out
+        if attr is self.fn or (isinstance(attr, types.MethodType) and attr.__func__ is self.fn
+                               and attr.__self__ is value):
+            return out
+        cls = BoundMethodVariable if self.source is not None else method_var
+        return cls(self.fn, obj, source_fn=self.source, source=None)
+
+    tp_descr_get_impl.__wrapped__ = orig
+    vf.UserFunctionVariable.tp_descr_get_impl = tp_descr_get_impl
+    _BOUND_FIX.append(True)
+    return True

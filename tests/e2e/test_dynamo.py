@@ -151,3 +151,53 @@ def test_parameter_keys_left_alone_under_dynamo():
     assert rel_err(got, want) < TOL
     direct = attncomp.report(attncomp.compile(model, example_inputs=(x,)))
     assert direct.rewritten == 0
+
+
+class _Cache:
+    """A cache object given to ``forward``, as generate() gives transformers' DynamicCache."""
+
+    def __init__(self, n=3):
+        self.n = n
+
+    def size(self):
+        return self.n
+
+
+def _bound_size(self):
+    return self.n + 1
+
+
+class BindsOnCache(nn.Module):
+    """RecurrentGemma's forward binds a module-level function onto the cache it is given
+    (``cache.get_mask_sizes = _get_mask_sizes.__get__(cache)``) and calls it; a graph break follows, so the
+    compiled code replays the store."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = MHA()
+
+    def forward(self, x, keep, cache):
+        cache.size = _bound_size.__get__(cache)
+        y = self.attn(x, keep) * cache.size()
+        torch._dynamo.graph_break()
+        return y + 1
+
+
+@pytest.mark.parametrize("route", ["compile", "backend"])
+def test_function_bound_onto_an_input_object(route):
+    """Dynamo (torch 2.13) named ``_bound_size.__get__(cache)`` ``cache._bound_size`` and the compiled call
+    failed with AttributeError; the method is rebuilt from the function and the object instead."""
+    model = BindsOnCache().eval()
+    x, keep = torch.randn(2, 9, 32), _keep(2, 9)
+    if route == "compile":
+        fast = reported = attncomp.compile(model, policy="dense")
+    else:
+        reported = attncomp.backend(policy="dense")
+        fast = torch.compile(model, backend=reported)
+    cache = _Cache()
+    with torch.no_grad():
+        want = model(x, keep, _Cache())
+        got = fast(x, keep, cache)
+    assert rel_err(got, want) < TOL
+    assert cache.size.__func__ is _bound_size and cache.size.__self__ is cache and cache.size() == 4
+    assert attncomp.report(reported).rewritten == 1
