@@ -169,14 +169,6 @@ class _GraphCompiler:
         from torch._inductor.compile_fx import compile_fx
 
         patches = dict(torch._inductor.list_mode_options(self.mode)) if self.mode else {}
-        if patches.get("triton.cudagraphs") and _returns_allocated(gm):
-            # a graph that allocates state its caller keeps (a static KV cache's storage, made by the prefill's
-            # lazy initialisation): as a CUDA graph its outputs would live in the graph's pool and the next
-            # replay would overwrite them; it runs without (the decode steps that then read the cache still
-            # replay as CUDA graphs)
-            patches["triton.cudagraphs"] = False
-            ctx.notes.append(f"graph {len(self.graphs) - 1}: returns tensors it allocates (a cache's storage): "
-                             "not run as a CUDA graph")
         patches["post_grad_custom_post_pass"] = _op_revision_pass()
         # SDPA sites become traced SDPA calls in Inductor's copy of the graph only (the graph kept
         # above, and exports, keep the op)
@@ -264,33 +256,6 @@ class _GraphCompiler:
                              f"{STORM} times, then runs it without attncomp); last failed guard: "
                              f"{' '.join(fails[-1].split())[:300] if fails else 'unknown'}")
         return rep
-
-
-#: factory functions whose result is new storage (a graph returning one, filled in place or not, allocates state)
-_FACTORIES = {torch.zeros, torch.ones, torch.empty, torch.full, torch.zeros_like, torch.ones_like, torch.empty_like,
-              torch.full_like}
-
-
-def _returns_allocated(gm: fx.GraphModule) -> bool:
-    """Whether the graph returns a tensor it allocated with a factory function (possibly written in place since:
-    ``index_copy_``, ``copy_``, ``fill_``, ...), as a static cache's lazy initialisation does. Only new storage
-    counts: a result computed from the inputs does not."""
-    out = next((n for n in gm.graph.nodes if n.op == "output"), None)
-    if out is None:
-        return False
-    for n in _flat_nodes(out.args):
-        while (n.op == "call_method" and n.target.endswith("_") and not n.target.startswith("__")
-               and n.args and isinstance(n.args[0], fx.Node)):
-            n = n.args[0]  # an in-place method returns its receiver
-        if n.op == "call_function" and n.target in _FACTORIES:
-            return True
-    return False
-
-
-def _flat_nodes(args) -> List[fx.Node]:
-    found: List[fx.Node] = []
-    fx.node.map_arg(args, found.append)
-    return found
 
 
 def _real_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Optional[Dict[str, Any]]:
