@@ -318,6 +318,7 @@ BENCHMARKS = {
     "kernels": "attention kernels against SDPA, FlexAttention and the unfused chain (--backend tvm: TVM's kernels)",
     "models": "compiled Hugging Face models end to end against eager and torch.compile",
     "generate": "generate(): tokens/s, first-call time and per-step logits against eager and the static cache",
+    "decode": "one decoding step's attention against a long KV cache, per policy, as a fraction of HBM bandwidth",
     "distributed": "DDP/FSDP2 training steps and context-parallel attention over several processes",
     "quality": "validation loss against wall-clock time per policy for the same model and budget",
     "tables": "print the markdown tables of benchmarks/README.md from the results files",

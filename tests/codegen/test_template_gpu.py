@@ -250,6 +250,38 @@ def test_modifiers_on_gpu(_setup, case, dtype):
     _run_mods(_setup, *case, 2, 4, 2, 333, 405, 64, dtype)
 
 
+# decoding steps (the split-KV decode kernels, then the template's backward): policy, predicates, mask, modifiers,
+# B, Hq, Hk, Nq, Nk, D
+_DECODE_CASES = [
+    ("dense", ("bottom_right",), "none", (), 4, 32, 8, 1, 4099, 128),
+    ("dense", ("bottom_right", "k_valid"), "bool", ("alibi", "softcap", "sinks"), 2, 8, 2, 3, 3001, 64),
+    ("dense", ("segments", "q_valid"), "none", (), 1, 16, 1, 2, 777, 256),
+    ("dfss", ("bottom_right",), "none", (), 2, 8, 2, 1, 2050, 128),
+    ("hash", ("bottom_right", "k_valid"), "none", ("rel",), 2, 8, 2, 1, 1999, 64),
+    ("drop", ("bottom_right",), "none", ("sinks",), 2, 8, 1, 4, 2500, 128),
+    ("spion", ("window",), "float", (), 1, 4, 2, 5, 1500, 64),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=dtype_name)
+@pytest.mark.parametrize("case", _DECODE_CASES,
+                         ids=lambda c: "-".join([c[0], "+".join(c[1]), c[2], "+".join(c[3]) or "nomod", f"Nq{c[7]}"]))
+def test_decode_on_gpu(_setup, monkeypatch, case, dtype):
+    """A decoding step runs the decode kernels (workspaces poisoned) and equals the reference, its backward too."""
+    from attncomp.codegen.triton import decode as DEC
+
+    monkeypatch.setattr(DEC, "_empty", poisoned_empty)
+    calls = []
+    real = DEC.decode_forward
+    monkeypatch.setattr(DEC, "decode_forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    policy, kinds, mask_kind, names, *sizes = case
+    if names:
+        _run_mods(_setup, *case, dtype)
+    else:
+        _run(_setup, policy, kinds, mask_kind, *sizes, dtype)
+    assert len(calls) == 1
+
+
 @pytest.mark.parametrize("D", [64, 128])
 def test_modifiers_with_atomic_dq_candidates(_setup, monkeypatch, D):
     """Every one-launch backward candidate (dQ added in the dK/dV pass) with all four modifiers, forced."""

@@ -46,7 +46,7 @@ from .layout import (GK_IDS, KV_COPY_PAD, Layout, counting_layout, derive_layout
 from .schedule import tile_lists, tile_summaries
 from .template import (MODE_DKDV, MODE_DQ, MODE_FWD, POLICY_DENSE, POLICY_DFSS, POLICY_SORTED, POLICY_SPION,
                        POS_ARANGE, POS_NONE, POS_VECTOR, SCHED_LIST, SCHED_RANGE, SCHED_SPAN)
-from . import cugraph, launch as launch_mod, layout as _layout_mod, record, template
+from . import cugraph, decode, launch as launch_mod, layout as _layout_mod, record, template
 from .launch import FastLaunch
 
 __all__ = ["TritonBackend", "attention_forward", "attention_backward", "Site", "draw_keep", "spec_window"]
@@ -109,10 +109,11 @@ class Site:
 
     def __init__(self, spec: AttentionSpec, q, k, v, attn_mask, dropout_p: float, seed: int, preds=None,
                  q_aux=None, k_aux=None, block_pattern=None, layout: Optional[Layout] = None,
-                 sorted_kv: bool = False, mods: Optional[Modifiers] = None):
+                 sorted_kv: bool = False, mods: Optional[Modifiers] = None, unsorted: bool = False):
         """``sorted_kv``: a forward's site, which may read a ``drop`` layout's sorted K/V copies
         (:attr:`kv_sorted`); the backward's never does. ``mods``: the tensors of the spec's score
-        modifiers (DESIGN.md §4.2)."""
+        modifiers (DESIGN.md §4.2). ``unsorted``: a decode kernel's site (:mod:`.decode`), which applies
+        ``hash``'s and ``drop``'s keep rules per logit: no sorted layout is built."""
         self.B, self.Hq, self.Nq, self.D = (int(s) for s in q.shape)
         self.Hk, self.Nk, self.Dv = int(k.shape[1]), int(k.shape[2]), int(v.shape[-1])
         self.groups = self.Hq // self.Hk
@@ -121,6 +122,8 @@ class Site:
         self.scale = _scale(spec, self.D)
         pol = spec.policy
         self.policy = _POLICIES[pol.name]
+        if unsorted and self.policy == POLICY_SORTED:
+            self.policy = POLICY_DENSE
         if isinstance(pol, DFSS):
             r = pol.resolved(spec.torch_dtype() or q.dtype)
             self.nm_n, self.nm_m = r.n, r.m
@@ -500,6 +503,10 @@ def attention_forward(spec: AttentionSpec, q, k, v, attn_mask=None, dropout_p: f
     tensors of the spec's score modifiers (DESIGN.md §4.2); a site with modifiers takes no launch plan
     (its tables and learnable tensors are the call's own) and no Gluon kernel."""
     _TAKEN.plan = None
+    if config is None and layout is None and decode.eligible(spec, q, k, dropout_p):
+        if check is not None:
+            check()
+        return _decode_forward(spec, q, k, v, attn_mask, seed, preds, q_aux, k_aux, block_pattern, mods)
     if spec.modifiers():
         if config is not None and config.get("KERNEL") == "gluon":
             raise ValueError(f"config {config} asks for the Gluon forward, which cannot run this call: score "
@@ -569,6 +576,16 @@ def attention_forward(spec: AttentionSpec, q, k, v, attn_mask=None, dropout_p: f
         _put(_PLANS, key, plan, _MAX_PLANS)
         if as_given:
             _TAKEN.plan = plan
+    return out, lse
+
+
+def _decode_forward(spec, q, k, v, attn_mask, seed, preds, q_aux, k_aux, block_pattern, mods):
+    """``(out, lse)`` of a decoding step through :mod:`.decode`'s split-KV kernels."""
+    q, k, v = _last_contiguous(q), _last_contiguous(k), _last_contiguous(v)
+    site = Site(spec, q, k, v, attn_mask, 0.0, seed, preds, block_pattern=block_pattern, mods=mods, unsorted=True)
+    out = _out_empty(q, site.Dv)
+    lse = _empty((site.B, site.Hq, site.Nq), torch.float32, q.device)
+    decode.decode_forward(site, spec, q, k, v, out, lse, q_aux, k_aux, seed)
     return out, lse
 
 

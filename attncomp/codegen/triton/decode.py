@@ -1,0 +1,297 @@
+"""The decode kernel: few queries against a long key cache, split over the keys (DESIGN §6, Generation).
+
+A decoding step has ``Nq <= 16`` queries and ``Nk`` cached keys. The template's forward gives such a call
+one program per (query tile, batch x query head): ``B * Hq`` programs, each streaming the whole cache, and
+under GQA every query head of a group reads its KV head's keys again. Here:
+
+* **one program per (split of the keys, batch x KV head)**: the ``GROUPS * Nq`` query rows of a KV head's
+  group (every query head, every query) are one tile of rows, so each K/V tile is read once for the whole
+  group; the keys are cut into ``n_split`` contiguous runs of tiles so that ``B * Hk * n_split`` programs
+  fill the GPU however small ``B * Hk`` is (flash-decoding);
+* each program writes its run's running max, sum and unnormalised output (float32) to a workspace, and
+  :func:`_decode_merge` combines the runs of each row by their log-sum-exp into ``out`` and ``lse``.
+
+Everything else is the template's: the §4.1 predicates, the residual mask, the score modifiers and the
+policies' keep rules through :func:`.template._entry` and :func:`.template._modify` (each query row carries its
+own head), so a decode step keeps exactly what the template (and the reference) keeps. ``hash`` and ``drop``
+run without a sorted layout: a key's LSH bucket is computed from the key tile already in registers
+(:func:`.layout._lsh_code`, the layout kernels' code) and a ``drop`` keep bit from the token's position hash
+(as :func:`.layout._group_ids`), or both are read from the policy tensors the caller gave. Every key tile is
+read; tiles that the position window excludes are skipped.
+
+The forward only: a backward through a decode call runs the template's passes on the ``lse`` this writes.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ...opspec import half_given_aux
+from ...policy import Drop, Hash
+from ...spec import AttentionSpec
+from .common import LOG2E, _dot, _uniform_hash, cdiv, next_pow2
+from .configs import interpret_mode
+from .layout import _lsh_code, _rotation_on, draw_words
+from .template import _entry, _key_order, _load_tile, _modify, _span, _tok_vals
+
+__all__ = ["MAX_QUERIES", "MAX_ROWS", "eligible", "decode_forward"]
+
+#: queries per call at most (a decoding step, or a few speculative tokens)
+MAX_QUERIES = 16
+#: query rows of one KV head's group at most (``GROUPS * Nq``): one tile of rows
+MAX_ROWS = 64
+#: programs to aim for per GPU (split count = this over ``B * Hk``, at most one split per key tile)
+_TARGET_PROGRAMS = 264
+
+def _empty(shape, dtype, device, strides=None) -> torch.Tensor:
+    """The workspaces come from here (tests swap it for a NaN-filling one)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+AUX_NONE = 0
+AUX_BUCKETS = 1  # hash: buckets given (q_aux, k_aux int)
+AUX_KEEP = 2     # drop: keep masks given (q_aux, k_aux bool)
+AUX_LSH = 3      # hash: buckets computed in the kernel
+AUX_DRAW = 4     # drop: keep bits drawn in the kernel
+
+
+@triton.jit
+def _keep_bits(Aux, row, offs, valid, n, rate, seed_word, pos_off, AUX: tl.constexpr):
+    """``drop``'s keep bits of tokens ``offs`` of one side's row ``b * H + h``: given, or drawn as the
+    layout kernels draw them (:func:`.layout._group_ids`)."""
+    if AUX == 2:
+        return tl.load(Aux + row.to(tl.int64) * n + offs, mask=valid, other=0) != 0
+    else:
+        u = _uniform_hash(seed_word, (row.to(tl.int64) * 65537 + offs + pos_off).to(tl.uint32))
+        return u >= rate
+
+
+@triton.jit(do_not_specialize=["pos_off", "win_left", "win_right", "q_seed", "k_seed"])
+def _decode_split(
+    Q, K, V, MWs, LWs, AccWs, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
+    QPerm, KPerm, Lo, Hi, QPos, KPos, QSeg, KSeg, QVal, KVal, Mask, Pat, List, Cnt,
+    s_qpos, s_kpos, s_qseg, s_kseg, s_qval, s_kval, smb, smh, smm, smn, sph, spr, spc, slb, slh, slt, scb, sch,
+    pos_off, win_left, win_right, Hq, Nq, Nk, qk_scale, sm_scale, tiles_per_split,
+    Slopes, Lut, Sinks, DSlopes, DLut, softcap, rel_md,
+    QAux, KAux, Rot, q_rate, k_rate, q_seed, k_seed,
+    GROUPS: tl.constexpr, HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr,
+    CHECK_K: tl.constexpr, POLICY: tl.constexpr, NM_N: tl.constexpr, NM_M: tl.constexpr,
+    EXCLUDE_SELF: tl.constexpr, PRESCALE: tl.constexpr, POS: tl.constexpr, HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr, SEG: tl.constexpr, QVAL: tl.constexpr, KVAL: tl.constexpr, SPION_BS: tl.constexpr,
+    ALIBI: tl.constexpr = False, REL: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
+    MPOS: tl.constexpr = False, AUX: tl.constexpr = 0, NB2: tl.constexpr = 1, NB2P: tl.constexpr = 16,
+    XS: tl.constexpr = 0,
+):
+    """One run of key tiles of one (batch, KV head): the online softmax of its group's query rows over
+    them, written unnormalised to the workspace (``MWs``/``LWs``: ``(B * Hk, n_split, BLOCK_M)`` running
+    max in log2 units and sum; ``AccWs``: ``(B * Hk, n_split, BLOCK_M, BLOCK_DV)``)."""
+    MODS: tl.constexpr = ALIBI or REL or SOFTCAP
+    TPOS: tl.constexpr = 2 if MPOS else POS
+    split = tl.program_id(0)
+    bhk = tl.program_id(1)
+    Hk = Hq // GROUPS
+    b = bhk // Hk
+    hk = bhk % Hk
+    # row r of the tile: query r % Nq of head hk * GROUPS + r // Nq (rows past the group read head hk's
+    # first query and are never stored)
+    r = tl.arange(0, BLOCK_M)
+    rval = r < GROUPS * Nq
+    qi = tl.where(rval, r % Nq, 0)
+    h = hk * GROUPS + tl.where(rval, r // Nq, 0)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(Q + b.to(tl.int64) * sqb + h[:, None].to(tl.int64) * sqh + qi[:, None].to(tl.int64) * sqm
+                + offs_d[None, :], mask=rval[:, None] & (offs_d[None, :] < HEAD_D), other=0.0)
+    qp, qs, qv = _tok_vals(qi, rval, b, QPos, s_qpos, QSeg, s_qseg, QVal, s_qval, pos_off, TPOS, SEG, QVAL)
+    qrow = b * Hq + h
+    if AUX == 1:
+        qg = tl.load(QAux + qrow.to(tl.int64) * Nq + qi, mask=rval, other=0)
+    elif AUX == 3:
+        qg = _lsh_code(q, Rot, hk, Hk, BLOCK_M, HEAD_D, BLOCK_D, NB2, NB2P, XS)
+    elif AUX == 2 or AUX == 4:
+        # queries shorter than keys are the last Nq positions (as the layout kernels draw them)
+        qg = _keep_bits(QAux, qrow, qi, rval, Nq, q_rate, q_seed, tl.where(Nq < Nk, Nk - Nq, 0), AUX)
+    else:
+        qg = qi
+    if PRESCALE:
+        sc = 1.0
+    else:
+        sc = qk_scale
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    # the key tiles the window reaches from any of the queries, within this split's run
+    n_lo, n_hi = _span(0, Nq - 1, pos_off, win_left, win_right, BLOCK_N, tl.cdiv(Nk, BLOCK_N), POS, HAS_LEFT,
+                       HAS_RIGHT)
+    t_lo = tl.maximum(split * tiles_per_split, n_lo)
+    t_hi = tl.minimum(split * tiles_per_split + tiles_per_split, n_hi)
+    k_base = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
+    v_base = V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
+    krow = b * Hk + hk
+    for t in range(t_lo, t_hi):
+        start_n = t * BLOCK_N
+        offs_n = start_n + _key_order(BLOCK_N, NM_M)
+        nval = offs_n < Nk
+        kT = _load_tile(k_base, offs_n, nval, skn, offs_d, HEAD_D, BLOCK_D, CHECK_K, True)
+        kp, ks, kv = _tok_vals(offs_n, nval, b, KPos, s_kpos, KSeg, s_kseg, KVal, s_kval, 0, TPOS, SEG, KVAL)
+        qk = _dot(q, kT, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32))
+        if MODS:
+            qk, tc, rel = _modify(qk, qp[:, None], kp[None, :], h[:, None], Slopes, Lut, sm_scale, softcap, rel_md,
+                                  Hq, ALIBI, REL, SOFTCAP)
+            esc = 1.0
+        else:
+            esc = qk_scale
+        s = _entry(qk, qi[:, None], offs_n[None, :], qi[:, None], offs_n[None, :], qp[:, None], qs[:, None],
+                   qv[:, None], qi[:, None], qi[:, None], kp[None, :], ks[None, :], kv[None, :], b, h[:, None], True,
+                   start_n, Mask, smb, smh, smm, smn, Pat, sph, spr, spc, Nq, Nk, win_left, win_right, esc,
+                   BLOCK_M, BLOCK_N, MASK_KIND, CHECK_K, POLICY, NM_N, NM_M, EXCLUDE_SELF, POS, HAS_LEFT,
+                   HAS_RIGHT, SEG, QVAL, KVAL, SPION_BS, False, PRESCALE)
+        if AUX == 1:
+            kg = tl.load(KAux + krow.to(tl.int64) * Nk + offs_n, mask=nval, other=0)
+            s = tl.where(qg[:, None] == kg[None, :], s, float("-inf"))
+        elif AUX == 3:
+            kg = _lsh_code(tl.trans(kT), Rot, hk, Hk, BLOCK_N, HEAD_D, BLOCK_D, NB2, NB2P, XS)
+            s = tl.where(qg[:, None] == kg[None, :], s, float("-inf"))
+        elif AUX == 2 or AUX == 4:
+            kk = _keep_bits(KAux, krow, offs_n, nval, Nk, k_rate, k_seed, 0, AUX)
+            s = tl.where(qg[:, None] & kk[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * sc)
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_sub)
+        p = tl.math.exp2(s * sc - m_sub[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load_tile(v_base, offs_n, nval, svn, offs_dv, HEAD_DV, BLOCK_DV, CHECK_K, False)
+        acc = _dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+    ws = (bhk.to(tl.int64) * tl.num_programs(0) + split) * BLOCK_M
+    tl.store(MWs + ws + r, m_i)
+    tl.store(LWs + ws + r, l_i)
+    tl.store(AccWs + (ws + r[:, None]) * BLOCK_DV + offs_dv[None, :], acc)
+
+
+@triton.jit
+def _decode_merge(MWs, LWs, AccWs, O, Lse, Sinks, sob, soh, som, Hq, Nq, n_split,
+                  GROUPS: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+                  S_P2: tl.constexpr, SINKS: tl.constexpr):
+    """``out`` and the natural-log ``lse`` of one query row (program ``(row, b * Hk + hk)``) from its
+    splits' partial results: each run's sum and output weighted by ``exp2(m_run - m)``; a row that keeps
+    no key outputs 0 (``lse = -inf``, or the sink's logit where the site has sinks, as the template)."""
+    r = tl.program_id(0)
+    bhk = tl.program_id(1)
+    if r < GROUPS * Nq:
+        Hk = Hq // GROUPS
+        b = bhk // Hk
+        h = (bhk % Hk) * GROUPS + r // Nq
+        i = r % Nq
+        sp = tl.arange(0, S_P2)
+        sval = sp < n_split
+        ws = (bhk.to(tl.int64) * n_split + sp) * BLOCK_M + r
+        m = tl.load(MWs + ws, mask=sval, other=float("-inf"))
+        l = tl.load(LWs + ws, mask=sval, other=0.0)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        acc = tl.load(AccWs + ws[:, None] * BLOCK_DV + offs_dv[None, :], mask=sval[:, None], other=0.0)
+        m_max = tl.max(m, 0)
+        m_sub = tl.where(m_max == float("-inf"), 0.0, m_max)
+        w = tl.math.exp2(m - m_sub)
+        l_sum = tl.sum(l * w, 0)
+        o = tl.sum(acc * w[:, None], 0)
+        if SINKS:
+            sink = tl.load(Sinks + h).to(tl.float32) * 1.4426950408889634
+            m_f = tl.maximum(m_max, sink)
+            alpha = tl.math.exp2(m_sub - m_f)
+            l_f = l_sum * alpha + tl.math.exp2(sink - m_f)
+            lse = (m_f + tl.math.log2(l_f)) * 0.6931471805599453
+            o = o * (alpha / l_f)
+        else:
+            empty = l_sum == 0.0
+            l_safe = tl.where(empty, 1.0, l_sum)
+            lse = tl.where(empty, float("-inf"), (m_sub + tl.math.log2(l_safe)) * 0.6931471805599453)
+            o = o / l_safe
+        tl.store(Lse + (b * Hq + h).to(tl.int64) * Nq + i, lse)
+        optr = O + b.to(tl.int64) * sob + h.to(tl.int64) * soh + i.to(tl.int64) * som + offs_dv
+        tl.store(optr, o.to(O.dtype.element_ty), mask=offs_dv < HEAD_DV)
+
+
+def eligible(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, dropout_p: float) -> bool:
+    """Whether a forward call is a decoding step this kernel runs: at most :data:`MAX_QUERIES` queries,
+    fewer than the keys, at most :data:`MAX_ROWS` rows per KV head's group, no dropout."""
+    Nq, Nk = int(q.shape[2]), int(k.shape[2])
+    return (0 < Nq <= MAX_QUERIES and Nk > Nq and dropout_p == 0.0 and q.shape[0] * q.shape[1] > 0
+            and (q.shape[1] // k.shape[1]) * Nq <= MAX_ROWS)
+
+
+def _config(site, interp: bool) -> dict:
+    """The launch configuration: on the H200 at D=128, bf16, 8 KV heads and 32k keys, 64-key tiles with 2 warps
+    and 2 stages were within 4% of the best of 108 configurations at B = 1, 8 and 32 (``python -m attncomp bench
+    decode --sweep``); larger head dims take 32-key tiles and 4 warps (registers)."""
+    if interp:
+        return dict(BLOCK_N=16 if site.nm_m <= 4 else 32, num_warps=1, num_stages=1)
+    if site.block_d > 128:
+        return dict(BLOCK_N=max(32, 4 * site.nm_m), num_warps=4, num_stages=2)
+    return dict(BLOCK_N=max(64, 4 * site.nm_m), num_warps=2, num_stages=2)
+
+
+def decode_forward(site, spec: AttentionSpec, q, k, v, out, lse, q_aux=None, k_aux=None, seed: Optional[int] = None,
+                   config: Optional[dict] = None, n_split: Optional[int] = None) -> None:
+    """Run the decode kernels for ``site`` (a :class:`.backend.Site` built with a policy that needs no
+    sorted layout: ``hash`` and ``drop`` come as ``spec``'s policy), writing ``out`` and ``lse``.
+    ``config``/``n_split``: a launch configuration and split count instead of the defaults (tests, tuning)."""
+    B, Hq, Nq, Nk, G = site.B, site.Hq, site.Nq, site.Nk, site.groups
+    Hk = Hq // G
+    interp = interpret_mode()
+    cfg = dict(_config(site, interp), **(config or {}))
+    bn = cfg["BLOCK_N"]
+    bm = max(16, next_pow2(G * Nq))
+    n_tiles = cdiv(Nk, bn)
+    if n_split is None:
+        n_split = max(1, min(n_tiles, cdiv(_TARGET_PROGRAMS, B * Hk), 128))
+    tps = cdiv(n_tiles, n_split)
+    n_split = cdiv(n_tiles, tps)
+    dev = q.device
+    mws = _empty((B * Hk, n_split, bm), torch.float32, dev)
+    lws = _empty((B * Hk, n_split, bm), torch.float32, dev)
+    aws = _empty((B * Hk, n_split, bm, site.block_dv), torch.float32, dev)
+
+    pol = spec.policy
+    if (q_aux is None) != (k_aux is None) and isinstance(pol, (Hash, Drop)):
+        raise half_given_aux(pol)
+    aux, rot, qw, kw, nb2 = AUX_NONE, q, 0, 0, 1
+    q_rate = k_rate = 0.0
+    if isinstance(pol, Hash):
+        if q_aux is not None:
+            aux = AUX_BUCKETS
+        else:
+            aux, rot, nb2 = AUX_LSH, _rotation_on(site.D, pol.n_buckets, Hk, pol.seed, dev), pol.n_buckets // 2
+    elif isinstance(pol, Drop):
+        if q_aux is not None:
+            aux = AUX_KEEP
+            q_aux, k_aux = (t.contiguous().view(torch.uint8) if t.dtype == torch.bool else t.contiguous()
+                            for t in (q_aux, k_aux))
+        else:
+            aux = AUX_DRAW
+            qw, kw = draw_words(pol.seed if seed is None else seed)
+        q_rate, k_rate = float(pol.q_rate), float(pol.k_rate)
+    if aux == AUX_BUCKETS:
+        q_aux, k_aux = q_aux.contiguous(), k_aux.contiguous()
+    xs = 0 if interp else {torch.bfloat16: 1, torch.float16: 2}.get(q.dtype, 3)
+    meta = site.meta(bm, bn)
+    for key in ("SCHED", "DROPOUT", "CHECK_Q", "SINKS"):
+        meta.pop(key, None)
+    meta["CHECK_K"] = Nk % bn != 0
+    dummy = q
+    _decode_split[(n_split, B * Hk)](
+        q, k, v, mws, lws, aws, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *site.pred_args(None, None),
+        Hq, Nq, Nk, site.scale * LOG2E, site.scale, tps, *site.mod_args(),
+        dummy if q_aux is None else q_aux, dummy if k_aux is None else k_aux, rot, q_rate, k_rate, qw, kw,
+        BLOCK_M=bm, BLOCK_N=bn, AUX=aux, NB2=nb2, NB2P=max(16, next_pow2(nb2)), XS=xs,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **meta)
+    _decode_merge[(bm, B * Hk)](
+        mws, lws, aws, out, lse, dummy if site.sink_t is None else site.sink_t, *out.stride()[:3], Hq, Nq, n_split,
+        GROUPS=G, HEAD_DV=site.Dv, BLOCK_DV=site.block_dv, BLOCK_M=bm, S_P2=max(2, next_pow2(n_split)),
+        SINKS=site.sinks, num_warps=1 if interp else 4)
