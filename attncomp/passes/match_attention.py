@@ -12,7 +12,9 @@ scalar expressions of the head dim (``d ** -0.5``, ``sqrt(d)``); a scale compute
 values is applied to q with a multiply instead. Masks: additive float tensors (summed), boolean
 exclusions from ``where``/``masked_fill`` with a fill at or below -1e4 (``-inf``, ``finfo.min``), a
 constant lower-triangular buffer sliced from the top left (GPT-2's registered ``bias``), which becomes
-``causal=True``. GQA expansions of k and v (``repeat_interleave`` on dim 1, ``expand`` + ``reshape``)
+``causal=True``. Zeros the graph makes (``torch.zeros``, ``zeros_like``, ``new_zeros``: ``baddbmm``'s input
+on GPT-NeoX-Japanese) added to logits of their shape are no bias; a bias that broadcasts the logits to a
+larger shape (more heads than q has) leaves the site unmatched. GQA expansions of k and v (``repeat_interleave`` on dim 1, ``expand`` + ``reshape``)
 are undone so the op sees the KV heads. 3-D (``bmm``-style) sites run as 4-D with one head.
 Score modifiers (DESIGN.md §4.2, :mod:`.score_modifiers`): a soft-cap ``c * tanh(s / c)`` between the
 scaled product and the mask, and a per-head sink column concatenated before the softmax (less its row max)
@@ -200,6 +202,11 @@ def _match_softmax(gm: fx.GraphModule, sm: fx.Node) -> Optional[Site]:
             chain, bias = (a, b) if ra else (b, a)
             if meta_dtype(bias) == torch.bool:
                 raise NoMatch("a boolean tensor is added to the logits")
+            if _widens(cur, chain):
+                raise NoMatch(f"the bias {getattr(bias, 'name', bias)} broadcasts the logits to a larger shape")
+            if _adds_zeros(cur, chain, bias):  # baddbmm(zeros, q, kT): GPT-NeoX-Japanese's logits
+                cur = chain
+                continue
             if not isinstance(bias, (int, float)):  # a constant shift changes no softmax
                 biases.append(bias)
                 bias_scales.append(_outer_scale(gm, scale_factors, "a bias is added"))
@@ -374,6 +381,46 @@ def _match_softmax(gm: fx.GraphModule, sm: fx.Node) -> Optional[Site]:
         bits.append(f"{rank}-D")
     site.pattern = ", ".join(b for b in bits if b)
     return site
+
+
+_ZEROS = {torch.zeros, torch.zeros_like, aten.zeros.default, aten.zeros_like.default}
+_SAME_VALUES = {"view", "reshape", "unflatten", "flatten", "expand", "contiguous"}
+
+
+def _is_zeros(n, depth: int = 0) -> bool:
+    """Whether ``n`` is a tensor of zeros the graph makes (``zeros``, ``zeros_like``, ``new_zeros``), seen
+    through views, expansions and casts."""
+    if not isinstance(n, fx.Node) or depth > 16:
+        return False
+    if n.op == "call_function" and n.target in _ZEROS:
+        return "out" not in n.kwargs
+    if n.op == "call_method" and n.target == "new_zeros":
+        return True
+    if is_cast(n) or (n.op == "call_method" and n.target in _SAME_VALUES) \
+            or (n.op == "call_function" and n.target in (torch.reshape, torch.flatten, torch.unflatten)):
+        return _is_zeros(n.args[0], depth + 1)
+    return False
+
+
+def _adds_zeros(total: fx.Node, logits: fx.Node, bias) -> bool:
+    """Whether ``total = logits + bias`` adds a tensor of zeros that does not broadcast the logits to a
+    larger shape: the sum has the logits' values (a -0.0 becomes +0.0; the softmax sees the same exp)."""
+    if not _is_zeros(bias):
+        return False
+    st, sl = meta_shape(total), meta_shape(logits)
+    return st is not None and sl is not None and len(st) == len(sl) and all(same_dim(a, b) for a, b in zip(st, sl)) \
+        and meta_dtype(total) == meta_dtype(logits)
+
+
+def _widens(total: fx.Node, logits: fx.Node) -> bool:
+    """Whether ``total`` (logits plus a bias) is provably larger than ``logits``: more dims, or a size-1 dim
+    of the logits broadcast to more (the op's output would have q's heads and batch, not the sum's)."""
+    st, sl = meta_shape(total), meta_shape(logits)
+    if st is None or sl is None:
+        return False
+    if len(st) > len(sl):
+        return True
+    return any(static_int(b) == 1 and static_int(a) != 1 for a, b in zip(st[::-1], sl[::-1]))
 
 
 def _reaches_matmul(n, depth: int = 0) -> bool:

@@ -8,13 +8,14 @@ viewed as ``(B, H, Nq, Nk)`` on the way, to add a ``(B, 1, Nq, Nk)`` mask or to 
     s = s.view(B, H, Nq, Nk) [+ mask] [max(s, finfo.min)] [.view(B*H, Nq, Nk)]   (views in any order)
     p = softmax(s, -1) [.to()] [dropout] [.view(...)]
     o = matmul(p3, v3)                          v3 (B*H, Nk, Dv)
+    o = matmul(p4, v4)                          or p viewed as (B, H, Nq, Nk), v4 (B, H, Nk, Dv)
 
 Requires: :mod:`.canonicalize` ran; shape metadata (``val``/``example_value``) on the nodes of the site.
 
 Guarantees: the site is rewritten to the same computation on ``(B, H, ., .)`` tensors: q, k and v (and
 ``(B*H, ...)`` biases) are unflattened (``unflatten(0, (-1, H))``, the inverse of the model's merge), the
-views between the two products become no-ops, and the product with v is flattened back to ``(B*H, Nq,
-Dv)`` for its users, so :mod:`.match_attention` sees one 4-D site whose masks broadcast as the model's
+views between the two products become no-ops, and the product with a 3-D v is flattened back to ``(B*H, Nq,
+Dv)`` for its users (a 4-D v is used as it is), so :mod:`.match_attention` sees one 4-D site whose masks broadcast as the model's
 do. Values are equal on every query row that attends to a key. The one op dropped is a clamp of the
 logits at a masking value (``max(s, finfo.min)``, XGLM's guard against ``-inf``): it changes only rows
 whose every key is masked, which the op outputs as zeros. A site whose chain holds anything else (a
@@ -185,7 +186,9 @@ def _plan(gm: fx.GraphModule, sm: fx.Node):
             break
         down.append(u)
         cur = u
-    if av is None or _rank(av) != 3:
+    # the probabilities meet v as (B*H, Nk, Dv) (bmm) or, viewed back to the heads, as (B, H, Nk, Dv)
+    # (GPT-NeoX-Japanese's baddbmm logits with a 4-D matmul)
+    if av is None or _rank(av) not in (3, 4) or _rank(av.args[0]) != _rank(av):
         return None
     views = [n for n in up + down if _is_reshape(n)]
     if not views:
@@ -204,9 +207,11 @@ def _plan(gm: fx.GraphModule, sm: fx.Node):
     h = _heads_of(splits[0]) if splits else None
     if splits and h is None:
         problems.append("the head count of the (B*H) dim is not known")
-    for n in (qk.args[0], qk.args[1], av.args[1]):
+    for n in (qk.args[0], qk.args[1]):
         if not isinstance(n, fx.Node) or _rank(n) != 3:
-            problems.append("q, k or v is not a 3-D tensor")
+            problems.append("q or k is not a 3-D tensor")
+    if not isinstance(av.args[1], fx.Node) or _rank(av.args[1]) != _rank(av):
+        problems.append(f"v is not a {_rank(av)}-D tensor as the probabilities it is multiplied with")
     bhs = _batch_dims(qk)
     for n in up:   # every operand the 4-D chain will read is checked here, before the graph changes
         if not (_is_reshape(n) or is_cast(n) or _clamp_at_mask_level(gm, n) is not None):
@@ -295,8 +300,10 @@ def _apply(gm: fx.GraphModule, qk: fx.Node, up: List[fx.Node], sm: fx.Node, down
             node = g.create_node(n.op, n.target, args, dict(n.kwargs))
             node.meta.update({k: v for k, v in n.meta.items() if k.startswith("attncomp")})
             new[n] = _val(node)
-        o = _val(g.call_function(MATMUL, (new[down[-1]] if down else p, _unflat(g, av.args[1], h))))
-        out = _val(g.call_method("flatten", (o, 0, 1)))
+        merged = _rank(av) == 3
+        v = _unflat(g, av.args[1], h) if merged else av.args[1]
+        o = _val(g.call_function(MATMUL, (new[down[-1]] if down else p, v)))
+        out = _val(g.call_method("flatten", (o, 0, 1))) if merged else o
     for k in ("nn_module_stack", "stack_trace", "source_fn_stack"):
         for a, b in ((sm, p), (av, o), (av, out)):
             if k in a.meta:

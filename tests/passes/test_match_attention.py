@@ -70,6 +70,7 @@ CASES = {
     "per_head_logit_scale": lambda s, q, k, v, m: torch.softmax(F.normalize(q, dim=-1) @ F.normalize(k, dim=-1).transpose(-2, -1) * s.head_scale.exp() + m, -1) @ v,  # Swin-V2
     "five_d_streams": lambda s, q, k, v, m: torch.softmax(torch.einsum("bnhtc,bnhsc->bnhts", q, k) * 0.25 + m, -1) @ v,  # ProphetNet
     "relative_bias_no_scale": lambda s, q, k, v, m: torch.softmax((q @ k.transpose(-1, -2)) + m.float().to(q.dtype), -1, dtype=torch.float32).to(q.dtype) @ v,
+    "zeros_added": lambda s, q, k, v, m: torch.softmax(q @ k.transpose(-1, -2) * 0.25 + torch.zeros(q.size(0), q.size(1), q.size(2), k.size(2), dtype=q.dtype), -1) @ v,  # GPT-NeoX-Japanese's baddbmm on zeros
     "softmax_upcast_to": lambda s, q, k, v, m: F.softmax(q @ k.transpose(-1, -2) * 0.25, dim=-1, dtype=torch.float32).type_as(q) @ v,
     "dropout_eval": lambda s, q, k, v, m: F.dropout(torch.softmax(q @ k.transpose(-1, -2), -1), 0.1, training=False) @ v,
     # GQA
@@ -213,6 +214,23 @@ def test_banded_buffer_becomes_a_window(window):
     for nq in (N, 7):
         x = inputs("causal_buffer", nq, nq)
         torch.testing.assert_close(gm(*x), site(*x), rtol=1e-6, atol=1e-8)
+
+
+def test_zeros_added_to_the_logits_are_no_mask():
+    """``s + zeros`` of the logits' shape (``baddbmm(torch.zeros(...), q, kT)``) adds nothing: no bias tensor
+    reaches the op. Zeros (or any bias) that broadcast the logits to more heads leave the site unmatched: the op's
+    output has q's heads."""
+    gm, _ = compile_site(CASES["zeros_added"], inputs("zeros_added"))
+    assert _spec(gm).mask_kind == "none" and op_nodes(gm)[0].args[ops.ARG_INDEX["attn_mask"]] is None
+
+    def wider(self, q, k, v, m):   # logits of one head, zeros of H heads: the sum has H heads
+        s = q[:, :1] @ k[:, :1].transpose(-1, -2) + torch.zeros(q.size(0), H, q.size(2), k.size(2), dtype=q.dtype)
+        return torch.softmax(s, -1) @ v
+
+    ex = inputs("x")
+    gm, ctx = compile_site(wider, ex)
+    assert op_nodes(gm) == [] and "broadcasts the logits" in ctx.sites[0].reason, ctx.sites
+    torch.testing.assert_close(gm(*ex), Site(wider).double()(*ex), rtol=1e-6, atol=1e-8)
 
 
 def test_scales_fold_into_spec():

@@ -44,6 +44,21 @@ class Merged(nn.Module):
         return o.view(b, H, n, D).transpose(1, 2).reshape(b, n, H * D)
 
 
+class MergedLogits(Merged):
+    """GPT-NeoX-Japanese: logits from ``baddbmm`` on zeros over (B*H, N, D) q and k, viewed as (B, H, N, N) for
+    the mask and the softmax, multiplied with v as the model keeps it, (B, H, N, D)."""
+
+    def forward(self, x, mask):
+        b, n, _ = x.shape
+        q, k, v = (t.reshape(b, n, H, D).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        q, k = q.reshape(b * H, n, D), k.reshape(b * H, n, D)
+        zeros = torch.zeros(b * H, n, n, dtype=q.dtype, device=q.device)
+        s = torch.baddbmm(zeros, q, k.transpose(1, 2), beta=1.0, alpha=1 / math.sqrt(D))
+        s = s.view(b, H, n, n)
+        p = torch.softmax(s if mask is None else s + mask, dim=-1)
+        return torch.matmul(p, v).transpose(1, 2).reshape(b, n, H * D)
+
+
 class Escapes(Merged):
     def forward(self, x, mask):
         b, n, _ = x.shape
@@ -107,3 +122,27 @@ def test_probabilities_returned_are_left_alone():
         torch.testing.assert_close(a, b)
     rep = attncomp.report(fast)
     assert rep.rewritten == 0 and "escape" in rep.sites[0].reason, str(rep)
+
+
+def test_merged_logits_with_4d_values():
+    """The probabilities meet a 4-D v: the site is one 4-D op (no flatten back), the zeros of ``baddbmm`` are
+    no bias, values equal eager in float64 at two shapes."""
+    counters.clear()
+    model = MergedLogits("neox-japanese").double()
+    fast = attncomp.compile(model, policy="dense")
+    for b, n in ((B, N), (3, 10)):
+        x = torch.randn(b, n, H * D, dtype=torch.float64)
+        mask, keep = _mask(b, n)
+        mask = mask.double()
+        with torch.no_grad():
+            got, want = fast(x, mask), model(x, mask)
+        torch.testing.assert_close(got[keep], want[keep], rtol=1e-10, atol=1e-12)
+    rep = attncomp.report(fast)
+    assert rep.rewritten == len(rep.sites) == 1, str(rep)
+    assert counters["unflatten_heads"]["sites"] >= 1
+    x = torch.randn(B, N, H * D, dtype=torch.float64)
+    fast = attncomp.compile(model, policy="dense")
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x, None), model(x, None), rtol=1e-10, atol=1e-12)
+    site = attncomp.report(fast).sites[0]
+    assert site.rewritten and "mask" not in site.spec, site   # the zeros are no bias
