@@ -8,7 +8,8 @@ Requires: a graph from :mod:`attncomp.passes.capture`.
 Guarantees (same values, canonical spelling, as ``call_function`` nodes):
 
 * ``torch.matmul(a, b)``: from ``@``, ``matmul``/``bmm`` (functions, methods, aten), and two-operand
-  ``einsum`` equations that are batched matrix products (``bhid,bhjd->bhij`` and friends);
+  ``einsum`` equations that are batched matrix products (``bhid,bhjd->bhij`` and friends), also with the dims
+  in another order (``ibnd,jbnd->bnij``: the operands and the product permuted);
 * ``torch.transpose(x, d0, d1)``: from methods, aten, ``.mT``, ``swapaxes``/``swapdims``;
 * ``torch.mul(a, b)`` / ``torch.div(a, b)`` / ``torch.add(a, b)``: from operators, methods, aten;
   division by a Python number becomes multiplication by its reciprocal;
@@ -144,6 +145,28 @@ def _einsum_to_matmul(eq: str) -> Optional[Tuple[bool, bool]]:
     if o2 != ai + bi or c in o2:
         return None
     return a2[1] != c, b2[0] != c
+
+
+def _einsum_permuted(eq: str) -> Optional[Tuple[Tuple[int, ...], Tuple[int, ...], Tuple[int, ...]]]:
+    """For a two-operand equation that is a batched matrix product up to the order of dims (XLNet's
+    ``'ibnd,jbnd->bnij'`` and ``'bnij,jbnd->ibnd'``: batch letters in both operands and the output, one free
+    letter in each operand, one contracted letter), the permutations ``(pa, pb, po)``: ``einsum`` equals
+    ``matmul(a.permute(pa), b.permute(pb)).permute(po)``; None otherwise."""
+    m = re.fullmatch(r"([a-zA-Z]+),([a-zA-Z]+)->([a-zA-Z]+)", eq.replace(" ", ""))
+    if not m:
+        return None
+    a, b, o = m.groups()
+    if any(len(set(x)) != len(x) for x in (a, b, o)):
+        return None
+    batch = [c for c in o if c in a and c in b]
+    ai = [c for c in a if c not in b]
+    bj = [c for c in b if c not in a]
+    con = [c for c in a if c in b and c not in o]
+    if len(ai) != 1 or len(bj) != 1 or len(con) != 1 or len(a) != len(batch) + 2 or len(b) != len(batch) + 2 \
+            or sorted(o) != sorted(batch + ai + bj):
+        return None
+    ra, rb, rr = batch + ai + con, batch + con + bj, batch + ai + bj
+    return (tuple(a.index(c) for c in ra), tuple(b.index(c) for c in rb), tuple(rr.index(c) for c in o))
 
 
 _VIEW_METHODS = {"view", "view_as", "reshape", "reshape_as", "transpose", "permute", "expand", "expand_as",
@@ -308,6 +331,9 @@ def _canon_node(gm: fx.GraphModule, n: fx.Node, modules) -> Optional[fx.Node]:
                     if tr[1]:
                         y = gm.graph.call_function(TRANSPOSE, (y, -2, -1))
                 return _replace(gm, n, MATMUL, (x, y))
+            perms = _einsum_permuted(eq)
+            if perms is not None:
+                return _einsum_as_matmul(gm, n, ops[0], ops[1], *perms)
         return None
     if t in _TRANSPOSES and t is not TRANSPOSE:
         return _replace(gm, n, TRANSPOSE, (a[0], a[1], a[2]))
@@ -354,6 +380,26 @@ def _canon_node(gm: fx.GraphModule, n: fx.Node, modules) -> Optional[fx.Node]:
             return _replace(gm, n, "to", (a[0], d), op="call_method")
         return None
     return None
+
+
+def _einsum_as_matmul(gm: fx.GraphModule, n: fx.Node, x, y, pa, pb, po) -> Optional[fx.Node]:
+    """``einsum`` as ``matmul(x.permute(pa), y.permute(pb)).permute(po)`` (identity permutations left out;
+    a swap of the last two dims written as ``transpose(-2, -1)``, as match_attention reads k)."""
+    if not (isinstance(x, fx.Node) and isinstance(y, fx.Node)):
+        return None
+    g = gm.graph
+
+    def perm(node, p):
+        if p == tuple(range(len(p))):
+            return node
+        if p == tuple(range(len(p) - 2)) + (len(p) - 1, len(p) - 2):
+            return infer_meta(g.call_function(TRANSPOSE, (node, -2, -1)))
+        return infer_meta(g.call_method("permute", (node, *p)))
+
+    with g.inserting_before(n):
+        mm = infer_meta(g.call_function(MATMUL, (perm(x, pa), perm(y, pb))), like=n)
+        out = perm(mm, po)
+    return _swap(n, out)
 
 
 def _canon_baddbmm(gm: fx.GraphModule, n: fx.Node) -> Optional[fx.Node]:

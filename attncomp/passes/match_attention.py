@@ -3,7 +3,7 @@
 Matches (on the canonical graph of :mod:`.canonicalize`)::
 
     s = matmul(q', kT)                      q' = q * c?, kT = transpose(k * c?) or any (.., D, Nk) tensor
-    s = s * c | s + bias | where(m, fill, s) | where(m, s, fill) | s.to(dtype)    (any order, repeated)
+    s = s * c | s + bias | s - bias | where(m, fill, s) | where(m, s, fill) | s.to(dtype)    (any order, repeated)
     p = softmax(s, dim=-1[, dtype])  [.to(dtype)]  [dropout(p, rate, training)]
     o = matmul(p, v)
 
@@ -212,6 +212,22 @@ def _match_softmax(gm: fx.GraphModule, sm: fx.Node) -> Optional[Site]:
                 bias_scales.append(_outer_scale(gm, scale_factors, "a bias is added"))
             cur = chain
             continue
+        if _is_sub(cur):
+            a, b = cur.args[0], cur.args[1]
+            if not _reaches_matmul(a):
+                raise NoMatch("not attention: no QK^T product before the softmax" if not _reaches_matmul(b)
+                              else "the logits are subtracted from a tensor (negated logits)")
+            if _reaches_matmul(b):
+                raise NoMatch("logits are a difference of two products; not one attention site")
+            if meta_dtype(b) == torch.bool:
+                raise NoMatch("a boolean tensor is subtracted from the logits")
+            if _widens(cur, a):
+                raise NoMatch(f"the bias {getattr(b, 'name', b)} broadcasts the logits to a larger shape")
+            if not isinstance(b, (int, float)):  # s - b: the bias b times -1 (negation is exact)
+                biases.append(b)
+                bias_scales.append(-_outer_scale(gm, scale_factors, "a bias is subtracted"))
+            cur = a
+            continue
         if _is(cur, WHERE):
             cond, a, b = cur.args[0], cur.args[1], cur.args[2]
             ra, rb = _reaches_matmul(a), _reaches_matmul(b)
@@ -383,6 +399,16 @@ def _match_softmax(gm: fx.GraphModule, sm: fx.Node) -> Optional[Site]:
     return site
 
 
+_SUBS = {operator.sub, torch.sub, aten.sub.Tensor}
+
+
+def _is_sub(n) -> bool:
+    """``a - b`` on tensors (``alpha`` 1): canonicalize leaves subtraction as written (it also subtracts sizes)."""
+    return isinstance(n, fx.Node) and n.op == "call_function" and n.target in _SUBS and len(n.args) == 2 \
+        and n.kwargs.get("alpha", 1) == 1 and any(isinstance(a, fx.Node) and meta_shape(a) is not None
+                                                  for a in n.args)
+
+
 _ZEROS = {torch.zeros, torch.zeros_like, aten.zeros.default, aten.zeros_like.default}
 _SAME_VALUES = {"view", "reshape", "unflatten", "flatten", "expand", "contiguous"}
 
@@ -431,7 +457,7 @@ def _reaches_matmul(n, depth: int = 0) -> bool:
         return True
     if is_cast(n) or is_tanh(n):
         return _reaches_matmul(n.args[0], depth + 1)
-    if _is(n, MUL) or _is(n, DIV) or _is(n, ADD):
+    if _is(n, MUL) or _is(n, DIV) or _is(n, ADD) or _is_sub(n):
         return any(_reaches_matmul(a, depth + 1) for a in n.args[:2])
     if _is(n, WHERE):
         return any(_reaches_matmul(a, depth + 1) for a in n.args[1:3])

@@ -162,6 +162,30 @@ def test_non_matmul_einsum_is_kept():
     assert not any(n.target is C.MATMUL for n in res.graph.nodes if n.op == "call_function")
 
 
+@pytest.mark.parametrize("eq,shapes", [
+    ("ibnd,jbnd->bnij", ((5, 2, 3, 4), (6, 2, 3, 4))),    # XLNet's logits: sequence-first operands
+    ("bnij,jbnd->ibnd", ((2, 3, 5, 6), (6, 2, 3, 4))),    # XLNet's product with v, sequence-first output
+    ("ijbs,ibns->bnij", ((5, 6, 2, 2), (5, 2, 3, 2))),    # XLNet's segment term: batch letters i, b
+    ("blhd,bshd->blhs", ((2, 5, 3, 4), (2, 6, 3, 4))),    # Longformer's chunks
+])
+def test_permuted_einsum_becomes_matmul(eq, shapes):
+    """A batched matrix product written with the dims in another order is one matmul of permuted operands,
+    permuted back; equal values (float64); no einsum left."""
+    gm = fx.symbolic_trace(Wrap(lambda s, a, b: torch.einsum(eq, a, b)))
+    res = C.canonicalize(gm, CompileContext()).graph_module
+    res.recompile()
+    targets = [n.target for n in res.graph.nodes if n.op == "call_function"]
+    assert targets.count(C.MATMUL) == 1 and torch.einsum not in targets
+    a, b = (torch.randn(*sh, dtype=torch.float64) for sh in shapes)
+    torch.testing.assert_close(res(a, b), torch.einsum(eq, a, b), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("eq", ["ibnd,hnd->ibh", "bij,bjk->bijk", "bii,bij->bij", "bij,bj->bi"])
+def test_einsum_that_is_no_batched_product_is_kept(eq):
+    """Two contracted letters, an output that keeps the contracted letter, a repeated letter, a vector operand."""
+    assert C._einsum_permuted(eq) is None and C._einsum_to_matmul(eq) is None
+
+
 def test_aten_graph_from_export_is_canonicalised():
     mod = Wrap(lambda s, a, b: F.softmax(a @ b.transpose(-1, -2) / 4.0, dim=-1) @ b).eval()
     a, b = torch.randn(2, 5, 5), torch.randn(2, 5, 5)

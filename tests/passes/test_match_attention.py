@@ -71,6 +71,7 @@ CASES = {
     "five_d_streams": lambda s, q, k, v, m: torch.softmax(torch.einsum("bnhtc,bnhsc->bnhts", q, k) * 0.25 + m, -1) @ v,  # ProphetNet
     "relative_bias_no_scale": lambda s, q, k, v, m: torch.softmax((q @ k.transpose(-1, -2)) + m.float().to(q.dtype), -1, dtype=torch.float32).to(q.dtype) @ v,
     "zeros_added": lambda s, q, k, v, m: torch.softmax(q @ k.transpose(-1, -2) * 0.25 + torch.zeros(q.size(0), q.size(1), q.size(2), k.size(2), dtype=q.dtype), -1) @ v,  # GPT-NeoX-Japanese's baddbmm on zeros
+    "xlnet_sequence_first": lambda s, q, k, v, m: (lambda qi, ki, vi: torch.einsum("bnij,jbnd->ibnd", F.softmax((torch.einsum("ibnd,jbnd->bnij", qi, ki) + m) * 0.25 - 1e30 * (1 - s.tril[:, :, :q.size(2), :q.size(2)]), dim=3), vi))(*(t.permute(2, 0, 1, 3) for t in (q, k, v))),  # XLNet: (N, B, H, D) tensors, a bias, a mask subtracted
     "softmax_upcast_to": lambda s, q, k, v, m: F.softmax(q @ k.transpose(-1, -2) * 0.25, dim=-1, dtype=torch.float32).type_as(q) @ v,
     "dropout_eval": lambda s, q, k, v, m: F.dropout(torch.softmax(q @ k.transpose(-1, -2), -1), 0.1, training=False) @ v,
     # GQA
@@ -96,6 +97,8 @@ NEGATIVE = {
     "zeroed_after_softmax_elsewhere": lambda s, q, k, v, m: torch.softmax((q @ k.transpose(-1, -2)).masked_fill(m == False, float("-inf")), -1).masked_fill(m.transpose(-1, -2) == False, 0.0) @ v,  # noqa: E712
     "fill_scaled_above_a_mask": lambda s, q, k, v, m: torch.softmax((q @ k.transpose(-1, -2)).masked_fill(~m, -1e4) * 0.5, -1) @ v,
     "per_key_logit_scale": lambda s, q, k, v, m: torch.softmax((q @ k.transpose(-1, -2)) * s.head_scale[:1, :1].expand(1, 1, q.size(2)), -1) @ v,
+    "logits_subtracted_from_a_tensor": lambda s, q, k, v, m: torch.softmax(m - q @ k.transpose(-1, -2), -1) @ v,
+    "difference_of_two_products": lambda s, q, k, v, m: torch.softmax(q @ k.transpose(-1, -2) - q @ q.transpose(-1, -2), -1) @ v,
     "fill_not_a_mask": lambda s, q, k, v, m: torch.softmax((q @ k.transpose(-1, -2)).masked_fill(~m, 0.5), -1) @ v,
 }
 
@@ -111,7 +114,8 @@ def inputs(name, nq=N, nk=N):
     if name == "five_d_streams":  # (B, n-gram stream, H, N, D), a bias per stream and position pair
         q, k, v = (torch.randn(B, 2, *t.shape[1:], dtype=torch.float64) for t in (q, k, v))
         return q, k, v, torch.randn(B, 2, 1, nq, nk, dtype=torch.float64)
-    if name in ("additive_float", "relative_bias_no_scale", "bias_inside_the_scale", "per_head_logit_scale"):
+    if name in ("additive_float", "relative_bias_no_scale", "bias_inside_the_scale", "per_head_logit_scale",
+                "xlnet_sequence_first", "logits_subtracted_from_a_tensor"):
         m = torch.randn(1, H, nq, nk, dtype=torch.float64)
     if name == "padding_expand_as_logits":
         m = torch.ones(B, nk)
