@@ -201,3 +201,38 @@ def test_function_bound_onto_an_input_object(route):
     assert rel_err(got, want) < TOL
     assert cache.size.__func__ is _bound_size and cache.size.__self__ is cache and cache.size() == 4
     assert attncomp.report(reported).rewritten == 1
+
+
+class _Parent(nn.Module):
+    def scale(self, y):
+        return y * 2
+
+
+class _Child(_Parent):
+    """Binds its parent's ``scale`` onto itself, which overrides it, and keeps the bound method."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = MHA()
+
+    def scale(self, y):
+        return y * 3
+
+    def forward(self, x, keep, store):
+        store.scale = _Parent.scale.__get__(self)
+        y = store.scale(self.attn(x, keep))
+        torch._dynamo.graph_break()
+        return y
+
+
+def test_parent_function_bound_onto_an_overriding_object():
+    """Dynamo (torch 2.13) rebuilt ``_Parent.scale.__get__(self)`` as ``self.scale``, the child's method: the
+    stored method was silently another function. It is the parent's."""
+    model = _Child().eval()
+    x, keep = torch.randn(2, 9, 32), _keep(2, 9)
+    fast = attncomp.compile(model, policy="dense")
+    store = _Cache()
+    with torch.no_grad():
+        got, want = fast(x, keep, store), model(x, keep, _Cache())
+    assert rel_err(got, want) < TOL
+    assert store.scale.__func__ is _Parent.scale and store.scale.__self__ is fast   # (forward runs on fast)
