@@ -207,6 +207,9 @@ def _plan(gm: fx.GraphModule, sm: fx.Node):
     h = _heads_of(splits[0]) if splits else None
     if splits and h is None:
         problems.append("the head count of the (B*H) dim is not known")
+    elif any(not same_dim(meta_shape(n)[1], meta_shape(splits[0])[1]) for n in splits[1:]):
+        # the op's heads are those of the first split; the model's 4-D tensors must all have them
+        problems.append("the logits are split into different head counts")
     for n in (qk.args[0], qk.args[1]):
         if not isinstance(n, fx.Node) or _rank(n) != 3:
             problems.append("q or k is not a 3-D tensor")

@@ -146,3 +146,26 @@ def test_merged_logits_with_4d_values():
         torch.testing.assert_close(fast(x, None), model(x, None), rtol=1e-10, atol=1e-12)
     site = attncomp.report(fast).sites[0]
     assert site.rewritten and "mask" not in site.spec, site   # the zeros are no bias
+
+
+class RegroupedHeads(Merged):
+    """Logits split as (B, H, N, N) for the mask, probabilities regrouped as (2B, H/2, N, N) for a v of that shape:
+    the same values, but the op's heads (H, from the first split) are not the product's."""
+
+    def forward(self, x, mask):
+        b, n, _ = x.shape
+        q, k, v = (t.reshape(b, n, H, D).transpose(1, 2).reshape(b * H, n, D) for t in self.qkv(x).chunk(3, -1))
+        p = torch.softmax(torch.bmm(q, k.transpose(1, 2)).view(b, H, n, n) + mask, dim=-1)
+        o = torch.matmul(p.view(b * H, n, n).view(b * 2, H // 2, n, n), v.view(b * 2, H // 2, n, D))
+        return o.reshape(b, H, n, D).transpose(1, 2).reshape(b, n, H * D)
+
+
+def test_heads_regrouped_between_the_products_are_left_alone():
+    model = RegroupedHeads("regrouped").double()
+    fast = attncomp.compile(model, policy="dense")
+    x = torch.randn(B, N, H * D, dtype=torch.float64)
+    mask = _mask(B, N)[0].double()
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x, mask), model(x, mask))
+    rep = attncomp.report(fast)
+    assert rep.rewritten == 0 and "different head counts" in rep.sites[0].reason, str(rep)
