@@ -169,6 +169,14 @@ class _GraphCompiler:
         from torch._inductor.compile_fx import compile_fx
 
         patches = dict(torch._inductor.list_mode_options(self.mode)) if self.mode else {}
+        if patches.get("triton.cudagraphs") and _returns_allocated(gm):
+            # a graph that allocates state its caller keeps (a static KV cache's storage, made by the prefill's
+            # lazy initialisation): as a CUDA graph its outputs would live in the graph's pool and the next
+            # replay would overwrite them; it runs without (the decode steps that then read the cache still
+            # replay as CUDA graphs)
+            patches["triton.cudagraphs"] = False
+            ctx.notes.append(f"graph {len(self.graphs) - 1}: returns tensors it allocates (a cache's storage): "
+                             "not run as a CUDA graph")
         patches["post_grad_custom_post_pass"] = _op_revision_pass()
         # SDPA sites become traced SDPA calls in Inductor's copy of the graph only (the graph kept
         # above, and exports, keep the op)
@@ -256,6 +264,33 @@ class _GraphCompiler:
                              f"{STORM} times, then runs it without attncomp); last failed guard: "
                              f"{' '.join(fails[-1].split())[:300] if fails else 'unknown'}")
         return rep
+
+
+#: factory functions whose result is new storage (a graph returning one, filled in place or not, allocates state)
+_FACTORIES = {torch.zeros, torch.ones, torch.empty, torch.full, torch.zeros_like, torch.ones_like, torch.empty_like,
+              torch.full_like}
+
+
+def _returns_allocated(gm: fx.GraphModule) -> bool:
+    """Whether the graph returns a tensor it allocated with a factory function (possibly written in place since:
+    ``index_copy_``, ``copy_``, ``fill_``, ...), as a static cache's lazy initialisation does. Only new storage
+    counts: a result computed from the inputs does not."""
+    out = next((n for n in gm.graph.nodes if n.op == "output"), None)
+    if out is None:
+        return False
+    for n in _flat_nodes(out.args):
+        while (n.op == "call_method" and n.target.endswith("_") and not n.target.startswith("__")
+               and n.args and isinstance(n.args[0], fx.Node)):
+            n = n.args[0]  # an in-place method returns its receiver
+        if n.op == "call_function" and n.target in _FACTORIES:
+            return True
+    return False
+
+
+def _flat_nodes(args) -> List[fx.Node]:
+    found: List[fx.Node] = []
+    fx.node.map_arg(args, found.append)
+    return found
 
 
 def _real_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Optional[Dict[str, Any]]:
@@ -577,6 +612,8 @@ class _State:
                 for d in range(t.dim()):
                     torch._dynamo.maybe_mark_dynamic(t, d)
         self.compiler.module_training = fast.training
+        if self.compiler._cuda_graphs():
+            _early_cache_init(self.model, args, kwargs)
         n0 = len(self.compiler.graphs)
         self.breaks = dict(torch._dynamo.utils.counters["graph_break"])
         # float attributes (dropout rates, scales) stay constants the passes can read, as in eager code.
@@ -690,6 +727,34 @@ class _State:
         if not rep.sites:
             rep.notes.append("no attention site found: the model runs unchanged")
         return rep
+
+
+def _early_cache_init(model: nn.Module, args: tuple, kwargs: dict) -> bool:
+    """Allocate a transformers static cache's storage before the compiled call, as transformers' own compiled
+    decoding does (its prefill runs eagerly): initialised inside a graph, the storage would be that graph's
+    output, not marked as a fixed address, so the decode steps that update it in place could not replay as CUDA
+    graphs (``mode="reduce-overhead"``). Sizes from the model's config (KV heads, head dim), the batch from the
+    inputs, the dtype of the parameters. Returns whether it initialised anything; a cache or config it does not
+    understand is left to initialise itself."""
+    cache = kwargs.get("past_key_values")
+    layers = getattr(cache, "layers", None)
+    init = getattr(cache, "early_initialization", None)
+    # layers of a fixed length (a dynamic cache's grow by concatenation: nothing to place ahead)
+    if not layers or init is None or not any(getattr(l, "supports_early_init", False) and hasattr(l, "max_cache_len")
+                                             and not getattr(l, "is_initialized", True) for l in layers):
+        return False
+    cfg = getattr(model, "config", None)
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    heads = getattr(cfg, "num_attention_heads", None)
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or (cfg.hidden_size // heads if heads else None)
+    x = kwargs.get("input_ids", kwargs.get("inputs_embeds", args[0] if args else None))
+    param = next(model.parameters(), None)
+    if not (isinstance(kv_heads, int) and isinstance(head_dim, int) and isinstance(x, torch.Tensor)
+            and param is not None and param.is_floating_point()):
+        return False
+    init(x.shape[0], kv_heads, head_dim, param.dtype, x.device)
+    return True
 
 
 def _own_code(fn):

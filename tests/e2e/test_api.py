@@ -645,3 +645,67 @@ def test_counters_increase():
     assert counters["match_attention"]["rejected"] == rejected + 1
     rep_counters = attncomp.report(attncomp.compile(Stack(n=3).eval(), example_inputs=(torch.randn(2, 4, 32),))).counters
     assert rep_counters["match_attention"]["rewritten"] == 3
+
+
+def test_graphs_that_allocate_a_cache_are_found():
+    """``mode="reduce-overhead"`` keeps a graph that allocates state its caller keeps (a static KV cache's storage,
+    made by the prefill's lazy initialisation) out of CUDA graphs, whose next replay would overwrite it: the check
+    finds the prefill's graph of a Llama with a static cache, and not its decode step's, nor a graph that only
+    computes from its inputs or fills an input in place."""
+    from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
+
+    from attncomp.api import _returns_allocated
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2)
+    model = LlamaForCausalLM(cfg).eval()
+    graphs = []
+    fwd = torch.compile(model.forward, backend=lambda gm, ex: graphs.append(gm) or gm.forward)
+    ids = torch.randint(0, 64, (2, 5))
+    cache = StaticCache(config=cfg, max_cache_len=16)
+    with torch.no_grad():
+        fwd(input_ids=ids, past_key_values=cache, use_cache=True)
+        fwd(input_ids=ids[:, :1], past_key_values=cache, use_cache=True, cache_position=torch.tensor([5]))
+    assert [_returns_allocated(g) for g in graphs] == [True, False]
+
+    def toy(x, buf):
+        buf.index_copy_(0, torch.tensor([0]), x[:1])  # an input written in place: not new storage
+        return x * 2, buf
+
+    def fresh(x):
+        s = torch.zeros(4, 3)
+        s.index_copy_(0, torch.tensor([1]), x[:1])
+        return s
+
+    for fn, want in ((toy, False), (fresh, True)):
+        got = []
+        torch.compile(fn, backend=lambda gm, ex: got.append(gm) or gm.forward)(*((torch.randn(4, 3),) if fn is fresh
+                                                                                else (torch.randn(4, 3), torch.zeros(4, 3))))
+        assert [_returns_allocated(g) for g in got] == [want], fn.__name__
+
+
+def test_static_cache_allocated_before_a_cuda_graph_call():
+    """Under ``mode="reduce-overhead"`` a transformers static cache is allocated before the compiled call (as
+    transformers' own compiled decoding does), so no graph allocates it: its layers hold storage of the model's KV
+    heads, head dim, batch and dtype, and an initialised cache, another cache type or no cache is left alone."""
+    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache
+
+    from attncomp.api import _early_cache_init
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2)
+    model = LlamaForCausalLM(cfg).eval().to(torch.float64)
+    ids = torch.randint(0, 64, (3, 5))
+    cache = StaticCache(config=cfg, max_cache_len=16)
+    assert _early_cache_init(model, (), {"input_ids": ids, "past_key_values": cache})
+    assert all(l.is_initialized and l.keys.shape == (3, 2, 16, 12) and l.keys.dtype == torch.float64
+               for l in cache.layers)
+    assert not _early_cache_init(model, (), {"input_ids": ids, "past_key_values": cache})  # already done
+    assert not _early_cache_init(model, (), {"input_ids": ids, "past_key_values": DynamicCache(config=cfg)})
+    assert not _early_cache_init(model, (ids,), {})
+    with torch.no_grad():  # the model runs on the cache so made, as on one it initialised itself
+        fresh = StaticCache(config=cfg, max_cache_len=16)
+        ref = model(input_ids=ids, past_key_values=fresh).logits
+        early = StaticCache(config=cfg, max_cache_len=16)
+        _early_cache_init(model, (), {"input_ids": ids, "past_key_values": early})
+        torch.testing.assert_close(model(input_ids=ids, past_key_values=early).logits, ref, rtol=0, atol=0)

@@ -200,3 +200,35 @@ def test_reduce_overhead_mode_runs_as_cuda_graphs(name, policy, fresh_dynamo, em
     if policy == "dense":
         details = [s.details["inline_sdpa"] for s in attncomp.report(fast).sites]
         assert all("per call on the device (CUDA graphs)" in d for d in details), details
+
+
+def test_static_cache_generate_under_reduce_overhead(fresh_dynamo):
+    """``generate(cache_implementation="static")`` on a model compiled with ``mode="reduce-overhead"``: the cache's
+    storage is allocated before the compiled call (no graph allocates it, none is skipped by Inductor's CUDA
+    graphs), two generate calls in a row run (the second's replays must not overwrite the first's cache), and the
+    per-step logits equal eager's (float32)."""
+    from torch._dynamo.utils import counters as dynamo_counters
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, pad_token_id=0)
+    torch.manual_seed(fresh_seed())
+    model = LlamaForCausalLM(cfg).cuda().eval()
+    fast = attncomp.compile(model, policy="dense", mode="reduce-overhead")
+    ids = torch.randint(3, 128, (2, 12), device="cuda")
+    mask = torch.ones_like(ids)
+    ids[1, :4], mask[1, :4] = 0, 0  # left padding
+    kw = dict(attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False, output_logits=True,
+              return_dict_in_generate=True, pad_token_id=0)
+    dynamo_counters["inductor"].clear()
+    with torch.no_grad():
+        ref = model.generate(ids, **kw)
+        for _ in range(2):
+            got = fast.generate(ids, cache_implementation="static", disable_compile=True, **kw)
+            assert torch.equal(got.sequences, ref.sequences)
+            for a, b in zip(got.logits, ref.logits):
+                assert _rel(a, b) < 1e-4
+    notes = " ".join(attncomp.report(fast).notes)
+    assert "not run as a CUDA graph" not in notes, notes
+    assert dynamo_counters["inductor"]["cudagraph_skips"] == 0, dict(dynamo_counters["inductor"])
