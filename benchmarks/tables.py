@@ -238,6 +238,30 @@ def generate(doc) -> Optional[str]:
                 "tokens equal", "note"], out)
 
 
+def decode(doc) -> Optional[str]:
+    """Per B and cache length: the decode kernels' device time (CUDA-graph replay) with its KV read as a fraction
+    of the copy bandwidth, per policy, SDPA's device time (dense), and ``hash``'s call through the template's
+    sorted layout (which its decoding steps take)."""
+    rows = [r for r in (doc.get("rows", []) if doc else []) if r.get("table") == "decode" and r.get("ms")]
+    if not rows:
+        return None
+    by = {}
+    for r in rows:
+        by.setdefault((r["B"], r["Nk"]), {})[r["policy"]] = r
+
+    def cell(r):
+        return "-" if r is None or r.get("graph_ms") is None else \
+            f"{r['graph_ms']:.3f} ({_f(r.get('kv_bandwidth_frac'))})"
+
+    out = []
+    for (B, nk), p in sorted(by.items()):
+        d, h = p.get("dense"), p.get("hash")
+        out.append([str(B), str(nk), cell(d), _f(d and d.get("sdpa_graph_ms"), 3), cell(p.get("dfss")),
+                    cell(p.get("drop")), _f(h and h.get("template_ms"), 3)])
+    return _md(["B", "keys", "dense ms (x bw)", "SDPA ms", "dfss ms (x bw)", "drop ms (x bw)", "hash ms (template)"],
+               out)
+
+
 # ---------------------------------------------------------------------------------------------- all
 
 #: table name -> (benchmark, device, function)
@@ -250,6 +274,7 @@ for _dev in ("h100", "h200"):
     TABLES[f"kernels-tvm-{_dev}"] = ("kernels", _dev, kernels_tvm)
     TABLES[f"models-{_dev}"] = ("models", _dev, models)
     TABLES[f"generate-{_dev}"] = ("generate", _dev, generate)
+    TABLES[f"decode-{_dev}"] = ("decode", _dev, decode)
 TABLES["kernels-tvm-cpu"] = ("kernels", "cpu", kernels_tvm)
 TABLES["models-cpu"] = ("models", "cpu", models)
 
