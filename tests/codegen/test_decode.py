@@ -102,7 +102,7 @@ def test_decode_matches_reference(case):
     mask = make_mask(mask_kind, g, B, Hq, Nq, Nk)
     pol, qa, ka, bp = make_policy(policy, g, B, Hq, Hk, Nq, Nk)
     spec = AttentionSpec(mask_kind=mask_kind, dtype=dtype_name(dtype), policy=pol, **fields, **mfields)
-    assert DEC.eligible(spec, q, k, 0.0)
+    assert DEC.eligible(spec, q, k, 0.0) == (policy != "hash")  # (hash: the template's sorted layout)
     out, lse = _decode(spec, q, k, v, mask, preds, mods, qa, ka, bp, 0, n_split)
     m64 = mask if mask is None or mask.dtype == torch.bool else mask.double()
     ro, rl = R.attention(q.double(), k.double(), v.double(), m64, spec=spec, q_aux=qa, k_aux=ka, block_pattern=bp,
@@ -178,3 +178,4 @@ def test_not_eligible():
     assert DEC.eligible(spec, q[:, :, :16], k, 0.0)  # 4 x 16
     assert not DEC.eligible(spec, q[:, :, :4], k[:, :, :4], 0.0)  # as many keys as queries
     assert not DEC.eligible(spec, q[:, :, :1], k, 0.5)
+    assert not DEC.eligible(AttentionSpec(policy=Hash()), q[:, :, :1], k, 0.0)
