@@ -1252,6 +1252,78 @@ def _op_args() -> Dict[str, int]:
     return {a.name: i for i, a in enumerate(schema.arguments)}
 
 
+def _op_name(n: Any) -> Optional[str]:
+    """The operation's name of a call node (``torch.cumsum``, ``Tensor.cumsum``, ``aten.cumsum.default`` and
+    ``operator.ne`` give ``cumsum`` and ``ne``), else None."""
+    if not isinstance(n, fx.Node):
+        return None
+    if n.op == "call_method":
+        return n.target
+    if n.op == "call_function":
+        return (getattr(n.target, "__name__", "") or "").split(".")[0] or None
+    return None
+
+
+def _arg(n: fx.Node, i: int, name: str, default: Any = None) -> Any:
+    return n.args[i] if len(n.args) > i else n.kwargs.get(name, default)
+
+
+def _not_tensor(x: Any) -> bool:
+    """An int, or a node of a size (a SymInt), not of a tensor."""
+    if isinstance(x, int) and not isinstance(x, bool):
+        return True
+    ex = x.meta.get("example_value", x.meta.get("val")) if isinstance(x, fx.Node) else None
+    return isinstance(ex, (int, torch.SymInt))
+
+
+def _counting(p: Any) -> bool:
+    """Whether ``p`` holds positions that count up by one along its last axis: an integer ``arange`` with step 1
+    from any start, plus or minus a size, unsqueezed at the front and expanded over a batch (a model's default
+    ``position_ids``)."""
+    while True:
+        name = _op_name(p)
+        if name == "arange":
+            step = p.args[2] if len(p.args) > 2 else p.kwargs.get("step", 1)
+            dt = p.kwargs.get("dtype")
+            return step == 1 and (dt is None or not dt.is_floating_point)
+        if name == "unsqueeze" and _arg(p, 1, "dim") == 0:
+            p = p.args[0]
+        elif name == "expand" or name == "contiguous" or name == "clone":
+            p = p.args[0]
+        elif name in ("add", "sub") and len(p.args) == 2 and isinstance(p.args[0], fx.Node) \
+                and not _not_tensor(p.args[0]) and _not_tensor(p.args[1]):
+            p = p.args[0]
+        elif name == "add" and len(p.args) == 2 and isinstance(p.args[1], fx.Node) and _not_tensor(p.args[0]):
+            p = p.args[1]
+        else:
+            return False
+
+
+def _one_document(n: Any) -> bool:
+    """Whether ``n`` is ``cumsum(diff(p, prepend=p[:, :1] - 1, dim=-1) != 1, -1)`` over counting positions ``p``
+    (:func:`_counting`): the segment ids transformers derives from ``position_ids`` to find packed sequences,
+    which are 0 everywhere when the positions are the model's own (one document per row, whatever the length)."""
+    if _op_name(n) != "cumsum" or _arg(n, 1, "dim") not in (-1,):
+        return False
+    ne = n.args[0]
+    if _op_name(ne) != "ne" or len(ne.args) != 2 or ne.args[1] != 1:
+        return False
+    d = ne.args[0]
+    if _op_name(d) != "diff" or _arg(d, 1, "n", 1) != 1 or _arg(d, 2, "dim", -1) != -1:
+        return False
+    p, pre = d.args[0], _arg(d, 3, "prepend")
+    if _op_name(pre) != "sub" or len(pre.args) != 2 or pre.args[1] != 1:
+        return False
+    first = pre.args[0]
+    if _op_name(first) != "getitem" or first.args[0] is not p:
+        return False
+    idx = first.args[1]
+    idx = idx if isinstance(idx, tuple) else (idx,)
+    if not idx or idx[-1] != slice(None, 1, None) or any(i != slice(None) for i in idx[:-1]):
+        return False
+    return _counting(p)
+
+
 def _static_len(n: Any) -> Optional[int]:
     """The sequence length (dim -2) of q or k on a graph specialised to its shapes (dynamo's
     ``example_value`` or export's ``val`` with a static size), else None."""
@@ -1529,10 +1601,18 @@ def _rewrite(gm: fx.GraphModule, node: fx.Node, idx: Dict[str, int], res: MaskAn
             if align is not None:
                 default_words = "causal" if align == "top_left" else "causal (bottom-right)"
             res.positions = res.positions[:3] + (left, right)
+        one_doc = False
         if res.segments is not None:
             kt, qt, syms, c = res.segments
-            new["q_seg"] = em.vector(qt, syms, c, ("b", "i"))
-            new["k_seg"] = em.vector(kt, (), 0, ("b", "j"))
+            # segment ids that are 0 on both sides whatever the length (transformers' packed-sequence ids of the
+            # model's own positions): one document per row, no predicate
+            one_doc = (kt and qt and not syms and c == 0
+                       and all(_one_document(t[1].node) for t in list(kt) + list(qt)))
+            if one_doc:
+                res.segments = None
+            else:
+                new["q_seg"] = em.vector(qt, syms, c, ("b", "i"))
+                new["k_seg"] = em.vector(kt, (), 0, ("b", "j"))
         if res.k_valid:
             new["k_valid"] = em.all_of(res.k_valid, ("b", "j"))
         if res.q_valid:
@@ -1562,6 +1642,8 @@ def _rewrite(gm: fx.GraphModule, node: fx.Node, idx: Dict[str, int], res: MaskAn
     args[spec_index(node)] = spec.to_json()
     node.args = tuple(args)
     words = res.words(default_words)
+    if one_doc:
+        words.append("one document per row (segment ids of counting positions: no predicate)")
     if res.residual:
         words.append(f"materialised mask: {'; '.join(res.reasons)}")
     if res.biases:   # e.g. a relative-position bias: a float input of the op, not a mask

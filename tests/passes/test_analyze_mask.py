@@ -416,6 +416,49 @@ def test_hf_packed_documents():
     torch.testing.assert_close(got.last_hidden_state, exp.last_hidden_state, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("family", ["qwen2", "gpt2"])
+def test_hf_own_positions_are_one_document(family):
+    """Called without an attention mask and without a cache (training), transformers derives packed-sequence ids
+    from the model's own positions (an arange): one document per row whatever the length, so no documents
+    predicate (its tiles and tests would cost time for nothing); explicit positions that restart keep it
+    (``test_hf_packed_documents``)."""
+    model = _hf(family, use_cache=False)
+    ids = torch.randint(1, 97, (2, 11), generator=torch.Generator().manual_seed(3))
+    got, ctx = _run_hf(model, dict(input_ids=ids, use_cache=False))
+    exp = model(input_ids=ids, use_cache=False)
+    assert len(ctx.sites) == 2
+    for s in ctx.sites:
+        mask = s.details["mask"]
+        assert s.rewritten and mask.startswith("causal") and "documents" not in mask.replace("one document", ""), mask
+        assert "one document per row" in mask and "materialised" not in mask, mask
+    torch.testing.assert_close(got.last_hidden_state, exp.last_hidden_state, rtol=1e-4, atol=1e-5)
+
+
+def test_one_document_needs_the_whole_pattern():
+    """The packed-sequence ids count as one document only for positions that count up by one from the model's
+    arange: a step of 2, positions from an input, another prepend or a diff along another axis keep the ids."""
+    def ids(make_pos, prepend=lambda p: p[:, :1] - 1, axis0=False):
+        def f(x):
+            p = make_pos(x)
+            d = torch.diff(p, prepend=prepend(p), dim=0) if axis0 else torch.diff(p, prepend=prepend(p), dim=-1)
+            return (d != 1).cumsum(-1) + x.shape[0] * 0
+        gms = []
+        torch.compile(f, backend=lambda gm, ex: gms.append(gm) or gm.forward, dynamic=True)(torch.zeros(2, 7))
+        out = [n for n in gms[0].graph.nodes if n.op == "output"][0]
+        node = out.args[0][0] if isinstance(out.args[0], (tuple, list)) else out.args[0]
+        while node.op != "call_method" or node.target != "cumsum":
+            node = node.args[0]
+        return analyze_mask._one_document(node)
+
+    own = (lambda x: (torch.arange(x.shape[1]) + 3).unsqueeze(0).expand(x.shape[0], -1))
+    assert ids(own)
+    assert not ids(lambda x: torch.arange(0, 2 * x.shape[1], 2).unsqueeze(0).expand(x.shape[0], -1))
+    assert not ids(lambda x: x.long())
+    assert not ids(own, prepend=lambda p: p[:, :1])
+    assert not ids(lambda x: torch.arange(x.shape[0]).unsqueeze(1).expand(-1, x.shape[1]), prepend=lambda p: p[:1] - 1,
+                   axis0=True)
+
+
 @pytest.mark.parametrize("data", [False, True], ids=["index", "data"])
 def test_vmap_built_masks(data):
     """Hugging Face builds custom masks with torch.vmap (dynamo keeps the batching calls in the graph):
