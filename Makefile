@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.attncomp-installed
 JOBS   ?= 2
 
-.PHONY: demo test test-full zoo test-gpu test-gpu-dist test-newest test-oldest venv clean
+.PHONY: demo test test-full zoo zoo-newest test-gpu test-gpu-dist test-newest test-oldest venv clean
 
 $(STAMP): pyproject.toml requirements.lock
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -62,6 +62,10 @@ $(NEWEST)/.stamp: pyproject.toml
 		numpy networkx safetensors pytest pytest-xdist
 	$(NEWEST)/bin/python -m pip install -q --disable-pip-version-check --no-deps -e .
 	@touch $@
+
+# The registry sweep with the newest transformers the ranges admit: tests/zoo/results-newest.json and RESULTS-newest.md.
+zoo-newest: $(NEWEST)/.stamp
+	$(NEWEST)/bin/python -m tests.zoo --jobs $(JOBS) --out newest $(ZOO_ARGS)
 
 test-newest: $(NEWEST)/.stamp
 	$(NEWEST)/bin/python -c "import torch, triton, transformers; print('newest admitted:', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"

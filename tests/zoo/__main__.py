@@ -1,10 +1,11 @@
 """``python -m tests.zoo [--families a,b] [--registry causal-lm,...] [--jobs N] [--timeout S] [--inductor]
-[--train-every K]``: the registry sweep.
+[--train-every K] [--out NAME]``: the registry sweep.
 
 Every family runs :func:`tests.zoo.check.check` in a worker subprocess (a crash or a hang costs that
 family only; see :class:`Worker`), ``--jobs`` workers at a time, each family within ``--timeout`` seconds. Results go to
-``tests/zoo/results.json`` and ``tests/zoo/RESULTS.md``; a run of some families (``--families``,
-``--registry``) merges into the results already there.
+``tests/zoo/results.json`` and ``tests/zoo/RESULTS.md`` (the pinned transformers), or with ``--out newest`` to
+``results-newest.json`` and ``RESULTS-newest.md`` (the newest transformers the ranges admit: ``make zoo-newest``); a run
+of some families (``--families``, ``--registry``) merges into the results already there.
 """
 
 from __future__ import annotations
@@ -108,6 +109,12 @@ def versions():
     return dict(transformers=transformers.__version__, torch=torch.__version__, commit=commit)
 
 
+def result_paths(out: str = ""):
+    """(json, markdown) paths of the results named ``out`` ("" for the pinned transformers' results)."""
+    suffix = f"-{out}" if out else ""
+    return os.path.join(HERE, f"results{suffix}.json"), os.path.join(HERE, f"RESULTS{suffix}.md")
+
+
 def write_markdown(data, path=RESULTS_MD):
     fams = data["families"]
     regs = list(Z.REGISTRIES)
@@ -155,7 +162,10 @@ def main(argv=None):
     ap.add_argument("--inductor", action="store_true", help="compile around the op with Inductor (slow on a CPU)")
     ap.add_argument("--train-every", type=int, default=20,
                     help="also check training gradients of every K-th family of the full list (0: none)")
+    ap.add_argument("--out", default="", help="name the results: results-NAME.json and RESULTS-NAME.md (default: "
+                    "results.json and RESULTS.md, the pinned transformers' sweep)")
     args = ap.parse_args(argv)
+    results_json, results_md = result_paths(args.out)
 
     regs = [r for r in args.registry.split(",") if r]
     bad = [r for r in regs if r not in Z.REGISTRIES]
@@ -178,8 +188,8 @@ def main(argv=None):
     env.setdefault("ATTNCOMP_CACHE_DIR", tempfile.mkdtemp(prefix="attncomp-zoo-cache-"))
 
     data = dict(families={})
-    if os.path.exists(RESULTS_JSON):
-        with open(RESULTS_JSON) as f:
+    if os.path.exists(results_json):
+        with open(results_json) as f:
             data = json.load(f)
     data.update(versions())
     data["date"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
@@ -210,7 +220,7 @@ def main(argv=None):
                 data["families"][key(r, m)] = res
                 print(f"[{i:{width}}/{len(todo)}] {r:9} {m:28} {res['status']:14} {res.get('seconds', 0):6.1f}s  "
                       f"{str(res.get('reason', ''))[:160]}", flush=True)
-                with open(RESULTS_JSON, "w") as f:  # written as it goes: an interrupted sweep keeps its results
+                with open(results_json, "w") as f:  # written as it goes: an interrupted sweep keeps its results
                     json.dump(data, f, indent=1, sort_keys=True, default=str)
     finally:
         for w in workers:
@@ -219,12 +229,12 @@ def main(argv=None):
     what = "all registries" if full else ", ".join(regs) + (" (some families)" if args.families else "")
     data["runs"] = ([] if full else data.get("runs", [])[-9:]) + [
         dict(date=data["date"], families=len(todo), what=what, wall_s=wall, jobs=args.jobs)]
-    with open(RESULTS_JSON, "w") as f:
+    with open(results_json, "w") as f:
         json.dump(data, f, indent=1, sort_keys=True, default=str)
-    write_markdown(data)
+    write_markdown(data, results_md)
     counts = Counter(data["families"][key(r, m)]["status"] for r, m, _ in todo)
     print(f"done in {wall} s: " + ", ".join(f"{s} {n}" for s, n in counts.most_common()), flush=True)
-    print(f"wrote {os.path.relpath(RESULTS_JSON, ROOT)} and {os.path.relpath(RESULTS_MD, ROOT)}")
+    print(f"wrote {os.path.relpath(results_json, ROOT)} and {os.path.relpath(results_md, ROOT)}")
 
 
 if __name__ == "__main__":
