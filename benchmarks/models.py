@@ -10,7 +10,12 @@ calls back to back, timed until the last call returns), called as the compiled
 graph calls it (hash: no buckets, the op derives them; drop: no keep masks, the op draws them from a
 fresh seed per call, the draw counts): what the op adds per call besides its arithmetic.
 
-Rows: ``{"model", "device", "mode": "infer"|"train", "B", "N", "policy", "eager_ms", "compile_ms",
+Inputs (``--inputs``, row key ``inputs``): ``mask``, ``input_ids`` with an ``attention_mask`` (BERT's rows right-padded);
+``no-mask``, ``input_ids`` alone (decoders with ``use_cache=False``, as a training call; transformers then derives
+its mask from the positions); ``packed``, decoders given ``position_ids`` that restart for 8 documents per row
+(packed sequences: a documents predicate).
+
+Rows: ``{"model", "device", "mode": "infer"|"train", "B", "N", "inputs", "policy", "eager_ms", "compile_ms",
 "attncomp_ms", "host_us"}``; a table is printed last, JSON is written to
 ``benchmarks/results/models_<device>.json`` (``cpu``, ``h100``, ``h200``, from the device name) after every row,
 replacing the rows measured again and keeping the others (other models, modes or policies).
@@ -21,6 +26,7 @@ Usage::
     python -m attncomp bench models --smoke         # tiny shapes, seconds (CI; writes nothing unless --json)
     python -m attncomp bench models --policies dense,dfss --only llama
     python -m attncomp bench models --inductor-mode reduce-overhead   # both compilers with CUDA graphs
+    python -m attncomp bench models --only gpt2,llama --inputs mask,no-mask,packed
 """
 
 from __future__ import annotations
@@ -40,6 +46,10 @@ import attncomp  # noqa: E402
 from benchmarks import common as C  # noqa: E402
 
 T = None  # transformers, imported in main
+
+#: the ways of calling a model (``--inputs``)
+INPUTS = ("mask", "no-mask", "packed")
+DOCUMENTS = 8  # per row, in the packed inputs
 
 
 def device_name() -> str:
@@ -80,13 +90,23 @@ def build(c: Dict[str, Any]):
     return T.BertModel(cfg, add_pooling_layer=False)
 
 
-def inputs(c: Dict[str, Any], device) -> Dict[str, torch.Tensor]:
+def inputs(c: Dict[str, Any], device) -> Dict[str, Any]:
+    """The call's keyword arguments for the configuration's ``inputs`` (:data:`INPUTS`)."""
     B, N = c["B"], c["N"]
     ids = torch.randint(3, 1000, (B, N), device=device)
-    am = torch.ones(B, N, dtype=torch.long, device=device)
-    if c.get("pad"):  # right padding: every other row ends at 3/4
-        am[1::2, (3 * N) // 4:] = 0
-    return dict(input_ids=ids, attention_mask=am)
+    kind = c.get("inputs", "mask")
+    if kind == "mask":
+        am = torch.ones(B, N, dtype=torch.long, device=device)
+        if c.get("pad"):  # right padding: every other row ends at 3/4
+            am[1::2, (3 * N) // 4:] = 0
+        return dict(input_ids=ids, attention_mask=am)
+    x: Dict[str, Any] = dict(input_ids=ids)
+    if c["model"] != "bert":
+        x["use_cache"] = False
+    if kind == "packed":  # documents of N / 8 tokens, positions restarting at each
+        doc = -(-N // DOCUMENTS)
+        x["position_ids"] = (torch.arange(N, device=device) % doc).expand(B, N)
+    return x
 
 
 def sync(device) -> None:
@@ -209,7 +229,8 @@ def run_config(c, policies, device, dtype, iters, imode=None, ab=False):
     :func:`graphs_ab` for hash and drop on a GPU."""
     model, step = model_and_step(c, device, dtype)
 
-    base = dict(model=c["model"], device=device_name(), mode=c["mode"], B=c["B"], N=c["N"])
+    base = dict(model=c["model"], device=device_name(), mode=c["mode"], B=c["B"], N=c["N"],
+                inputs=c.get("inputs", "mask"))
     base["eager_ms"] = timed_ms(lambda: step(model), iters, device)
     torch._dynamo.reset()
     compiled = torch.compile(model, mode=imode)
@@ -272,7 +293,7 @@ def run_interleaved(c, policies, device, dtype, iters, rounds, imode=None):
 
 
 def _row_key(r):
-    return (r["model"], r["mode"], r["B"], r["N"], r["policy"], r.get("inductor_mode"))
+    return (r["model"], r["mode"], r["B"], r["N"], r.get("inputs", "mask"), r["policy"], r.get("inductor_mode"))
 
 
 def main(argv=None) -> int:
@@ -291,9 +312,15 @@ def main(argv=None) -> int:
                     help="Inductor's mode for torch.compile and attncomp alike (e.g. reduce-overhead: CUDA graphs)")
     ap.add_argument("--graphs-ab", action="store_true", help="hash/drop on a GPU: also timed with the plans' "
                                                               "CUDA graphs off, rounds interleaved")
+    ap.add_argument("--inputs", default="mask", help=f"comma-separated ways of calling the models: {', '.join(INPUTS)} "
+                                                     "(packed: decoders only)")
     ap.add_argument("--json", default=None, help="output path (default benchmarks/results/models_<device>.json; "
                                                   "--smoke writes nothing unless given)")
     args = ap.parse_args(argv)
+    kinds = [k for k in args.inputs.split(",") if k]
+    bad = [k for k in kinds if k not in INPUTS]
+    if bad:
+        ap.error(f"unknown --inputs {bad}; choose from {', '.join(INPUTS)}")
     import transformers
 
     T = transformers
@@ -307,7 +334,8 @@ def main(argv=None) -> int:
     # the file as it was: its rows that this run does not measure again (--only/--modes/--policies) stay
     base = C.load(path) if path and not args.smoke else None
     measured = set()
-    for c in configs(device_name(), args.smoke):
+    for c in (dict(c0, inputs=k) for c0 in configs(device_name(), args.smoke) for k in kinds
+              if not (k == "packed" and c0["model"] == "bert")):
         if args.only and c["model"] not in args.only.split(","):
             continue
         if args.modes and c["mode"] not in args.modes.split(","):
@@ -325,17 +353,17 @@ def main(argv=None) -> int:
                 row["inductor_mode"] = args.inductor_mode
             rows.append(row)
             measured.add(_row_key(row))
-            print(f"  {row['model']:5s} {row['mode']:5s} {row['B']}x{row['N']} {row['policy']:6s} eager "
+            print(f"  {row['model']:5s} {row['mode']:5s} {row['B']}x{row['N']} {row['inputs']:7s} {row['policy']:6s} eager "
                   f"{row['eager_ms']:.2f} ms  torch.compile {row['compile_ms']:.2f} ms  attncomp "
                   f"{row['attncomp_ms']:.2f} ms" + (f"  FAILED {row['error']}" if "error" in row else ""), flush=True)
             if path:  # after every row: a run cut short keeps what it measured
                 C.write(C.document("models", rows, argv, device=device_name(), **meta), path,
                         keep=lambda r: _row_key(r) not in measured, base=base or {})
-    hdr = ("model", "mode", "BxN", "policy", "eager ms", "compile ms", "attncomp ms", "vs eager", "vs compile",
+    hdr = ("model", "mode", "BxN", "inputs", "policy", "eager ms", "compile ms", "attncomp ms", "vs eager", "vs compile",
            "host us")
     lines = [hdr]
     for r in rows:
-        lines.append((r["model"], r["mode"], f"{r['B']}x{r['N']}", r["policy"], f"{r['eager_ms']:.2f}",
+        lines.append((r["model"], r["mode"], f"{r['B']}x{r['N']}", r["inputs"], r["policy"], f"{r['eager_ms']:.2f}",
                       f"{r['compile_ms']:.2f}", f"{r['attncomp_ms']:.2f}", f"{r['eager_ms'] / r['attncomp_ms']:.2f}x",
                       f"{r['compile_ms'] / r['attncomp_ms']:.2f}x", f"{r['host_us']:.0f}"))
     w = [max(len(x[i]) for x in lines) for i in range(len(hdr))]

@@ -197,9 +197,12 @@ def models(doc) -> Optional[str]:
     policies = sorted({r["policy"] for r in rows}, key=_porder)
     groups: Dict[tuple, Dict[str, dict]] = {}
     for r in rows:
-        groups.setdefault((r["model"], r["mode"], r["B"], r["N"], r.get("inductor_mode") or ""), {})[r["policy"]] = r
+        key = (r["model"], r["mode"], r["B"], r["N"], r.get("inductor_mode") or "", r.get("inputs", "mask"))
+        groups.setdefault(key, {})[r["policy"]] = r
+    show_inputs = any(k[5] != "mask" for k in groups)  # (a column only where a file has other calls)
     out = []
-    for (m, mode, b, n, im), by in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][3], kv[0][4])):
+    for (m, mode, b, n, im, inp), by in sorted(groups.items(),
+                                               key=lambda kv: (kv[0][0], kv[0][1], kv[0][3], kv[0][4], kv[0][5])):
         ok = [r for r in by.values() if "error" not in r]
         eager, comp = (_span([r[k] for r in ok]) for k in ("eager_ms", "compile_ms"))
         cells = []
@@ -208,8 +211,9 @@ def models(doc) -> Optional[str]:
             cells.append("-" if r is None else "failed" if "error" in r else
                          f"{_f(r['attncomp_ms'])} ({_ratio(r['eager_ms'], r['attncomp_ms'])}x, "
                          f"{_ratio(r['compile_ms'], r['attncomp_ms'])}x)")
-        out.append([m, mode, f"{b}x{n}", im or "default", eager, comp] + cells)
-    return _md(["model", "mode", "BxN", "Inductor mode", "eager ms", "torch.compile ms"]
+        out.append([m, mode, f"{b}x{n}"] + ([inp] if show_inputs else []) + [im or "default", eager, comp] + cells)
+    return _md(["model", "mode", "BxN"] + (["inputs"] if show_inputs else []) + ["Inductor mode", "eager ms",
+                                                                                  "torch.compile ms"]
                + [f"{p} ms (x eager, x compile)" for p in policies], out)
 
 
