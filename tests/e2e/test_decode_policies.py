@@ -43,3 +43,30 @@ def test_decode_steps_equal_full_forward(policy):
     rep = attncomp.report(fast)
     assert rep.rewritten == 2 and all(s.policy == attncomp.get_policy(policy).name for s in rep.sites), str(rep)
     assert rel_err(full, dense) > 1e-3, "the policy changed nothing: the test would not see a wrong alignment"
+
+
+def test_static_cache_captures_the_decode_step_once():
+    """``generate(cache_implementation="static")`` on a compiled model: the per-step logits equal eager's (left
+    padding included), and the decode step is captured once: a later generate that fits the cache transformers
+    keeps (shorter or as long) compiles no new graph, nor does any step (no recompile per step or per position),
+    and the report counts the graphs (prefill and decode). (A longer generate makes transformers allocate a longer
+    cache: new shapes, one more prefill and decode graph.)"""
+    torch.manual_seed(5)
+    model = ZOO["llama"].build()
+    fast = attncomp.compile(model, policy="dense")
+    ids = torch.randint(3, 96, (2, 9))
+    am = torch.ones_like(ids)
+    ids[1, :3], am[1, :3] = 0, 0
+    kw = dict(attention_mask=am, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0,
+              cache_implementation="static", disable_compile=True)
+    graphs = None
+    with torch.no_grad():
+        for n in (6, 3, 6):
+            got = fast.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
+            ref = model.generate(ids, max_new_tokens=n, min_new_tokens=n, **{**kw, "cache_implementation": None})
+            assert torch.equal(got.sequences, ref.sequences)
+            for a, b in zip(got.logits, ref.logits):
+                assert rel_err(a, b) < 1e-4
+            if n == 6 and graphs is None:
+                graphs = attncomp.report(fast).graphs
+    assert attncomp.report(fast).graphs == graphs <= 3, (graphs, attncomp.report(fast).graphs)
