@@ -220,32 +220,44 @@ def dense_choice_key(nq: int, nk: int, head_dim: int, dtype, kind: str, arch: st
             "kind": kind, "arch": arch, "gqa": int(groups) > 1}
 
 
+#: rounds of timed calls per candidate, interleaved (each round times every candidate in turn, so a clock or
+#: thermal drift during the measurement moves them alike), and calls per round; the median round decides
+_ROUNDS = 7
+_REPS = 3
+
+
 def _time_candidates(names, spec, q, k, v, attn_mask, preds) -> Dict[str, float]:
-    """Milliseconds of forward + backward per candidate backend on these inputs (CUDA events)."""
-    times: Dict[str, float] = {}
+    """Milliseconds of forward + backward per candidate backend on these inputs (CUDA events): every candidate
+    warmed up twice, then :data:`_ROUNDS` interleaved rounds of :data:`_REPS` calls, the median round's time."""
+    runs = {}
     for nm in names:
         be = get_backend(nm)
         qq, kk, vv = (t.detach() for t in (q, k, v))
         kw = {} if preds is None else {"preds": preds}
 
-        def run():
+        def run(be=be, qq=qq, kk=kk, vv=vv, kw=kw):
             out, lse = be.forward(spec, qq, kk, vv, attn_mask, None, None, None, 0.0, 0, **kw)
             be.backward(spec, qq, kk, vv, attn_mask, None, None, None, 0.0, 0, out, lse, out, **kw)
 
         try:
             run()
-            torch.cuda.synchronize(q.device)
+            run()
+        except Exception as e:  # a candidate that fails is not chosen
+            log.warning("attncomp: timing %s for %s failed: %s", nm, spec.describe(), e)
+            continue
+        runs[nm] = run
+    rounds: Dict[str, list] = {nm: [] for nm in runs}
+    torch.cuda.synchronize(q.device)
+    for _ in range(_ROUNDS):
+        for nm, run in runs.items():
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            reps = 5
             start.record()
-            for _ in range(reps):
+            for _ in range(_REPS):
                 run()
             end.record()
             torch.cuda.synchronize(q.device)
-            times[nm] = start.elapsed_time(end) / reps
-        except Exception as e:  # a candidate that fails is not chosen
-            log.warning("attncomp: timing %s for %s failed: %s", nm, spec.describe(), e)
-    return times
+            rounds[nm].append(start.elapsed_time(end) / _REPS)
+    return {nm: sorted(ts)[len(ts) // 2] for nm, ts in rounds.items() if ts}
 
 
 def dense_choice(key: Dict[str, Any]) -> Optional[str]:

@@ -232,3 +232,41 @@ def test_static_cache_generate_under_reduce_overhead(fresh_dynamo):
     notes = " ".join(attncomp.report(fast).notes)
     assert "not run as a CUDA graph" not in notes, notes
     assert dynamo_counters["inductor"]["cudagraph_skips"] == 0, dict(dynamo_counters["inductor"])
+
+
+_CHOICE_SCRIPT = r"""
+import json, sys, torch
+from attncomp.runtime import dispatch
+from attncomp.spec import AttentionSpec
+out = {}
+for n, d, causal in ((256, 64, False), (1024, 128, True), (4096, 64, True)):
+    g = torch.Generator(device="cuda").manual_seed(n)
+    q, k, v = (torch.randn(2, 8, n, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    spec = AttentionSpec(causal=causal, dtype="bfloat16")
+    t = dispatch._time_candidates(["sdpa", "triton"], spec, q, k, v, None, None)
+    out[f"{n}-{d}-{causal}"] = t
+print(json.dumps(out))
+"""
+
+
+def test_dense_choice_is_stable_across_processes(tmp_path):
+    """The SDPA-or-Triton timing (interleaved rounds, the median) picks the same winner in three fresh processes at
+    every shape where the two differ by more than 10% in all of them (at least one such shape among three)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    runs = []
+    for i in range(3):
+        env = dict(os.environ, ATTNCOMP_CACHE_DIR=str(tmp_path / str(i)), ATTNCOMP_AUTOTUNE="1", PYTHONPATH=root)
+        r = subprocess.run([sys.executable, "-c", _CHOICE_SCRIPT], env=env, capture_output=True, text=True,
+                           timeout=600, cwd=root)
+        assert r.returncode == 0, r.stderr[-2000:]
+        runs.append(json.loads(r.stdout.strip().splitlines()[-1]))
+    apart = [s for s in runs[0] if all(max(t.values()) > 1.1 * min(t.values()) for t in (x[s] for x in runs))]
+    assert apart, runs
+    for s in apart:
+        winners = {min(x[s], key=x[s].get) for x in runs}
+        assert len(winners) == 1, (s, [x[s] for x in runs])
