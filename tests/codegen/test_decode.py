@@ -27,8 +27,8 @@ from attncomp.codegen.triton.layout import derive_layout  # noqa: E402
 from attncomp.ops import materialize_aux  # noqa: E402
 from attncomp.policy import Drop, Hash  # noqa: E402
 from attncomp.spec import AttentionSpec, dtype_name  # noqa: E402
-from tests.codegen.template_cases import close, make_mask, make_policy, make_preds, make_qkv  # noqa: E402
-from tests.codegen.test_template_modifiers import _f64, make_mods  # noqa: E402
+from tests.codegen.template_cases import close, make_preds, make_qkv  # noqa: E402
+from tests.codegen.test_template_modifiers import _f64, draw_case  # noqa: E402
 from tests.utils import TOL, fresh_seed, poisoned_empty  # noqa: E402
 
 
@@ -94,14 +94,9 @@ def _check(out, lse, ro, rl, dtype):
 @pytest.mark.sample(7)
 @pytest.mark.parametrize("case", CASES, ids=_ids)
 def test_decode_matches_reference(case):
-    policy, kinds, mask_kind, names, B, Hq, Hk, Nq, Nk, D, dtype, n_split = case
-    g = torch.Generator().manual_seed(fresh_seed())
-    q, k, v = make_qkv(policy, g, B, Hq, Hk, Nq, Nk, D, dtype)
-    fields, preds = make_preds(kinds, g, B, Nq, Nk)
-    mfields, mods = make_mods(names, g, Hq)
-    mask = make_mask(mask_kind, g, B, Hq, Nq, Nk)
-    pol, qa, ka, bp = make_policy(policy, g, B, Hq, Hk, Nq, Nk)
-    spec = AttentionSpec(mask_kind=mask_kind, dtype=dtype_name(dtype), policy=pol, **fields, **mfields)
+    *drawn, n_split = case
+    policy, dtype = case[0], case[10]
+    _, spec, q, k, v, mask, preds, mods, qa, ka, bp = draw_case(*drawn)
     assert DEC.eligible(spec, q, k, 0.0) == (policy != "hash")  # (hash: the template's sorted layout)
     out, lse = _decode(spec, q, k, v, mask, preds, mods, qa, ka, bp, 0, n_split)
     m64 = mask if mask is None or mask.dtype == torch.bool else mask.double()

@@ -97,7 +97,8 @@ def _f64(mods):
     return Modifiers(*(None if t is None else t.double() for t in mods))
 
 
-def run_case(policy, kinds, mask_kind, names, B, Hq, Hk, Nq, Nk, D, dtype, *, dropout_p=0.0):
+def draw_case(policy, kinds, mask_kind, names, B, Hq, Hk, Nq, Nk, D, dtype):
+    """``(g, spec, q, k, v, mask, preds, mods, q_aux, k_aux, block_pattern)`` of a case, drawn from a fresh seed."""
     g = torch.Generator().manual_seed(fresh_seed())
     q, k, v = make_qkv(policy, g, B, Hq, Hk, Nq, Nk, D, dtype)
     fields, preds = _preds(kinds, g, B, Nq, Nk)
@@ -105,6 +106,12 @@ def run_case(policy, kinds, mask_kind, names, B, Hq, Hk, Nq, Nk, D, dtype, *, dr
     mask = make_mask(mask_kind, g, B, Hq, Nq, Nk)
     pol, qa, ka, bp = make_policy(policy, g, B, Hq, Hk, Nq, Nk)
     spec = AttentionSpec(mask_kind=mask_kind, dtype=dtype_name(dtype), policy=pol, **fields, **mfields)
+    return g, spec, q, k, v, mask, preds, mods, qa, ka, bp
+
+
+def run_case(policy, kinds, mask_kind, names, B, Hq, Hk, Nq, Nk, D, dtype, *, dropout_p=0.0):
+    g, spec, q, k, v, mask, preds, mods, qa, ka, bp = draw_case(policy, kinds, mask_kind, names, B, Hq, Hk, Nq, Nk, D,
+                                                                dtype)
     seed = fresh_seed()
     tol = TOL[dtype]
     out, lse = BACKEND.forward(spec, q, k, v, mask, qa, ka, bp, dropout_p, seed, preds=preds, mods=mods)
