@@ -8,6 +8,11 @@ log-sum-exp (the op returns ``lse`` per query row)::
 
     lse = logaddexp(lse_a, lse_b);  out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)
 
+The merged output and ``lse`` accumulate in the op's ``lse`` dtype (:func:`~attncomp.opspec.lse_dtype`:
+float64 for float64 inputs, else float32), each merge in the widest dtype of its operands, and the
+backward recomputes in float64 from them for float64 inputs: a float64 ring equals a single-process
+float64 call to float64 rounding.
+
 The backward (:class:`_RingAttention`) rotates K/V once more, with the dK/dV accumulators of each
 K/V shard travelling with it (FlashAttention-2 style: every block's probabilities are recomputed
 from the *global* ``lse`` and ``delta = rowsum(dO * O)`` of the merged output), so no rank ever
@@ -57,6 +62,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .opspec import lse_dtype
 from .policy import DFSS, Drop, Hash, get_policy, keep_mask, lsh_buckets
 from .spec import AttentionSpec, dtype_name
 
@@ -276,7 +282,7 @@ def _block_backward(spec: AttentionSpec, q, k, v, q_aux, k_aux, out, lse, dout):
     block-local softmax in their backward) the same formula runs here on the reference's logits and
     keep rule, so the policy's selection is exactly the reference's."""
     name = _lse_backend(spec, q, k, v)
-    if name is not None:
+    if name is not None:  # (float16/bfloat16/float32 inputs only: its lse is float32)
         dq, dk, dv, _ = torch.ops.attncomp.attention_backward(
             dout.contiguous(), q, k, v, None, q_aux, k_aux, None, *_no_preds(), out.contiguous(),
             lse.float().contiguous(), spec.replace(backend=name).to_json(), 0.0, 0, False)
@@ -336,15 +342,15 @@ def _formula_backward(spec: AttentionSpec, q, k, v, q_aux, k_aux, out, lse, dout
 
 
 def _merge(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> Tuple[Tensor, Tensor]:
+    """Two partial results of the same query rows merged by log-sum-exp, in the widest dtype of the
+    accumulator ``out_a`` and the two ``lse`` (a block's may be narrower than the accumulators)."""
+    dt = torch.promote_types(torch.promote_types(lse_a.dtype, lse_b.dtype), out_a.dtype)
+    lse_a, lse_b = lse_a.to(dt), lse_b.to(dt)
     lse = torch.logaddexp(lse_a, lse_b)
     ref = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
     wa = torch.exp(lse_a - ref)[..., None]
     wb = torch.exp(lse_b - ref)[..., None]
-    return out_a * wa + out_b.to(out_a.dtype) * wb, lse
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+    return out_a.to(dt) * wa + out_b.to(dt) * wb, lse
 
 
 # ---------------------------------------------------------------------------------------------
@@ -352,7 +358,7 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _ring_forward(cfg: _Config, q, k, v, q_aux, k_aux):
     B, Hq, n, _ = q.shape
-    at = _acc_dtype(q.dtype)
+    at = lse_dtype(q.dtype)
     out = q.new_zeros((B, Hq, n, v.shape[-1]), dtype=at)
     lse = torch.full((B, Hq, n), float("-inf"), dtype=at, device=q.device)
     ring = _Ring(cfg.group, cfg.world, cfg.rank, list(cfg.members)) if cfg.world > 1 else None
@@ -365,7 +371,7 @@ def _ring_forward(cfg: _Config, q, k, v, q_aux, k_aux):
         for b in _plan(cfg.rank, src, n, cfg.layout, cfg.causal):
             o_b, l_b = _block_forward(cfg.block_spec(b), q[:, :, b.q], kb[:, :, b.k], vb[:, :, b.k],
                                       _aux_slice(q_aux, b.q), _aux_slice(kab, b.k))
-            out[:, :, b.q], lse[:, :, b.q] = _merge(out[:, :, b.q], lse[:, :, b.q], o_b, l_b.to(at))
+            out[:, :, b.q], lse[:, :, b.q] = _merge(out[:, :, b.q], lse[:, :, b.q], o_b, l_b)
         if pending is not None:
             kv = pending.wait()
     return out.to(q.dtype), lse
@@ -373,7 +379,7 @@ def _ring_forward(cfg: _Config, q, k, v, q_aux, k_aux):
 
 def _ring_backward(cfg: _Config, q, k, v, q_aux, k_aux, out, lse, dout):
     n = q.shape[2]
-    at = _acc_dtype(q.dtype)
+    at = lse_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=at, device=q.device)
     dk = torch.zeros(k.shape, dtype=at, device=k.device)
     dv = torch.zeros(v.shape, dtype=at, device=v.device)

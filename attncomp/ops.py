@@ -16,8 +16,9 @@ of their own, disjoint from dropout's draws of the same seed), so one seed per c
 passes the same draw. A backend with ``derives_aux = True`` (Triton: fused with its counting sort)
 does it itself; for every other one the op calls :func:`materialize_aux` first. The Python entry
 point :func:`attention` draws keep masks before the call (``draw_seed``) and passes them. ``lse``
-is the float32 log-sum-exp of the kept logits per query row (``-inf`` for a row with no kept key);
-backends use it for the backward.
+is the log-sum-exp of the kept logits per query row (``-inf`` for a row with no kept key), float32, or
+float64 for float64 inputs (:func:`~attncomp.opspec.lse_dtype`, which the fake reports too); backends
+use it for the backward, and context-parallel attention merges blocks by it.
 ``alibi_slopes``/``rel_table``/``sinks`` are the tensors of the score modifiers of DESIGN.md §4.2
 (see :class:`~attncomp.spec.Modifiers`), present iff the spec names the modifier; last and optional, so
 graphs built before them still call the op. Backends receive them as one ``mods`` keyword argument and
@@ -52,7 +53,7 @@ from torch import Tensor
 # the conventions the backends share with the op live below them (attncomp.opspec); the op's callers
 # may keep importing them from here
 from .opspec import (ARG_INDEX, MOD_NAMES, PRED_NAMES, bounded_put, bucket_range, call_signature, half_given_aux,
-                     laid_out, mark_buckets, output_like, output_strides, parsed, resolved, tensor_sig)
+                     laid_out, lse_dtype, mark_buckets, output_like, output_strides, parsed, resolved, tensor_sig)
 from .policy import Drop, Hash, SPION, ceil_div, keep_mask, lsh_buckets, seed_mix
 from .spec import AttentionSpec, Modifiers, Predicates
 
@@ -393,7 +394,7 @@ def _(q, k, v, attn_mask, q_aux, k_aux, block_pattern, q_pos, k_pos, q_seg, k_se
       dropout_p, seed, alibi_slopes=None, rel_table=None, sinks=None):
     B, Hq, Nq, _ = q.shape
     out = output_like(q, v.shape[-1])
-    lse = q.new_empty((B, Hq, Nq), dtype=torch.float32)
+    lse = q.new_empty((B, Hq, Nq), dtype=lse_dtype(q.dtype))
     return out, lse
 
 

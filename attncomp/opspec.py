@@ -1,6 +1,6 @@
 """What the ``attncomp::attention`` op and the code below it agree on: argument positions, the spec
-string's parsing, the output layout, call signatures for per-call memos, and which bucket tensors the
-op derived itself.
+string's parsing, the output layout and the ``lse`` dtype, call signatures for per-call memos, and which
+bucket tensors the op derived itself.
 
 The op (:mod:`attncomp.ops`) calls the runtime's backend selection, which imports the backends; the
 backends and the runtime need these conventions, so they live here, below all of them, and import
@@ -20,7 +20,7 @@ from .policy import Hash
 from .spec import AttentionSpec, Modifiers, Predicates
 
 __all__ = ["ARG_INDEX", "PRED_NAMES", "MOD_NAMES", "resolved", "parsed", "half_given_aux", "output_strides",
-           "output_like", "laid_out", "bounded_put", "tensor_sig", "call_signature", "bucket_range",
+           "output_like", "laid_out", "lse_dtype", "bounded_put", "tensor_sig", "call_signature", "bucket_range",
            "mark_buckets"]
 
 #: the predicate tensors, in op-argument order (the fields of :class:`~attncomp.spec.Predicates`)
@@ -79,6 +79,15 @@ def laid_out(out: Tensor) -> Tensor:
     if out.stride() == output_strides(*out.shape):
         return out
     return output_like(out, out.shape[-1]).copy_(out)
+
+
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the op's ``lse`` for inputs of ``dtype``: float64 for float64 inputs, float32 for every
+    other (float16, bfloat16, float32: what the kernels accumulate in and write). The fake implementation
+    reports it, every backend that takes float64 writes it, and the ring merge of
+    :mod:`attncomp.distributed` accumulates in it; float64 runs carry no float32 rounding through ``lse``.
+    A backend that cannot compute in float64 (Triton) refuses float64 inputs."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 # -- per-call memos -----------------------------------------------------------------------------

@@ -175,6 +175,26 @@ def test_fake_kernel_and_opcheck():
 
 
 @pytest.mark.parametrize("backend", ["reference", "sdpa", "auto"])
+def test_lse_is_float64_for_float64_inputs_else_float32(backend):
+    """The op's lse dtype (opspec.lse_dtype): float64 for float64 inputs, float32 for float16, bfloat16 and
+    float32; the real call and the fake report the same, and a float64 lse is the float64 reference's."""
+    spec = AttentionSpec(causal=True, backend=backend).to_json()
+    for dtype, want in ((torch.float16, torch.float32), (torch.bfloat16, torch.float32),
+                        (torch.float32, torch.float32), (F64, F64)):
+        q, k, v, _ = _case("dense", Nq=5, Nk=5, dtype=dtype, grad=False, seed=fresh_seed())
+        args = (q, k, v) + (None,) * 10 + (spec, 0.0, 0)
+        out, lse = torch.ops.attncomp.attention(*args)
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            fout, flse = torch.ops.attncomp.attention(*(mode.from_tensor(t) for t in (q, k, v)), *args[3:])
+        assert ops.lse_dtype(dtype) == lse.dtype == flse.dtype == want, (dtype, lse.dtype, flse.dtype)
+        assert out.dtype == fout.dtype == dtype and lse.shape == flse.shape == (2, 4, 5)
+    # float64 values: as the float64 reference's, which float32 rounding (about 1e-7 relative) would fail
+    want_lse = R.attention(q, k, v, spec=AttentionSpec(causal=True))[1]
+    torch.testing.assert_close(lse, want_lse, atol=1e-13, rtol=1e-13)
+    torch.library.opcheck(torch.ops.attncomp.attention.default, args, test_utils=("test_faketensor",))
+
+
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "auto"])
 @pytest.mark.parametrize("q_layout", ["heads inner", "contiguous"])
 def test_output_has_the_heads_inner_layout_the_fake_promises(backend, q_layout):
     """Every backend's output comes back as the transpose of a contiguous (B, N, H, Dv) tensor, the

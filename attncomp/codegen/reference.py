@@ -17,7 +17,8 @@ Rules implemented here (one place, so every backend is checked against the same 
   ALiBi ``+ slope[h] * (k_pos[j] - q_pos[i])``, the relative-position bias ``+ table[bucket(k_pos[j] -
   q_pos[i]), h]``, soft-capping ``cap * tanh(s / cap)``; then the float mask is added, the policy decides
   on the result, the predicates apply; positions are the predicates' (default ``arange`` as above);
-* ``out = softmax(kept logits) @ v``; a row with no kept key gives zeros and ``lse = -inf``; with
+* ``out = softmax(kept logits) @ v``; ``lse`` in :func:`~attncomp.opspec.lse_dtype` (float64 for float64
+  inputs, else float32); a row with no kept key gives zeros and ``lse = -inf``; with
   attention sinks the denominator gains ``exp(sink[h])`` (``lse`` includes it: a row with no kept key
   has ``lse = sink[h]``, and still outputs zeros);
 * dropout (when ``dropout_p > 0``) zeroes probabilities where ``uniform_hash(seed, idx) < dropout_p``,
@@ -32,6 +33,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from ..opspec import lse_dtype
 from ..policy import DFSS, Drop, Hash, SPION, uniform_hash
 from ..spec import AttentionSpec, Modifiers, Predicates, rel_bucket
 
@@ -267,7 +269,8 @@ def attention(
     preds: Optional[Predicates] = None,
     mods: Optional[Modifiers] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Exact attention under ``spec``; returns ``(out, lse)``, ``lse`` float32 ``(B, Hq, Nq)``.
+    """Exact attention under ``spec``; returns ``(out, lse)``, ``lse`` ``(B, Hq, Nq)`` in
+    :func:`~attncomp.opspec.lse_dtype` of q's dtype.
 
     Differentiable with ordinary autograd (the op's reference backward recomputes through it), in the
     modifier tensors ``mods`` too.
@@ -298,7 +301,7 @@ def attention(
             dk = dropout_keep(seed, dropout_p, p.shape, p.device)
             p = torch.where(dk, p / (1.0 - dropout_p), torch.zeros_like(p))
         out = torch.matmul(p, vv).to(q.dtype)
-        return out, lse.squeeze(-1).to(torch.float32)
+        return out, lse.squeeze(-1).to(lse_dtype(q.dtype))
     safe_l = torch.where(l > 0, l, torch.ones_like(l))
     p = p / safe_l
     if dropout_p > 0.0:
@@ -307,7 +310,7 @@ def attention(
     vv = _expand_kv(v, q.shape[1]).to(p.dtype)
     out = torch.matmul(p, vv).to(q.dtype)
     lse = torch.where(l > 0, m + torch.log(safe_l), torch.full_like(l, float("-inf")))
-    return out, lse.squeeze(-1).to(torch.float32)
+    return out, lse.squeeze(-1).to(lse_dtype(q.dtype))
 
 
 def _sum_groups(x: torch.Tensor, hk: int) -> torch.Tensor:

@@ -21,7 +21,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..opspec import laid_out, resolved
+from ..opspec import laid_out, lse_dtype, resolved
 from ..spec import AttentionSpec, Predicates
 from .reference import cacheable, default_positions, predicate_mask, tracing
 
@@ -218,7 +218,7 @@ class SdpaBackend:
         scale = _scale(spec, q.shape[-1])
         if q.shape[-2] == 0 or k.shape[-2] == 0:
             out = q.new_zeros(q.shape[:-1] + (v.shape[-1],))
-            lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+            lse = torch.full(q.shape[:-1], float("-inf"), dtype=lse_dtype(q.dtype), device=q.device)
             return out, lse, lse
         if q.is_cuda and _grouped_flash(q, k, bias, is_causal):
             out, lse = _flash_grouped(q, k, v, is_causal, scale)
@@ -230,12 +230,13 @@ class SdpaBackend:
             # dim were contiguous: a transposed view gives wrong results
             out, lse = _CPU_FWD(_dense(q), _dense(k), _dense(v), 0.0, is_causal, attn_mask=bias, scale=scale)
         raw_lse = lse
-        if lse.dtype != torch.float32:
-            lse = lse.float()
+        ldt = lse_dtype(q.dtype)
+        if lse.dtype != ldt:
+            lse = lse.to(ldt)
         if row_ok is not None:
             if q.is_cuda:  # SDPA's CPU kernel already writes zeros for a row with no allowed key
                 out = torch.where(row_ok[..., None], out, _const(0.0, out.dtype, out.device))
-            lse = torch.where(row_ok, lse, _const(float("-inf"), torch.float32, lse.device))
+            lse = torch.where(row_ok, lse, _const(float("-inf"), ldt, lse.device))
         if lse.shape != q.shape[:-1]:
             lse = lse.expand(q.shape[:-1])
         # SDPA's lse follows its own layout; the op's contract (and its fake) is contiguous
@@ -250,12 +251,9 @@ class SdpaBackend:
             dq, dk, dv = _cuda_backward(spec, q, k, v, attn_mask, preds, grad_out, out, lse)
             return dq, dk, dv, None
         is_causal, bias, _ = _plan(spec, q, k, attn_mask, preds)
-        if q.dtype == torch.float64:
-            # attncomp's lse is float32: recompute SDPA's own for float64 accuracy
-            _, _, raw = self._forward(spec, q, k, v, attn_mask, preds)
-        else:
-            # an empty row's lse is -inf; SDPA's kernel wants a finite one there (its p is 0 anyway)
-            raw = torch.where(torch.isneginf(lse), _const(0.0, lse.dtype, lse.device), lse)
+        # the op's lse is the kernel's own (float64 for float64 inputs); an empty row's lse is -inf, and
+        # SDPA's kernel wants a finite one there (its p is 0 anyway)
+        raw = torch.where(torch.isneginf(lse), _const(0.0, lse.dtype, lse.device), lse)
         # grouped k/v heads as they are: dk and dv come with k's heads
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             _dense(grad_out.to(q.dtype)), _dense(q), _dense(k), _dense(v), _dense(out), raw, 0.0, is_causal,
@@ -328,7 +326,7 @@ def inline_attention(q: Tensor, k: Tensor, v: Tensor, plan: tuple, spec_json: st
     if not _public(q, need_lse) or q.shape[-2] == 0 or k.shape[-2] == 0:
         out, lse, _ = SdpaBackend()._forward(spec, q, k, v, None, None, plan=plan)
         return out, lse
-    return _public_forward(spec, q, k, v, plan), q.new_empty((0,), dtype=torch.float32)
+    return _public_forward(spec, q, k, v, plan), q.new_empty((0,), dtype=lse_dtype(q.dtype))
 
 
 # the forward in torch ops a tracer records, for compiled graphs: the mask plan shared by sites, then

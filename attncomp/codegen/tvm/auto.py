@@ -10,8 +10,7 @@ is installed, except:
 
 * tiny problems (``Nq * Nk < 256 * 256``), where a first call's kernel build (about a second per
   kernel variant, once per machine thanks to the disk cache) outweighs the gain;
-* float64 inputs, where the reference is the exact path (the op's float32 ``lse`` limits the TVM
-  backward to float32 accuracy);
+* float64 inputs, which serve accuracy checks: the reference (the oracle) runs them;
 * ``ATTNCOMP_TVM_AUTO=0`` turns the choice off.
 """
 

@@ -4,7 +4,8 @@
 the same function (DESIGN.md §4, §4.1) with the TIR kernels of :mod:`.kernels`, compiled for the CPU
 (TVM's ``llvm`` target) and called on CPU torch tensors through DLPack (no copy). Every policy runs
 forward and backward. Half-precision inputs are computed in float32 (as the reference does) and the
-results cast back; float64 inputs run float64 kernels.
+results cast back; float64 inputs run float64 kernels. The kernels read and write ``lse`` (and the
+backward's ``delta``) in their compute dtype, which is the op's :func:`~attncomp.opspec.lse_dtype`.
 
 Everything the kernels read is O(N) besides q, k, v (predicate tensors, per-key-tile summaries for
 the tile schedule) except a dense ``attn_mask`` when the caller gives one, which is read in place
@@ -26,6 +27,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from ...opspec import lse_dtype
 from ...policy import DFSS, SPION, Hash, seed_mix
 from ...spec import AttentionSpec, Modifiers
 from ..modifiers import mod_grads, rel_lut
@@ -245,14 +247,14 @@ def _sink_lse(spec: AttentionSpec, empty, mods: Optional[Modifiers]):
     """An empty problem's result; with sinks a row with no key has ``lse = sink[h]`` (its output 0)."""
     out, lse = empty
     if spec.sinks and mods is not None and mods.sinks is not None and lse.numel():
-        lse.copy_(mods.sinks.detach().to(device=lse.device, dtype=torch.float32).reshape(1, -1, 1).expand_as(lse))
+        lse.copy_(mods.sinks.detach().to(device=lse.device, dtype=lse.dtype).reshape(1, -1, 1).expand_as(lse))
     return out, lse
 
 
 def _forward_start(q, k, v):
     """``(compute dtype, lse buffer, result)`` of a forward: the result of an empty problem, else None."""
     B, Hq, Nq, _ = q.shape
-    lse = _empty((B, Hq, Nq), torch.float32, q.device)
+    lse = _empty((B, Hq, Nq), lse_dtype(q.dtype), q.device)
     empty = _no_keys(q, v, lse) if Nq == 0 or B * Hq == 0 or k.shape[2] == 0 else None
     return _compute_dtype(q.dtype), lse, empty
 
@@ -293,8 +295,8 @@ def attention_backward(spec: AttentionSpec, q, k, v, attn_mask, out, lse, grad_o
     variant = make_variant(spec, q, v, attn_mask, preds, dropout_p)
     qc, kc, vc, doc = _prep(q, ct), _prep(k, ct), _prep(v, ct), _prep(grad_out, ct)
     delta_ct = (doc * out.detach().to(ct)).sum(-1)
-    delta = delta_ct.to(torch.float32).contiguous()
-    lse = lse.detach().to(torch.float32).contiguous()
+    delta = delta_ct.contiguous()
+    lse = lse.detach().to(ct).contiguous()
     extra = _extra_values(variant, spec, q, k, attn_mask, q_aux, k_aux, block_pattern, preds, dropout_p, seed, ct,
                           mods)
     dq = _empty(q.shape, ct, q.device)
@@ -379,7 +381,7 @@ def sparse_emulated_forward(spec: AttentionSpec, q, k, v, attn_mask=None, preds=
     from . import cuda as _cuda
 
     sp = _cuda.cuda_variant(sp)
-    lse = _empty((B, Hq, Nq), torch.float32, q.device)
+    lse = _empty((B, Hq, Nq), lse_dtype(q.dtype), q.device)
     out = _empty((B, Hq, Nq, Dv), torch.float32, q.device)
     qc, kc, vc = _kernel_inputs(sp, q, k, v, ct)
     if sp.operand_dtype == "bfloat16":  # the CPU build reads bfloat16 operands as their bits
@@ -446,8 +448,8 @@ def _backward_setup(spec, q, k, v, attn_mask, out, lse, grad_out, q_aux, k_aux, 
     variant = make_variant(spec, q, v, attn_mask, preds, dropout_p)
     qc, kc, vc, doc = _prep(q, ct), _prep(k, ct), _prep(v, ct), _prep(grad_out, ct)
     delta_ct = (doc * out.detach().to(ct)).sum(-1)
-    delta = delta_ct.to(torch.float32).contiguous()
-    lse = lse.detach().to(torch.float32).contiguous()
+    delta = delta_ct.contiguous()
+    lse = lse.detach().to(ct).contiguous()
     grads = {"dq": _empty(q.shape, ct, q.device), "dk": _empty(k.shape, ct, q.device), "dv": _empty(v.shape, ct, q.device)}
     base = {"q": qc, "k": kc, "v": vc, "do": doc, "lse": lse, "delta": delta}
     # the CUDA dK/dV kernel adds the table's gradient into one (2 * max_distance + 1, Hq) buffer

@@ -172,7 +172,7 @@ def cuda_forward_source(v: Variant) -> str:
           f"{ind}    for e in range({Dv}):",
           f"{ind}        O[b, h, qi, e] = ACC[e] * W[2]",
           f"{ind}    LSE[b, h, qi] = T.if_then_else(W[1] > T.{dt}(0), "
-          f"T.Cast(\"float32\", W[0] + T.log(W[1])), T.float32(\"-inf\"))"]
+          f"T.Cast(\"{dt}\", W[0] + T.log(W[1])), T.{dt}(\"-inf\"))"]
     return "\n".join(L) + "\n"
 
 

@@ -137,7 +137,7 @@ class _Gen:
         grads = ("dk", "dv") if self.kind == "dkdv" else ("dq",)
         mods = K.mod_grad_args(v) if self.kind == "dkdv" else ()
         L = K._signature(name, K.BWD_ARGS + grads + mods, v)
-        L += K._qkv_buffers(v, dt, grad_out=True) + ['    DELTA = T.match_buffer(delta, (B, Hq, Nq), "float32")']
+        L += K._qkv_buffers(v, dt, grad_out=True) + [f'    DELTA = T.match_buffer(delta, (B, Hq, Nq), "{v.dtype}")']
         shapes = {"dq": f"(B, Hq, Nq, {D})", "dk": f"(B, Hk, Nk, {D})", "dv": f"(B, Hk, Nk, {Dv})"}
         L += [f'    {g.upper()}_ = T.match_buffer({g}, {shapes[g]}, "{dt}")' for g in grads]
         if mods:

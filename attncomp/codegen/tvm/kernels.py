@@ -209,7 +209,8 @@ def _signature(name: str, base: Tuple[str, ...], v: Variant) -> List[str]:
 
 
 def _qkv_buffers(v: Variant, dt: str, *, out: Optional[str] = None, grad_out: bool = False) -> List[str]:
-    """The CUDA kernels' Q, K, V (in ``dt``), then O (in ``out``) or dO, then LSE buffers."""
+    """The CUDA kernels' Q, K, V (in ``dt``), then O (in ``out``) or dO, then LSE buffers (``lse`` in the
+    compute dtype, the op's :func:`~attncomp.opspec.lse_dtype`)."""
     D, Dv = v.head_dim, v.head_dim_v
     L = [f'    Q = T.match_buffer(q, (B, Hq, Nq, {D}), "{dt}")',
          f'    K = T.match_buffer(k, (B, Hk, Nk, {D}), "{dt}")',
@@ -218,7 +219,7 @@ def _qkv_buffers(v: Variant, dt: str, *, out: Optional[str] = None, grad_out: bo
         L.append(f'    O = T.match_buffer(o, (B, Hq, Nq, {Dv}), "{out}")')
     if grad_out:
         L.append(f'    DO = T.match_buffer(do, (B, Hq, Nq, {Dv}), "{dt}")')
-    return L + ['    LSE = T.match_buffer(lse, (B, Hq, Nq), "float32")']
+    return L + [f'    LSE = T.match_buffer(lse, (B, Hq, Nq), "{v.dtype}")']
 
 
 def _common_buffers(v: Variant) -> List[str]:
@@ -596,7 +597,7 @@ def forward_source(v: Variant) -> str:
           f'    KT = T.match_buffer(kt, (B, Hk, {D}, NKp), "{dt}")',
           f'    V = T.match_buffer(v, (B, Hk, Nk, {Dv}), "{dt}")',
           f'    O = T.match_buffer(o, (B, Hq, Nq, {Dv}), "{dt}")',
-          '    LSE = T.match_buffer(lse, (B, Hq, Nq), "float32")']
+          f'    LSE = T.match_buffer(lse, (B, Hq, Nq), "{dt}")']
     L += _common_buffers(v) + _header(v)
     ind = "        "
     L += ["    for bhq in T.parallel(B * Hq * NQT):",
@@ -673,7 +674,7 @@ def forward_source(v: Variant) -> str:
           f"{ind}        for e in T.vectorized({Dv}):",
           f"{ind}            O[b, h, q0 + i, e] = ACC[i, e] * W[0]",
           f"{ind}        LSE[b, h, q0 + i] = T.if_then_else(Ls[i] > T.{dt}(0), "
-          f"T.Cast(\"float32\", Mx[i] + T.log(Ls[i])), T.float32(\"-inf\"))"]
+          f"T.Cast(\"{dt}\", Mx[i] + T.log(Ls[i])), {ninf})"]
     return "\n".join(L) + "\n"
 
 
@@ -688,7 +689,7 @@ def sink_epilogue(v: Variant, ind: str, mx: str, ls: str, w: str, lse: str, keep
             f"{ind}al = T.exp({mx} - mf)",
             f"{ind}lf = {ls} * al + T.exp(sk - mf)",
             f"{ind}{w} = al / lf{keep}",
-            f"{ind}{lse} = T.Cast(\"float32\", mf + T.log(lf))"]
+            f"{ind}{lse} = T.Cast(\"{dt}\", mf + T.log(lf))"]
 
 
 def _probs_bwd(v: Variant, ind: str) -> List[str]:
@@ -747,8 +748,8 @@ def _bwd_buffers(v: Variant, grads: List[str]) -> List[str]:
          f'    V = T.match_buffer(v, (B, Hk, Nk, {Dv}), "{dt}")',
          f'    VT = T.match_buffer(vt, (B, Hk, {Dv}, NKp), "{dt}")',
          f'    DO = T.match_buffer(do, (B, Hq, Nq, {Dv}), "{dt}")',
-         '    LSE = T.match_buffer(lse, (B, Hq, Nq), "float32")',
-         '    DELTA = T.match_buffer(delta, (B, Hq, Nq), "float32")']
+         f'    LSE = T.match_buffer(lse, (B, Hq, Nq), "{dt}")',
+         f'    DELTA = T.match_buffer(delta, (B, Hq, Nq), "{dt}")']
     shapes = {"dq": f"(B, Hq, Nq, {D})", "dk": f"(B, Hk, Nk, {D})", "dv": f"(B, Hk, Nk, {Dv})"}
     for g in grads:
         L.append(f'    {g.upper()}_ = T.match_buffer({g}, {shapes[g]}, "{dt}")')
