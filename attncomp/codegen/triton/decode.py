@@ -234,7 +234,7 @@ def _config(site, interp: bool) -> dict:
     and 2 stages were within 4% of the best of 108 configurations at B = 1, 8 and 32 (``python -m attncomp bench
     decode --sweep``); larger head dims take 32-key tiles and 4 warps (registers)."""
     if interp:
-        return dict(BLOCK_N=16 if site.nm_m <= 4 else 32, num_warps=1, num_stages=1)
+        return dict(BLOCK_N=max(16, 4 * site.nm_m), num_warps=1, num_stages=1)  # (N:M: whole groups of 4 x M)
     if site.block_d > 128:
         return dict(BLOCK_N=max(32, 4 * site.nm_m), num_warps=4, num_stages=2)
     return dict(BLOCK_N=max(64, 4 * site.nm_m), num_warps=2, num_stages=2)
