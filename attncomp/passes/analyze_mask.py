@@ -60,8 +60,8 @@ import torch
 import torch.fx as fx
 
 from .base import CompileContext, PassResult
-from .node_info import attention_sites, describe, dtype_of, meta_shape, scalar_value, set_spec, site_report, \
-    spec_of, spec_index, static_int, UNKNOWN
+from .node_info import attention_sites, describe, dtype_of, is_symbolic_number, meta_shape, scalar_value, \
+    set_spec, site_report, spec_of, spec_index, static_int, UNKNOWN
 
 log = logging.getLogger(__name__)
 
@@ -1252,16 +1252,13 @@ def _op_args() -> Dict[str, int]:
     return {a.name: i for i, a in enumerate(schema.arguments)}
 
 
-def _op_name(n: Any) -> Optional[str]:
-    """The operation's name of a call node (``torch.cumsum``, ``Tensor.cumsum``, ``aten.cumsum.default`` and
-    ``operator.ne`` give ``cumsum`` and ``ne``), else None."""
-    if not isinstance(n, fx.Node):
-        return None
-    if n.op == "call_method":
-        return n.target
-    if n.op == "call_function":
-        return (getattr(n.target, "__name__", "") or "").split(".")[0] or None
-    return None
+#: the two operations of transformers' packed-sequence ids that the mask kinds (:func:`_kind`) do not name
+_CUMSUM, _DIFF = _fn("cumsum") | {aten.cumsum.default}, _fn("diff")
+
+
+def _calls(n: Any, fns: set, method: str) -> bool:
+    return isinstance(n, fx.Node) and ((n.op == "call_function" and n.target in fns)
+                                       or (n.op == "call_method" and n.target == method))
 
 
 def _arg(n: fx.Node, i: int, name: str, default: Any = None) -> Any:
@@ -1269,53 +1266,51 @@ def _arg(n: fx.Node, i: int, name: str, default: Any = None) -> Any:
 
 
 def _not_tensor(x: Any) -> bool:
-    """An int, or a node of a size (a SymInt), not of a tensor."""
-    if isinstance(x, int) and not isinstance(x, bool):
-        return True
-    ex = x.meta.get("example_value", x.meta.get("val")) if isinstance(x, fx.Node) else None
-    return isinstance(ex, (int, torch.SymInt))
+    """An int, or a node of a size (a SymInt, or a size expression), not of a tensor."""
+    if isinstance(x, int):
+        return not isinstance(x, bool)
+    return isinstance(x, fx.Node) and (is_symbolic_number(x.meta.get("example_value", x.meta.get("val")))
+                                       or _size_node(x))
 
 
 def _counting(p: Any) -> bool:
     """Whether ``p`` holds positions that count up by one along its last axis: an integer ``arange`` with step 1
     from any start, plus or minus a size, unsqueezed at the front and expanded over a batch (a model's default
     ``position_ids``)."""
-    while True:
-        name = _op_name(p)
-        if name == "arange":
+    while isinstance(p, fx.Node):
+        k = _kind(p)
+        if k == "arange":
             step = p.args[2] if len(p.args) > 2 else p.kwargs.get("step", 1)
             dt = p.kwargs.get("dtype")
             return step == 1 and (dt is None or not dt.is_floating_point)
-        if name == "unsqueeze" and _arg(p, 1, "dim") == 0:
+        if k == "unsqueeze" and _arg(p, 1, "dim") == 0 or k in ("expand", "identity"):
             p = p.args[0]
-        elif name == "expand" or name == "contiguous" or name == "clone":
+        elif k in ("add", "sub") and len(p.args) == 2 and not _not_tensor(p.args[0]) and _not_tensor(p.args[1]):
             p = p.args[0]
-        elif name in ("add", "sub") and len(p.args) == 2 and isinstance(p.args[0], fx.Node) \
-                and not _not_tensor(p.args[0]) and _not_tensor(p.args[1]):
-            p = p.args[0]
-        elif name == "add" and len(p.args) == 2 and isinstance(p.args[1], fx.Node) and _not_tensor(p.args[0]):
+        elif k == "add" and len(p.args) == 2 and _not_tensor(p.args[0]):
             p = p.args[1]
         else:
             return False
+    return False
 
 
 def _one_document(n: Any) -> bool:
     """Whether ``n`` is ``cumsum(diff(p, prepend=p[:, :1] - 1, dim=-1) != 1, -1)`` over counting positions ``p``
     (:func:`_counting`): the segment ids transformers derives from ``position_ids`` to find packed sequences,
     which are 0 everywhere when the positions are the model's own (one document per row, whatever the length)."""
-    if _op_name(n) != "cumsum" or _arg(n, 1, "dim") not in (-1,):
+    if not _calls(n, _CUMSUM, "cumsum") or _arg(n, 1, "dim") != -1:
         return False
     ne = n.args[0]
-    if _op_name(ne) != "ne" or len(ne.args) != 2 or ne.args[1] != 1:
+    if not isinstance(ne, fx.Node) or _kind(ne) != "cmp:ne" or len(ne.args) != 2 or ne.args[1] != 1:
         return False
     d = ne.args[0]
-    if _op_name(d) != "diff" or _arg(d, 1, "n", 1) != 1 or _arg(d, 2, "dim", -1) != -1:
+    if not _calls(d, _DIFF, "diff") or _arg(d, 1, "n", 1) != 1 or _arg(d, 2, "dim", -1) != -1:
         return False
     p, pre = d.args[0], _arg(d, 3, "prepend")
-    if _op_name(pre) != "sub" or len(pre.args) != 2 or pre.args[1] != 1:
+    if not isinstance(pre, fx.Node) or _kind(pre) != "sub" or len(pre.args) != 2 or pre.args[1] != 1:
         return False
     first = pre.args[0]
-    if _op_name(first) != "getitem" or first.args[0] is not p:
+    if not isinstance(first, fx.Node) or _kind(first) != "getitem" or first.args[0] is not p:
         return False
     idx = first.args[1]
     idx = idx if isinstance(idx, tuple) else (idx,)
