@@ -1,7 +1,7 @@
 """The split-KV decode kernels (:mod:`attncomp.codegen.triton.decode`) under Triton's interpreter.
 
-Decoding steps (1 to 16 queries, fewer than the keys) of every policy (dense, dfss, hash and drop with
-their tensors given or derived in the kernel, spion) with the §4.1 predicates (causal bottom-right, a window
+Decoding steps (1 to 16 queries, fewer than the keys) of every policy they run (dense, dfss, drop with its keep
+masks given or drawn in the kernel, spion; hash decodes through the template's sorted layout) with the §4.1 predicates (causal bottom-right, a window
 on position vectors, segments, padding), residual masks, score modifiers, GQA groups packed into one tile of
 rows, odd key counts and split counts from one to one per key tile: ``out`` and ``lse`` against the float64
 reference, every buffer poisoned (NaN) before the kernels write it. Then: the template's backward from the
@@ -23,7 +23,6 @@ pytest.importorskip("triton")
 from attncomp.codegen import reference as R  # noqa: E402
 from attncomp.codegen.triton import backend as TB  # noqa: E402
 from attncomp.codegen.triton import decode as DEC  # noqa: E402
-from attncomp.codegen.triton.layout import derive_layout  # noqa: E402
 from attncomp.ops import materialize_aux  # noqa: E402
 from attncomp.policy import Drop, Hash  # noqa: E402
 from attncomp.spec import AttentionSpec, dtype_name  # noqa: E402
@@ -62,8 +61,6 @@ CASES = [
     ("dense", ("bottom_right",), "none", ("rel1",), 1, 2, 1, 1, 41, 32, torch.float16, None),
     ("dfss", ("bottom_right", "k_valid"), "none", (), 2, 4, 2, 1, 83, 32, torch.float32, 2),
     ("dfss", ("segments",), "float", ("softcap",), 1, 2, 1, 4, 66, 64, torch.bfloat16, None),
-    ("hash", ("bottom_right",), "none", (), 2, 4, 2, 1, 75, 32, torch.float32, 3),
-    ("hash", ("window", "k_valid"), "bool", ("alibi",), 1, 2, 1, 7, 40, 64, torch.float16, None),
     ("drop", ("bottom_right",), "none", ("sinks",), 2, 4, 1, 2, 58, 32, torch.float32, 2),
     ("drop", ("segments", "q_valid"), "none", (), 1, 2, 2, 9, 47, 32, torch.bfloat16, None),
     ("spion", ("bottom_right",), "none", (), 1, 2, 1, 3, 70, 32, torch.float32, 2),
@@ -97,7 +94,7 @@ def test_decode_matches_reference(case):
     *drawn, n_split = case
     policy, dtype = case[0], case[10]
     _, spec, q, k, v, mask, preds, mods, qa, ka, bp = draw_case(*drawn)
-    assert DEC.eligible(spec, q, k, 0.0) == (policy != "hash")  # (hash: the template's sorted layout)
+    assert DEC.eligible(spec, q, k, 0.0)
     out, lse = _decode(spec, q, k, v, mask, preds, mods, qa, ka, bp, 0, n_split)
     m64 = mask if mask is None or mask.dtype == torch.bool else mask.double()
     ro, rl = R.attention(q.double(), k.double(), v.double(), m64, spec=spec, q_aux=qa, k_aux=ka, block_pattern=bp,
@@ -105,26 +102,21 @@ def test_decode_matches_reference(case):
     _check(out, lse, ro, rl, dtype)
 
 
-@pytest.mark.parametrize("policy", ["hash", "drop"])
-def test_derived_policy_tensors(policy):
-    """Hash buckets computed from the tiles in registers equal the layout kernels' (the template's keys), drop's
-    keep bits the op's draws by position (queries at the last positions), over several splits."""
+def test_drawn_keep_bits():
+    """drop's keep bits drawn in the kernel equal the op's draws by position (queries at the last positions), over
+    several splits; a hash spec is refused (its steps run the template)."""
     g = torch.Generator().manual_seed(fresh_seed())
     B, Hq, Hk, Nq, Nk, D = 2, 4, 2, 3, 67, 32
-    q, k, v = make_qkv(policy, g, B, Hq, Hk, Nq, Nk, D, torch.float32)
-    pol = Hash(n_buckets=4, exclude_self=True) if policy == "hash" else Drop(q_rate=0.3, k_rate=0.4)
-    spec = AttentionSpec(causal=True, causal_align="bottom_right", dtype="float32", policy=pol)
+    q, k, v = make_qkv("drop", g, B, Hq, Hk, Nq, Nk, D, torch.float32)
+    spec = AttentionSpec(causal=True, causal_align="bottom_right", dtype="float32", policy=Drop(q_rate=0.3, k_rate=0.4))
     seed = fresh_seed()
     out, lse = _decode(spec, q, k, v, None, None, None, None, None, None, seed, 3)
-    if policy == "hash":
-        lay = derive_layout(spec, q, k)
-        qa, ka = lay.q_groups, lay.k_groups
-        assert len(qa.unique()) > 1 and len(ka.unique()) > 1
-    else:
-        qa, ka = materialize_aux(spec, q, k, seed=seed)
-        assert 0 < int(ka.sum()) < ka.numel()
+    qa, ka = materialize_aux(spec, q, k, seed=seed)
+    assert 0 < int(ka.sum()) < ka.numel()
     ro, rl = R.attention(q.double(), k.double(), v.double(), None, spec=spec, q_aux=qa, k_aux=ka)
     _check(out, lse, ro, rl, torch.float32)
+    with pytest.raises(ValueError, match="sorted layout"):
+        _decode(spec.replace(policy=Hash()), q, k, v, None, None, None, None, None, None, seed, 3)
 
 
 def test_split_counts_agree():

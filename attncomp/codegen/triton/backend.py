@@ -113,7 +113,7 @@ class Site:
         """``sorted_kv``: a forward's site, which may read a ``drop`` layout's sorted K/V copies
         (:attr:`kv_sorted`); the backward's never does. ``mods``: the tensors of the spec's score
         modifiers (DESIGN.md §4.2). ``unsorted``: a decode kernel's site (:mod:`.decode`), which applies
-        ``hash``'s and ``drop``'s keep rules per logit: no sorted layout is built."""
+        ``drop``'s keep rule per logit: no sorted layout is built."""
         self.B, self.Hq, self.Nq, self.D = (int(s) for s in q.shape)
         self.Hk, self.Nk, self.Dv = int(k.shape[1]), int(k.shape[2]), int(v.shape[-1])
         self.groups = self.Hq // self.Hk

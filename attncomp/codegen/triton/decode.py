@@ -13,11 +13,12 @@ under GQA every query head of a group reads its KV head's keys again. Here:
 
 Everything else is the template's: the §4.1 predicates, the residual mask, the score modifiers and the
 policies' keep rules through :func:`.template._entry` and :func:`.template._modify` (each query row carries its
-own head), so a decode step keeps exactly what the template (and the reference) keeps. ``hash`` and ``drop``
-run without a sorted layout: a key's LSH bucket is computed from the key tile already in registers
-(:func:`.layout._lsh_code`, the layout kernels' code) and a ``drop`` keep bit from the token's position hash
-(as :func:`.layout._group_ids`), or both are read from the policy tensors the caller gave. Every key tile is
-read; tiles that the position window excludes are skipped.
+own head), so a decode step keeps exactly what the template (and the reference) keeps. ``drop`` runs without a
+sorted layout: a token's keep bit comes from its position hash (as :func:`.layout._group_ids` draws it), or from
+the keep masks the caller gave. Every key tile is read; tiles that the position window excludes are skipped.
+``hash`` is not run here: the template's sorted layout reads only the keys of each query's bucket, which beat
+reading them all (H200, 32k keys, bf16, LSH buckets computed from the key tiles in a version of these kernels:
+0.46 ms against 1.40 ms per step at B=32, 0.07 against 0.14 ms at B=1, ``bench decode``).
 
 The forward only: a backward through a decode call runs the template's passes on the ``lse`` this writes.
 """
@@ -35,7 +36,7 @@ from ...policy import Drop, Hash
 from ...spec import AttentionSpec
 from .common import LOG2E, _dot, _uniform_hash, cdiv, next_pow2
 from .configs import interpret_mode
-from .layout import _lsh_code, _rotation_on, draw_words
+from .layout import draw_words
 from .template import _entry, _key_order, _load_tile, _modify, _span, _tok_vals
 
 __all__ = ["MAX_QUERIES", "MAX_ROWS", "eligible", "decode_forward"]
@@ -53,17 +54,15 @@ def _empty(shape, dtype, device, strides=None) -> torch.Tensor:
 
 
 AUX_NONE = 0
-AUX_BUCKETS = 1  # hash: buckets given (q_aux, k_aux int)
-AUX_KEEP = 2     # drop: keep masks given (q_aux, k_aux bool)
-AUX_LSH = 3      # hash: buckets computed in the kernel
-AUX_DRAW = 4     # drop: keep bits drawn in the kernel
+AUX_KEEP = 1     # drop: keep masks given (q_aux, k_aux bool)
+AUX_DRAW = 2     # drop: keep bits drawn in the kernel
 
 
 @triton.jit
 def _keep_bits(Aux, row, offs, valid, n, rate, seed_word, pos_off, AUX: tl.constexpr):
     """``drop``'s keep bits of tokens ``offs`` of one side's row ``b * H + h``: given, or drawn as the
     layout kernels draw them (:func:`.layout._group_ids`)."""
-    if AUX == 2:
+    if AUX == 1:
         return tl.load(Aux + row.to(tl.int64) * n + offs, mask=valid, other=0) != 0
     else:
         u = _uniform_hash(seed_word, (row.to(tl.int64) * 65537 + offs + pos_off).to(tl.uint32))
@@ -77,15 +76,14 @@ def _decode_split(
     s_qpos, s_kpos, s_qseg, s_kseg, s_qval, s_kval, smb, smh, smm, smn, sph, spr, spc, slb, slh, slt, scb, sch,
     pos_off, win_left, win_right, Hq, Nq, Nk, qk_scale, sm_scale, tiles_per_split,
     Slopes, Lut, Sinks, DSlopes, DLut, softcap, rel_md,
-    QAux, KAux, Rot, q_rate, k_rate, q_seed, k_seed,
+    QAux, KAux, q_rate, k_rate, q_seed, k_seed,
     GROUPS: tl.constexpr, HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr,
     CHECK_K: tl.constexpr, POLICY: tl.constexpr, NM_N: tl.constexpr, NM_M: tl.constexpr,
     EXCLUDE_SELF: tl.constexpr, PRESCALE: tl.constexpr, POS: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, SEG: tl.constexpr, QVAL: tl.constexpr, KVAL: tl.constexpr, SPION_BS: tl.constexpr,
     ALIBI: tl.constexpr = False, REL: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
-    MPOS: tl.constexpr = False, AUX: tl.constexpr = 0, NB2: tl.constexpr = 1, NB2P: tl.constexpr = 16,
-    XS: tl.constexpr = 0,
+    MPOS: tl.constexpr = False, AUX: tl.constexpr = 0,
 ):
     """One run of key tiles of one (batch, KV head): the online softmax of its group's query rows over
     them, written unnormalised to the workspace (``MWs``/``LWs``: ``(B * Hk, n_split, BLOCK_M)`` running
@@ -109,15 +107,11 @@ def _decode_split(
                 + offs_d[None, :], mask=rval[:, None] & (offs_d[None, :] < HEAD_D), other=0.0)
     qp, qs, qv = _tok_vals(qi, rval, b, QPos, s_qpos, QSeg, s_qseg, QVal, s_qval, pos_off, TPOS, SEG, QVAL)
     qrow = b * Hq + h
-    if AUX == 1:
-        qg = tl.load(QAux + qrow.to(tl.int64) * Nq + qi, mask=rval, other=0)
-    elif AUX == 3:
-        qg = _lsh_code(q, Rot, hk, Hk, BLOCK_M, HEAD_D, BLOCK_D, NB2, NB2P, XS)
-    elif AUX == 2 or AUX == 4:
+    if AUX != 0:
         # queries shorter than keys are the last Nq positions (as the layout kernels draw them)
-        qg = _keep_bits(QAux, qrow, qi, rval, Nq, q_rate, q_seed, tl.where(Nq < Nk, Nk - Nq, 0), AUX)
+        q_keep = _keep_bits(QAux, qrow, qi, rval, Nq, q_rate, q_seed, tl.where(Nq < Nk, Nk - Nq, 0), AUX)
     else:
-        qg = qi
+        q_keep = qi
     if PRESCALE:
         sc = 1.0
     else:
@@ -152,15 +146,9 @@ def _decode_split(
                    start_n, Mask, smb, smh, smm, smn, Pat, sph, spr, spc, Nq, Nk, win_left, win_right, esc,
                    BLOCK_M, BLOCK_N, MASK_KIND, CHECK_K, POLICY, NM_N, NM_M, EXCLUDE_SELF, POS, HAS_LEFT,
                    HAS_RIGHT, SEG, QVAL, KVAL, SPION_BS, False, PRESCALE)
-        if AUX == 1:
-            kg = tl.load(KAux + krow.to(tl.int64) * Nk + offs_n, mask=nval, other=0)
-            s = tl.where(qg[:, None] == kg[None, :], s, float("-inf"))
-        elif AUX == 3:
-            kg = _lsh_code(tl.trans(kT), Rot, hk, Hk, BLOCK_N, HEAD_D, BLOCK_D, NB2, NB2P, XS)
-            s = tl.where(qg[:, None] == kg[None, :], s, float("-inf"))
-        elif AUX == 2 or AUX == 4:
+        if AUX != 0:
             kk = _keep_bits(KAux, krow, offs_n, nval, Nk, k_rate, k_seed, 0, AUX)
-            s = tl.where(qg[:, None] & kk[None, :], s, float("-inf"))
+            s = tl.where(q_keep[:, None] & kk[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1) * sc)
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.math.exp2(m_i - m_sub)
@@ -220,10 +208,8 @@ def _decode_merge(MWs, LWs, AccWs, O, Lse, Sinks, sob, soh, som, Hq, Nq, n_split
 
 def eligible(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, dropout_p: float) -> bool:
     """Whether a forward call is a decoding step this kernel runs: at most :data:`MAX_QUERIES` queries,
-    fewer than the keys, at most :data:`MAX_ROWS` rows per KV head's group, no dropout, and not ``hash``: its
-    sorted layout (the template's) reads only the keys of each query's bucket, which beat reading them all here
-    (H200, 32k keys, bf16: 0.46 ms against 1.40 ms per step at B=32, 0.07 against 0.14 ms at B=1, ``bench
-    decode``); the kernels run ``hash`` when called directly (:func:`decode_forward`)."""
+    fewer than the keys, at most :data:`MAX_ROWS` rows per KV head's group, no dropout, and not ``hash`` (its
+    sorted layout, above)."""
     Nq, Nk = int(q.shape[2]), int(k.shape[2])
     return (0 < Nq <= MAX_QUERIES and Nk > Nq and dropout_p == 0.0 and q.shape[0] * q.shape[1] > 0
             and (q.shape[1] // k.shape[1]) * Nq <= MAX_ROWS and not isinstance(spec.policy, Hash))
@@ -231,8 +217,9 @@ def eligible(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, dropout_p: f
 
 def _config(site, interp: bool) -> dict:
     """The launch configuration: on the H200 at D=128, bf16, 8 KV heads and 32k keys, 64-key tiles with 2 warps
-    and 2 stages were within 4% of the best of 108 configurations at B = 1, 8 and 32 (``python -m attncomp bench
-    decode --sweep``); larger head dims take 32-key tiles and 4 warps (registers)."""
+    and 2 stages were within 5% of the best of 108 configurations at each of B = 1, 8 and 32, timed per call
+    (``python -m attncomp bench decode --sweep``, one run; at B=1 the call's host work dominates); larger head dims
+    take 32-key tiles and 4 warps (registers)."""
     if interp:
         return dict(BLOCK_N=max(16, 4 * site.nm_m), num_warps=1, num_stages=1)  # (N:M: whole groups of 4 x M)
     if site.block_d > 128:
@@ -242,8 +229,8 @@ def _config(site, interp: bool) -> dict:
 
 def decode_forward(site, spec: AttentionSpec, q, k, v, out, lse, q_aux=None, k_aux=None, seed: Optional[int] = None,
                    config: Optional[dict] = None, n_split: Optional[int] = None) -> None:
-    """Run the decode kernels for ``site`` (a :class:`.backend.Site` built with a policy that needs no
-    sorted layout: ``hash`` and ``drop`` come as ``spec``'s policy), writing ``out`` and ``lse``.
+    """Run the decode kernels for ``site`` (a :class:`.backend.Site` built with ``unsorted=True``: ``drop`` comes as
+    ``spec``'s policy, with no sorted layout), writing ``out`` and ``lse``.
     ``config``/``n_split``: a launch configuration and split count instead of the defaults (tests, tuning)."""
     B, Hq, Nq, Nk, G = site.B, site.Hq, site.Nq, site.Nk, site.groups
     Hk = Hq // G
@@ -262,16 +249,13 @@ def decode_forward(site, spec: AttentionSpec, q, k, v, out, lse, q_aux=None, k_a
     aws = _empty((B * Hk, n_split, bm, site.block_dv), torch.float32, dev)
 
     pol = spec.policy
-    if (q_aux is None) != (k_aux is None) and isinstance(pol, (Hash, Drop)):
-        raise half_given_aux(pol)
-    aux, rot, qw, kw, nb2 = AUX_NONE, q, 0, 0, 1
-    q_rate = k_rate = 0.0
     if isinstance(pol, Hash):
-        if q_aux is not None:
-            aux = AUX_BUCKETS
-        else:
-            aux, rot, nb2 = AUX_LSH, _rotation_on(site.D, pol.n_buckets, Hk, pol.seed, dev), pol.n_buckets // 2
-    elif isinstance(pol, Drop):
+        raise ValueError("hash decoding steps run the template's sorted layout, not the decode kernels")
+    if (q_aux is None) != (k_aux is None) and isinstance(pol, Drop):
+        raise half_given_aux(pol)
+    aux, qw, kw = AUX_NONE, 0, 0
+    q_rate = k_rate = 0.0
+    if isinstance(pol, Drop):
         if q_aux is not None:
             aux = AUX_KEEP
             q_aux, k_aux = (t.contiguous().view(torch.uint8) if t.dtype == torch.bool else t.contiguous()
@@ -280,9 +264,6 @@ def decode_forward(site, spec: AttentionSpec, q, k, v, out, lse, q_aux=None, k_a
             aux = AUX_DRAW
             qw, kw = draw_words(pol.seed if seed is None else seed)
         q_rate, k_rate = float(pol.q_rate), float(pol.k_rate)
-    if aux == AUX_BUCKETS:
-        q_aux, k_aux = q_aux.contiguous(), k_aux.contiguous()
-    xs = 0 if interp else {torch.bfloat16: 1, torch.float16: 2}.get(q.dtype, 3)
     meta = site.meta(bm, bn)
     for key in ("SCHED", "DROPOUT", "CHECK_Q", "SINKS"):
         meta.pop(key, None)
@@ -291,8 +272,8 @@ def decode_forward(site, spec: AttentionSpec, q, k, v, out, lse, q_aux=None, k_a
     _decode_split[(n_split, B * Hk)](
         q, k, v, mws, lws, aws, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *site.pred_args(None, None),
         Hq, Nq, Nk, site.scale * LOG2E, site.scale, tps, *site.mod_args(),
-        dummy if q_aux is None else q_aux, dummy if k_aux is None else k_aux, rot, q_rate, k_rate, qw, kw,
-        BLOCK_M=bm, BLOCK_N=bn, AUX=aux, NB2=nb2, NB2P=max(16, next_pow2(nb2)), XS=xs,
+        dummy if q_aux is None else q_aux, dummy if k_aux is None else k_aux, q_rate, k_rate, qw, kw,
+        BLOCK_M=bm, BLOCK_N=bn, AUX=aux,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **meta)
     _decode_merge[(bm, B * Hk)](
         mws, lws, aws, out, lse, dummy if site.sink_t is None else site.sink_t, *out.stride()[:3], Hq, Nq, n_split,

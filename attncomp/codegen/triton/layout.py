@@ -106,57 +106,16 @@ def _hist_side(Src, Grp, Hist, Keep, c, row, N, n_chunks, g_off, rate, seed_word
 
 
 @triton.jit
-def _lsh_code(x, Rot, hk, Hk, T: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, NB2: tl.constexpr,
-             NB2P: tl.constexpr, XS: tl.constexpr):
-    """LSH buckets (int32) of the ``T`` rows of ``x`` (``(T, BLOCK_D)``, zero past ``HEAD_D``) under KV head
-    ``hk``'s rotation: ``argmax([xR, -xR])``, the first index on ties (as torch.argmax). The vectors are
-    not normalised (scaling does not move the argmax); ``xR`` runs on the tensor cores with float32
-    accuracy: ``R`` comes in three bfloat16 parts (``Rot``: ``(3, Hk, HEAD_D, NB2)``, summing to the float32
-    rotation) and ``x`` in ``XS`` (1 for bfloat16 inputs, 2 for float16, 3 for float32), so that every
-    product is exact and only the float32 sums round. ``XS == 0`` (Triton's interpreter, which has no
-    bfloat16 dot): one float32 product with the parts' sum, the float32 rotation itself."""
-    offs_d = tl.arange(0, BLOCK_D)
-    dval = offs_d < HEAD_D
-    offs_c = tl.arange(0, NB2P)
-    rmask = dval[:, None] & (offs_c[None, :] < NB2)
-    rot = Rot + hk * (HEAD_D * NB2) + offs_d[:, None] * NB2 + offs_c[None, :]
-    part = Hk * HEAD_D * NB2
-    r1 = tl.load(rot, mask=rmask, other=0.0)
-    r2 = tl.load(rot + part, mask=rmask, other=0.0)
-    r3 = tl.load(rot + 2 * part, mask=rmask, other=0.0)
-    xr = tl.zeros([T, NB2P], tl.float32)
-    if XS == 0:  # (the interpreter: the float32 rotation, exactly the parts' sum)
-        rf = r1.to(tl.float32) + r2.to(tl.float32) + r3.to(tl.float32)
-        xr = tl.dot(x.to(tl.float32), rf, xr, input_precision="ieee")
-    elif XS == 1:
-        x1 = x.to(tl.bfloat16)
-    elif XS > 1:
-        xf = x.to(tl.float32)
-        x1 = xf.to(tl.bfloat16)
-        rest = xf - x1.to(tl.float32)
-        x2 = rest.to(tl.bfloat16)
-        if XS == 3:
-            x3 = (rest - x2.to(tl.float32)).to(tl.bfloat16)
-            xr = tl.dot(x3, r3, tl.dot(x3, r2, tl.dot(x3, r1, xr)))
-        xr = tl.dot(x2, r3, tl.dot(x2, r2, tl.dot(x2, r1, xr)))
-    if XS > 0:
-        xr = tl.dot(x1, r3, tl.dot(x1, r2, tl.dot(x1, r1, xr)))
-    cval = offs_c[None, :] < NB2
-    pos = tl.where(cval, xr, float("-inf"))
-    neg = tl.where(cval, -xr, float("-inf"))
-    pmax = tl.max(pos, 1)
-    nmax = tl.max(neg, 1)
-    ip = tl.min(tl.where(pos == pmax[:, None], offs_c[None, :], NB2P), 1)
-    ineg = tl.min(tl.where(neg == nmax[:, None], offs_c[None, :], NB2P), 1)
-    return tl.where(pmax >= nmax, ip, NB2 + ineg).to(tl.int32)
-
-
-@triton.jit
 def _lsh_hist_side(Src, Rot, Grp, Hist, p, row, N, n_chunks, H, G_ROT, Hk, sb, sh, sn, HEAD_D: tl.constexpr,
                    BLOCK_D: tl.constexpr, NB2: tl.constexpr, NB2P: tl.constexpr, XS: tl.constexpr,
                    CHUNK: tl.constexpr, CPP: tl.constexpr, R_P2: tl.constexpr):
     """LSH buckets of the ``CPP`` chunks from ``p * CPP`` of one side's row, in one block of tokens,
-    and each chunk's histogram (:func:`_lsh_code`)."""
+    and each chunk's histogram. ``argmax([xR, -xR])`` does not change when ``x`` is scaled, so the
+    vectors are not normalised; ``xR`` runs on the tensor cores with float32 accuracy: ``R`` comes in
+    three bfloat16 parts (``Rot``: ``(3, Hk, HEAD_D, NB2)``, summing to the float32 rotation) and ``x``
+    in ``XS`` (1 for bfloat16 inputs, 2 for float16, 3 for float32), so that every product is exact
+    and only the float32 sums round. ``XS == 0`` (Triton's interpreter, which has no bfloat16 dot):
+    one float32 product with the parts' sum, the float32 rotation itself."""
     T: tl.constexpr = CHUNK * CPP
     if p * CPP < n_chunks:
         offs = p * T + tl.arange(0, T)
@@ -167,7 +126,39 @@ def _lsh_hist_side(Src, Rot, Grp, Hist, p, row, N, n_chunks, H, G_ROT, Hk, sb, s
         dval = offs_d < HEAD_D
         x = tl.load(Src + b * sb + h * sh + offs[:, None].to(tl.int64) * sn + offs_d[None, :],
                     mask=valid[:, None] & dval[None, :], other=0.0)
-        g = tl.where(valid, _lsh_code(x, Rot, h // G_ROT, Hk, T, HEAD_D, BLOCK_D, NB2, NB2P, XS), 0)
+        offs_c = tl.arange(0, NB2P)
+        rmask = dval[:, None] & (offs_c[None, :] < NB2)
+        rot = Rot + (h // G_ROT) * (HEAD_D * NB2) + offs_d[:, None] * NB2 + offs_c[None, :]
+        part = Hk * HEAD_D * NB2
+        r1 = tl.load(rot, mask=rmask, other=0.0)
+        r2 = tl.load(rot + part, mask=rmask, other=0.0)
+        r3 = tl.load(rot + 2 * part, mask=rmask, other=0.0)
+        xr = tl.zeros([T, NB2P], tl.float32)
+        if XS == 0:  # (the interpreter: the float32 rotation, exactly the parts' sum)
+            rf = r1.to(tl.float32) + r2.to(tl.float32) + r3.to(tl.float32)
+            xr = tl.dot(x.to(tl.float32), rf, xr, input_precision="ieee")
+        elif XS == 1:
+            x1 = x.to(tl.bfloat16)
+        elif XS > 1:
+            xf = x.to(tl.float32)
+            x1 = xf.to(tl.bfloat16)
+            rest = xf - x1.to(tl.float32)
+            x2 = rest.to(tl.bfloat16)
+            if XS == 3:
+                x3 = (rest - x2.to(tl.float32)).to(tl.bfloat16)
+                xr = tl.dot(x3, r3, tl.dot(x3, r2, tl.dot(x3, r1, xr)))
+            xr = tl.dot(x2, r3, tl.dot(x2, r2, tl.dot(x2, r1, xr)))
+        if XS > 0:
+            xr = tl.dot(x1, r3, tl.dot(x1, r2, tl.dot(x1, r1, xr)))
+        cval = offs_c[None, :] < NB2
+        pos = tl.where(cval, xr, float("-inf"))
+        neg = tl.where(cval, -xr, float("-inf"))
+        # argmax of [xr, -xr], the first index on ties (as torch.argmax)
+        pmax = tl.max(pos, 1)
+        nmax = tl.max(neg, 1)
+        ip = tl.min(tl.where(pos == pmax[:, None], offs_c[None, :], NB2P), 1)
+        ineg = tl.min(tl.where(neg == nmax[:, None], offs_c[None, :], NB2P), 1)
+        g = tl.where(valid, tl.where(pmax >= nmax, ip, NB2 + ineg), 0).to(tl.int32)
         tl.store(Grp + row * N + offs, g, mask=valid)
         cid = p * CPP + tl.arange(0, CPP)
         r = tl.arange(0, R_P2)
