@@ -4,8 +4,9 @@ A step of ``Nq`` queries (default 1) of ``B`` sequences, ``Hq`` query heads over
 ``D``, against ``Nk`` cached keys (bottom-right causal: every cached key is allowed), bf16 on a GPU. Rows
 (``table: "decode"``), per ``B`` x ``Nk`` x policy:
 
-* ``ms``: the op's decode kernels (``attncomp.codegen.triton.backend.attention_forward``, which takes
-  :mod:`attncomp.codegen.triton.decode` for such a call), median of ``triton.testing.do_bench``;
+* ``ms``: the op's route for the call (``attncomp.codegen.triton.backend.attention_forward``: the decode kernels of
+  :mod:`attncomp.codegen.triton.decode`; ``hash``, the template's sorted layout), median of
+  ``triton.testing.do_bench``;
 * ``sdpa_ms``: ``torch.nn.functional.scaled_dot_product_attention(..., enable_gqa=True)`` on the same tensors
   (dense rows; the kernel PyTorch picks);
 * ``template_ms``: the template's forward for the same call (one program per query head);
@@ -88,8 +89,8 @@ def copy_gbps(device) -> float:
 
 
 def _spec_and_aux(policy: str, q, k):
-    """``(spec, q_aux, k_aux, pattern, reference aux)``: the decode kernels derive hash buckets and drop draws
-    themselves (no aux given); the reference gets the same tensors from the layout kernels and the op."""
+    """``(spec, (q_aux, k_aux) for the reference)``: the op derives hash buckets and drop draws itself (no aux
+    given); the reference gets the same tensors from the layout kernels and the op."""
     from attncomp.codegen.triton.layout import derive_layout
     from attncomp.ops import materialize_aux
     from attncomp.policy import get_policy
@@ -148,7 +149,7 @@ def run_row(B: int, Nk: int, policy: str, a, copy_bw: Optional[float], sweep: bo
             for w in (2, 4):
                 for st in (2, 3):
                     for target in (132, 264, 528):
-                        n_split = max(1, min(-(-Nk // bn), -(-target // (B * a.hk)), 128))
+                        n_split = DEC.split_count(-(-Nk // bn), B * a.hk, target)
                         cfg = dict(BLOCK_N=bn, num_warps=w, num_stages=st)
                         try:
                             t = _bench_graph(lambda: DEC.decode_forward(site, spec, q, k, v, o, lse, config=cfg,

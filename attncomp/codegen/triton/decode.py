@@ -39,7 +39,7 @@ from .configs import interpret_mode
 from .layout import draw_words
 from .template import _entry, _key_order, _load_tile, _modify, _span, _tok_vals
 
-__all__ = ["MAX_QUERIES", "MAX_ROWS", "eligible", "decode_forward"]
+__all__ = ["MAX_QUERIES", "MAX_ROWS", "eligible", "split_count", "decode_forward"]
 
 #: queries per call at most (a decoding step, or a few speculative tokens)
 MAX_QUERIES = 16
@@ -227,6 +227,12 @@ def _config(site, interp: bool) -> dict:
     return dict(BLOCK_N=max(64, 4 * site.nm_m), num_warps=2, num_stages=2)
 
 
+def split_count(n_tiles: int, programs_per_split: int, target: int = _TARGET_PROGRAMS) -> int:
+    """Runs of key tiles per (batch, KV head): enough for ``target`` programs over the GPU, at most one per tile and
+    at most 128 (the merge reads them all)."""
+    return max(1, min(n_tiles, cdiv(target, programs_per_split), 128))
+
+
 def decode_forward(site, spec: AttentionSpec, q, k, v, out, lse, q_aux=None, k_aux=None, seed: Optional[int] = None,
                    config: Optional[dict] = None, n_split: Optional[int] = None) -> None:
     """Run the decode kernels for ``site`` (a :class:`.backend.Site` built with ``unsorted=True``: ``drop`` comes as
@@ -240,7 +246,7 @@ def decode_forward(site, spec: AttentionSpec, q, k, v, out, lse, q_aux=None, k_a
     bm = max(16, next_pow2(G * Nq))
     n_tiles = cdiv(Nk, bn)
     if n_split is None:
-        n_split = max(1, min(n_tiles, cdiv(_TARGET_PROGRAMS, B * Hk), 128))
+        n_split = split_count(n_tiles, B * Hk)
     tps = cdiv(n_tiles, n_split)
     n_split = cdiv(n_tiles, tps)
     dev = q.device
