@@ -12,6 +12,7 @@ import logging
 import threading
 import types
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Union
 
@@ -588,6 +589,9 @@ class _State:
         self.notes: List[str] = []
         #: calls run through dynamo so far
         self.calls = 0
+        #: the latest KV cache the CUDA-graph route saw with its storage in place (a weak reference): the decode
+        #: steps that follow pass it again, and are not checked layer by layer each time
+        self.ready_cache = None
 
     # -- the original forward, as the model's class defines it ---------------------------------
     def forward_fn(self, fast):
@@ -613,7 +617,13 @@ class _State:
                     torch._dynamo.maybe_mark_dynamic(t, d)
         self.compiler.module_training = fast.training
         if self.compiler._cuda_graphs():
-            _early_cache_init(self.model, args, kwargs)
+            cache = kwargs.get("past_key_values")
+            if cache is not None and (self.ready_cache is None or self.ready_cache() is not cache):
+                _early_cache_init(self.model, args, kwargs)
+                try:
+                    self.ready_cache = weakref.ref(cache)
+                except TypeError:  # (an object that takes no weak reference: checked every call)
+                    self.ready_cache = None
         n0 = len(self.compiler.graphs)
         self.breaks = dict(torch._dynamo.utils.counters["graph_break"])
         # float attributes (dropout rates, scales) stay constants the passes can read, as in eager code.
