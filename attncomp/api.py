@@ -471,6 +471,8 @@ class CompiledModule(nn.Module):
         st = self._attncomp
         if st.eager:
             return st.forward_fn(self)(*args, **kwargs)
+        if st.reads_key_index:
+            st.full_windows(kwargs.get("past_key_values"))
         try:
             if st.capture == "dynamo":
                 return st.run_dynamo(self, args, kwargs)
@@ -560,8 +562,16 @@ def _wrap(model: nn.Module, state: "_State") -> CompiledModule:
     # with torch.compile's wrapper): transformers decides from it which arguments ``generate()`` passes
     # (``position_ids`` for left-padded batches, ``attention_mask``) and which columns its Trainer keeps
     functools.update_wrapper(forward, cls.forward)
-    sub = type(cls.__name__, (CompiledModule, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
-                                                     "_attncomp": state, "forward": forward})
+    body = {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "_attncomp": state, "forward": forward}
+    prepare = getattr(cls, "prepare_inputs_for_generation", None)
+    if prepare is not None and state.reads_key_index:
+        # generate() builds a static cache's masks here, before the first forward: its layers get every key first
+        def prepare_inputs_for_generation(self, *args, **kwargs):
+            self._attncomp.full_windows(kwargs.get("past_key_values"))
+            return prepare(self, *args, **kwargs)
+
+        body["prepare_inputs_for_generation"] = functools.update_wrapper(prepare_inputs_for_generation, prepare)
+    sub = type(cls.__name__, (CompiledModule, cls), body)
     fast = object.__new__(sub)
     object.__setattr__(fast, "__dict__", model.__dict__)
     return fast
@@ -592,6 +602,30 @@ class _State:
         #: the latest KV cache the CUDA-graph route saw with its storage in place (a weak reference): the decode
         #: steps that follow pass it again, and are not checked layer by layer each time
         self.ready_cache = None
+        #: whether the policy's keep rule reads key indices (:func:`_full_window_layers`), and the latest KV cache
+        #: checked for sliding-window layers (a weak reference: the decode steps that follow pass it again)
+        self.reads_key_index = policy.reads_key_index()
+        self.window_cache = None
+
+    def full_windows(self, cache) -> None:
+        """:func:`_full_window_layers` on a KV cache the compiled module meets for the first time; the report
+        notes the layers it gave every key."""
+        if cache is None or (self.window_cache is not None and self.window_cache() is cache):
+            return
+        cfg = getattr(self.model, "config", None)
+        cfg = cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
+        window = getattr(cfg, "sliding_window", None) or getattr(cfg, "attention_chunk_size", None)
+        done = _full_window_layers(cache, self.policy, window)
+        try:
+            self.window_cache = weakref.ref(cache)
+        except TypeError:  # (an object that takes no weak reference: checked every call)
+            self.window_cache = None
+        if done:
+            note = (f"KV cache: sliding-window layers keep every key under policy {self.policy.name!r}, whose keep "
+                    f"rule reads key positions (a window cache drops the keys before the window and shifts them); "
+                    f"the model's mask still limits each query to its window")
+            if note not in self.notes:
+                self.notes.append(note)
 
     # -- the original forward, as the model's class defines it ---------------------------------
     def forward_fn(self, fast):
@@ -765,6 +799,58 @@ def _early_cache_init(model: nn.Module, args: tuple, kwargs: dict) -> bool:
         return False
     init(x.shape[0], kv_heads, head_dim, param.dtype, x.device)
     return True
+
+
+def _full_window_layers(cache, policy: Policy, window: Optional[int] = None) -> List[int]:
+    """Give the sliding-window layers of a transformers KV cache every key, for a policy whose keep rule reads
+    key indices (:meth:`Policy.reads_key_index`). Such a layer keeps only the keys of its window (a dynamic one the
+    last ``window - 1``, a static one a ring buffer), so a decoding step's key ``j`` is not key ``j`` of the full
+    sequence: N:M groups, keep draws and block patterns would be taken at other positions than the full forward's,
+    and the step's rows would differ from it. A full layer holds every key; the model's sliding-window mask still
+    limits each query to its window, so dense rows are unchanged and the policy's rows are the full forward's.
+    Replaces layers that hold nothing yet (or, dynamic, nothing dropped yet) and returns their indices; a static
+    layer shorter than the model's ``window`` (the cache is shorter than the window) never drops a key and stays.
+    Raises ``ValueError`` for a layer that already dropped keys or that it does not know how to replace."""
+    inner = getattr(cache, "self_attention_cache", cache)
+    layers = getattr(inner, "layers", None)
+    if not isinstance(layers, list) or not any(getattr(l, "is_sliding", False) for l in layers):
+        return []
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, StaticLayer, StaticSlidingWindowLayer
+
+    full_len = max((l.max_cache_len for l in layers if type(l) is StaticLayer), default=None)
+    done = []
+    for i, layer in enumerate(layers):
+        if not getattr(layer, "is_sliding", False):
+            continue
+        why = None
+        if type(layer) is DynamicSlidingWindowLayer:
+            new = DynamicLayer()
+            if layer.is_initialized:
+                if layer.cumulative_length != layer.keys.shape[-2]:
+                    why = "has already dropped the keys before its window"
+                elif layer.keys.numel():
+                    new.update(layer.keys, layer.values)
+        elif type(layer) is StaticSlidingWindowLayer:
+            if isinstance(window, int) and layer.max_cache_len < window:
+                continue
+            if layer.is_initialized:
+                why = "already holds keys (in a ring buffer)"
+            elif full_len is None:
+                why = "is static and no full-attention layer of the cache gives the cache's length"
+            else:
+                new = StaticLayer(max_cache_len=full_len)
+        else:
+            why = "is of a kind that keeps only a window of keys and that attncomp does not replace"
+        if why is not None:
+            raise ValueError(
+                f"policy {policy.name!r} keeps entries by key position, and layer {i} of this KV cache "
+                f"({type(layer).__name__}) {why}: decoding steps over it would not compute the full forward's rows. "
+                f"Start from a new cache (attncomp gives its sliding-window layers every key under this policy), pass "
+                f"a cache built without the model's config (transformers.DynamicCache()), or use a policy that reads "
+                f"no key index ('dense', 'hash')")
+        layers[i] = new
+        done.append(i)
+    return done
 
 
 def _own_code(fn):

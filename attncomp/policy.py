@@ -65,6 +65,13 @@ class Policy:
         such sites may run any exact attention kernel, SDPA's included."""
         return False
 
+    def reads_key_index(self) -> bool:
+        """Whether the keep rule depends on where a key sits among the keys (its index), not only on
+        the logits and the tokens' contents: N:M groups counted from key 0, keep draws per position, a
+        block pattern, a query's own key. A KV cache that drops the keys before a sliding window shifts those
+        indices, so a decoding step over it would not compute the full forward's rows."""
+        return False
+
 
 @dataclass(frozen=True)
 class Dense(Policy):
@@ -98,6 +105,9 @@ class DFSS(Policy):
             if not isinstance(self.n, int) or not 1 <= self.n < self.m:
                 raise ValueError(f"DFSS n must satisfy 1 <= n < m={self.m}, got {self.n!r}")
 
+    def reads_key_index(self) -> bool:
+        return True
+
     def resolved(self, dtype: torch.dtype) -> "DFSS":
         if self.m is not None:
             return self
@@ -126,6 +136,9 @@ class Hash(Policy):
         if not isinstance(self.seed, int):
             raise ValueError(f"Hash seed must be an int, got {self.seed!r}")
 
+    def reads_key_index(self) -> bool:
+        return self.exclude_self  # buckets come from the contents; only j != i reads an index
+
 
 @dataclass(frozen=True)
 class Drop(Policy):
@@ -148,6 +161,9 @@ class Drop(Policy):
                 raise ValueError(f"Drop {nm} must be in [0, 1), got {r!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"Drop seed must be an int, got {self.seed!r}")
+
+    def reads_key_index(self) -> bool:
+        return True
 
 
 @dataclass(frozen=True)
@@ -197,6 +213,9 @@ class SPION(Policy):
             raise ValueError(f"SPION per_head must be a bool, got {self.per_head!r}")
         if isinstance(self.interval, bool) or not isinstance(self.interval, int) or self.interval < 1:
             raise ValueError(f"SPION interval must be a positive int, got {self.interval!r}")
+
+    def reads_key_index(self) -> bool:
+        return True
 
 
 @dataclass(frozen=True)

@@ -70,3 +70,63 @@ def test_static_cache_captures_the_decode_step_once():
             if n == 6 and graphs is None:
                 graphs = attncomp.report(fast).graphs
     assert attncomp.report(fast).graphs == graphs <= 3, (graphs, attncomp.report(fast).graphs)
+
+
+def _steps_against_full_forward(fast, ids, am, **kw):
+    """The worst relative difference between each step's logits of a left-padded ``generate`` and the same
+    model's full forward over the sequence so far (positions as generate gives them)."""
+    with torch.no_grad():
+        gen = fast.generate(input_ids=ids, attention_mask=am, max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                            output_logits=True, return_dict_in_generate=True, pad_token_id=0, **kw)
+        worst = 0.0
+        for t, step_logits in enumerate(gen.logits):
+            m = torch.cat([am, torch.ones(am.shape[0], t, dtype=am.dtype)], 1)
+            full = fast(input_ids=gen.sequences[:, :ids.shape[1] + t], attention_mask=m,
+                        position_ids=(m.cumsum(-1) - 1).clamp(min=0), use_cache=False).logits[:, -1]
+            worst = max(worst, rel_err(step_logits, full))
+    return worst
+
+
+@pytest.mark.sample(1)
+@pytest.mark.parametrize("family,policy,cache", [("mistral", "dfss", None), ("gemma2", "drop", None),
+                                                 ("gemma2", "dfss", "static")])
+def test_sliding_window_cache_decodes_the_full_forward(family, policy, cache):
+    """A model with sliding-window layers (window 8) generating past its window: transformers' cache keeps only the
+    window's keys there, which shifts key indices; dfss groups and drop's keep draws read them. The compiled
+    module gives those layers every key (the mask still limits the window), so each step's logits are the full
+    forward's rows, left padding included, and the report says so."""
+    torch.manual_seed(6)
+    model = ZOO[family].build()
+    pol = attncomp.Drop(q_rate=0.3, k_rate=0.3, seed=5) if policy == "drop" else policy
+    fast = attncomp.compile(model, policy=pol)
+    ids = torch.randint(3, 96, (2, 7))
+    am = torch.ones_like(ids)
+    ids[1, :2], am[1, :2] = 0, 0
+    kw = {} if cache is None else dict(cache_implementation=cache, disable_compile=True)
+    err = _steps_against_full_forward(fast, ids, am, **kw)
+    assert err < 1e-4, f"cached decoding differs from the full forward ({err:.3g})"
+    assert any("sliding-window layers keep every key" in n for n in attncomp.report(fast).notes)
+
+
+def test_sliding_window_cache_that_dropped_keys_is_refused():
+    """A cache whose sliding-window layer already dropped keys cannot give a policy that reads key positions the
+    full forward's rows, nor can a static cache of window layers only whose length is unknown: a clear error
+    instead of other logits. Dense keeps the window cache as it is."""
+    from transformers import DynamicCache
+
+    torch.manual_seed(7)
+    model = ZOO["mistral"].build()
+    ids = torch.randint(3, 96, (1, 12))
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        model(input_ids=ids, past_key_values=cache, use_cache=True)  # 12 tokens through a window of 8
+        fast = attncomp.compile(model, policy="dfss")
+        with pytest.raises(ValueError, match="dropped the keys before its window"):
+            fast(input_ids=ids[:, -1:], past_key_values=cache, use_cache=True)
+        dense = attncomp.compile(model, policy="dense")
+        layers = list(cache.layers)
+        dense(input_ids=ids[:, -1:], past_key_values=cache, use_cache=True)
+        assert cache.layers == layers
+        # a static cache of sliding layers only, at least a window long: no full layer gives its length
+        with pytest.raises(ValueError, match="no full-attention layer"):
+            fast.generate(input_ids=ids, max_new_tokens=2, cache_implementation="static", disable_compile=True)
