@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.attncomp-installed
 JOBS   ?= 2
 
-.PHONY: demo test test-full zoo zoo-newest test-gpu test-gpu-dist test-newest test-oldest venv clean
+.PHONY: demo test test-full zoo zoo-decode zoo-newest test-gpu test-gpu-dist test-newest test-oldest venv clean
 
 $(STAMP): pyproject.toml requirements.lock
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -64,6 +64,10 @@ $(NEWEST)/.stamp: pyproject.toml
 	@touch $@
 
 # The registry sweep with the newest transformers the ranges admit: tests/zoo/results-newest.json and RESULTS-newest.md.
+# every causal LM's decoding steps under the sparse policies against its full forward (tests/zoo/RESULTS-decode.md)
+zoo-decode: $(STAMP)
+	$(PY) -m tests.zoo --jobs $(JOBS) --registry causal-lm --decode dfss,hash,drop --timeout 900 --out decode $(ZOO_ARGS)
+
 zoo-newest: $(NEWEST)/.stamp
 	$(NEWEST)/bin/python -m tests.zoo --jobs $(JOBS) --out newest $(ZOO_ARGS)
 

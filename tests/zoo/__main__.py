@@ -1,11 +1,13 @@
 """``python -m tests.zoo [--families a,b] [--registry causal-lm,...] [--jobs N] [--timeout S] [--inductor]
-[--train-every K] [--out NAME]``: the registry sweep.
+[--train-every K] [--decode P,Q] [--out NAME]``: the registry sweep.
 
 Every family runs :func:`tests.zoo.check.check` in a worker subprocess (a crash or a hang costs that
 family only; see :class:`Worker`), ``--jobs`` workers at a time, each family within ``--timeout`` seconds. Results go to
 ``tests/zoo/results.json`` and ``tests/zoo/RESULTS.md`` (the pinned transformers), or with ``--out newest`` to
 ``results-newest.json`` and ``RESULTS-newest.md`` (the newest transformers the ranges admit: ``make zoo-newest``); a run
-of some families (``--families``, ``--registry``) merges into the results already there.
+of some families (``--families``, ``--registry``) merges into the results already there. ``--decode dfss,drop``
+also checks each causal LM's decoding steps under those sparse policies against its full forward
+(:func:`tests.zoo.check.check`); name such a run's results with ``--out`` (``make zoo-decode``: ``--out decode``).
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ class Worker:
             self.log.close()
             self.proc = None
 
-    def run(self, registry, model_type, cls, timeout, train):
+    def run(self, registry, model_type, cls, timeout, train, decode=()):
         """The family's result dict (``crash`` or ``timeout`` when the worker gave none)."""
         if self.proc is None or self.done >= self.RECYCLE:
             self.stop()
@@ -75,7 +77,7 @@ class Worker:
                     rewritten=None, op_calls=None, details={})
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "result.json")
-            task = dict(registry=registry, model_type=model_type, out=out, train=train)
+            task = dict(registry=registry, model_type=model_type, out=out, train=train, decode=list(decode))
             try:
                 self.proc.stdin.write((json.dumps(task) + "\n").encode())
                 self.proc.stdin.flush()
@@ -119,7 +121,8 @@ def write_markdown(data, path=RESULTS_MD):
     fams = data["families"]
     regs = list(Z.REGISTRIES)
     statuses = [s for s in ("pass", "eager-fails", "no-attention", "compile-error", "wrong-output",
-                            "dynamo-differs", "sites-missing", "not-rewritten", "generate-error", "wrong-generate", "wrong-grad",
+                            "dynamo-differs", "sites-missing", "not-rewritten", "generate-error", "wrong-generate",
+                            "wrong-decode", "wrong-grad",
                             "crash", "timeout") if any(r["status"] == s for r in fams.values())]
     by = Counter((r["registry"], r["status"]) for r in fams.values())
     lines = ["# Registry sweep results", "",
@@ -130,7 +133,9 @@ def write_markdown(data, path=RESULTS_MD):
              "", "Every family of transformers' causal-LM, masked-LM, seq2seq-LM and image-classification "
              "registries, built tiny from its default config with random weights, compiled with "
              "`attncomp.compile(model, policy=\"dense\")` and compared with eager (`tests/zoo/check.py` says "
-             "what each status means).", "",
+             "what each status means)." + (" Causal LMs then generate under " + ", ".join(data["decode"]) + ", each "
+             "step's logits checked against the same compiled model's full forward (`wrong-decode` otherwise)."
+             if data.get("decode") else ""), "",
              "| registry | " + " | ".join(statuses) + " | total |",
              "| --- | " + " | ".join("---:" for _ in statuses) + " | ---: |"]
     for reg in regs + ["all"]:
@@ -162,10 +167,17 @@ def main(argv=None):
     ap.add_argument("--inductor", action="store_true", help="compile around the op with Inductor (slow on a CPU)")
     ap.add_argument("--train-every", type=int, default=20,
                     help="also check training gradients of every K-th family of the full list (0: none)")
+    ap.add_argument("--decode", default="", help="comma-separated sparse policies whose decoding steps each causal "
+                    "LM also checks against its full forward (dfss, hash, drop, spion)")
     ap.add_argument("--out", default="", help="name the results: results-NAME.json and RESULTS-NAME.md (default: "
                     "results.json and RESULTS.md, the pinned transformers' sweep)")
     args = ap.parse_args(argv)
     results_json, results_md = result_paths(args.out)
+    from tests.zoo.check import DECODE_POLICIES
+
+    decode = tuple(p for p in args.decode.split(",") if p)
+    if set(decode) - set(DECODE_POLICIES):
+        ap.error(f"--decode takes policies among {', '.join(DECODE_POLICIES)}")
 
     regs = [r for r in args.registry.split(",") if r]
     bad = [r for r in regs if r not in Z.REGISTRIES]
@@ -194,6 +206,7 @@ def main(argv=None):
     data.update(versions())
     data["date"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     data["inductor"] = args.inductor
+    data["decode"] = list(decode)
     full = not args.families and set(regs) == set(Z.REGISTRIES)
     if full:
         data["families"] = {}  # a full run replaces families that left the registries too
@@ -209,7 +222,7 @@ def main(argv=None):
         if not hasattr(local, "worker"):
             local.worker = Worker(env)
             workers.append(local.worker)
-        return local.worker.run(r, m, c, args.timeout, key(r, m) in train_keys)
+        return local.worker.run(r, m, c, args.timeout, key(r, m) in train_keys, decode)
 
     try:
         with ThreadPoolExecutor(max_workers=args.jobs) as pool:

@@ -1,6 +1,10 @@
 """The check of one family: build, run eager, count its attention calls, compile with
 ``policy="dense"``, compare outputs (and ``generate()`` for causal LMs, gradients where asked) with eager.
 
+With ``decode`` (causal LMs, after the dense checks pass): for each sparse policy named, the left-padded
+``generate()`` of the model compiled with it, each step's logits against the same compiled model's full forward
+over the sequence so far (a decoding step computes the last rows of the full forward: ``wrong-decode`` if not).
+
 ``check(registry, model_type)`` returns a result dict whose ``status`` is ``pass`` or the first failure
 class met (:data:`STATUSES`); ``python -m tests.zoo.check REGISTRY MODEL_TYPE OUT.json [--train]`` runs it
 in a process of its own and writes the dict; ``--serve`` runs one family after another for the runner's
@@ -35,7 +39,10 @@ SHAPES = ((2, 12, "right"), (3, 17, "left"))
 #: the model computes otherwise when dynamo traces it (UMT5's eager decoder under transformers 5.17 builds no
 #: causal mask, the traced one does), not a rewrite of attncomp
 STATUSES = ("pass", "eager-fails", "no-attention", "compile-error", "wrong-output", "dynamo-differs",
-            "sites-missing", "not-rewritten", "generate-error", "wrong-generate", "wrong-grad", "crash", "timeout")
+            "sites-missing", "not-rewritten", "generate-error", "wrong-generate", "wrong-decode", "wrong-grad", "crash",
+            "timeout")
+#: ``--decode`` policies by name: the drop rates of ``tests/e2e/test_decode_policies.py``
+DECODE_POLICIES = ("dfss", "hash", "drop", "spion")
 
 
 def first_line(e: BaseException, limit: int = 300) -> str:
@@ -145,8 +152,40 @@ def _traced_agrees(model, inputs, gots, wants) -> Optional[str]:
             f"{max(ours):.1g}: the model computes otherwise when dynamo traces it")
 
 
+def _decode_policy(name: str):
+    import attncomp
+
+    return attncomp.Drop(q_rate=0.3, k_rate=0.3, seed=5) if name == "drop" else name
+
+
+def _decode_against_full_forward(model, cfg, policy) -> float:
+    """The worst relative difference, over steps and rows, between the left-padded ``generate()`` logits of
+    ``model`` compiled with ``policy`` and that compiled model's full forward over the sequence so far (positions
+    as generate derives them, where the forward takes them)."""
+    import inspect
+
+    import attncomp
+
+    torch._dynamo.reset()
+    fast = attncomp.compile(model, policy=_decode_policy(policy))
+    x = _generate_inputs(cfg)
+    ids, am = x["input_ids"], x["attention_mask"]
+    takes_pos = "position_ids" in inspect.signature(type(model).forward).parameters
+    worst = 0.0
+    with torch.no_grad():
+        gen = _generate(fast, cfg)
+        for t, step in enumerate(gen.logits):
+            m = torch.cat([am, torch.ones(am.shape[0], t, dtype=am.dtype)], 1)
+            kw = dict(input_ids=gen.sequences[:, :ids.shape[1] + t], attention_mask=m, use_cache=False)
+            if takes_pos:
+                kw["position_ids"] = (m.cumsum(-1) - 1).clamp(min=0)
+            full = fast(**kw).logits[:, -1]
+            worst = max([worst] + [rel_err(step[r], full[r]) for r in range(step.shape[0])])
+    return worst
+
+
 def check(registry: str, model_type: str, class_name: Optional[str] = None, train: bool = False,
-          generate: Optional[bool] = None) -> Dict[str, Any]:
+          generate: Optional[bool] = None, decode: tuple = ()) -> Dict[str, Any]:
     """Run the family's checks; see the module docstring. ``generate`` defaults to causal LMs."""
     import attncomp
 
@@ -268,6 +307,16 @@ def check(registry: str, model_type: str, class_name: Optional[str] = None, trai
                 return done("wrong-generate", f"tokens equal; logits of step {worst[1]}, row {worst[2]} differ "
                                               f"by {worst[0]:.2g}")
             det["generate"] = f"tokens equal, logits within {worst[0]:.1g}"
+        # a decoding step under each sparse policy computes the last rows of the full forward
+        for pol in decode:
+            try:
+                err = _decode_against_full_forward(model, cfg, pol)
+            except Exception as e:  # noqa: BLE001
+                return done("wrong-decode", f"{pol}: " + first_line(e))
+            det[f"decode_{pol}_err"] = err
+            if err >= TOL:
+                return done("wrong-decode", f"{pol}: generate's step logits differ from the full forward's last rows "
+                                            f"by {err:.2g}")
 
     # 4. training gradients
     if train:
@@ -309,7 +358,8 @@ def serve():
     for line in sys.stdin:
         task = json.loads(line)
         torch._dynamo.reset()
-        res = check(task["registry"], task["model_type"], train=task.get("train", False))
+        res = check(task["registry"], task["model_type"], train=task.get("train", False),
+                    decode=tuple(task.get("decode", ())))
         with open(task["out"], "w") as f:
             json.dump(res, f, indent=1, default=str)
         gc.collect()
@@ -325,6 +375,8 @@ def main(argv=None):
     ap.add_argument("model_type", nargs="?")
     ap.add_argument("out", nargs="?")
     ap.add_argument("--train", action="store_true")
+    ap.add_argument("--decode", default="", help=f"comma-separated sparse policies of {DECODE_POLICIES} whose "
+                                                 "decoding steps are checked against the full forward")
     ap.add_argument("--serve", action="store_true", help="read tasks from stdin (the runner's workers)")
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
@@ -335,7 +387,7 @@ def main(argv=None):
         return serve()
     if not (args.registry and args.model_type and args.out):
         ap.error("REGISTRY MODEL_TYPE OUT are required without --serve")
-    res = check(args.registry, args.model_type, train=args.train)
+    res = check(args.registry, args.model_type, train=args.train, decode=tuple(p for p in args.decode.split(",") if p))
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1, default=str)
 

@@ -80,3 +80,15 @@ def test_family(registry, model_type, fresh_dynamo):
     torch.manual_seed(0)
     res = check(registry, model_type)
     assert res["status"] == "pass", f"{registry}/{model_type}: {res['status']}: {res['reason']}"
+
+
+@pytest.mark.sample(1)
+@pytest.mark.parametrize("model_type", ["gpt_oss", "cohere2"])
+def test_decode_steps_of_a_window_family(model_type, fresh_dynamo):
+    """The sweep's ``--decode`` check on families with sliding-window layers (and GPT-OSS's sinks): under dfss and
+    drop each generate step's logits are the compiled model's full-forward rows (``make zoo-decode`` runs every
+    causal LM)."""
+    torch.manual_seed(0)
+    res = check("causal-lm", model_type, decode=("dfss", "drop"))
+    assert res["status"] == "pass", f"{model_type}: {res['status']}: {res['reason']}"
+    assert res["details"]["decode_dfss_err"] < 1e-4 and res["details"]["decode_drop_err"] < 1e-4
