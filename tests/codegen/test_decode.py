@@ -102,18 +102,24 @@ def test_decode_matches_reference(case):
     _check(out, lse, ro, rl, dtype)
 
 
-def test_drawn_keep_bits():
+@pytest.mark.parametrize("given", [False, True], ids=["drawn", "given"])
+def test_drawn_keep_bits(given):
     """drop's keep bits drawn in the kernel equal the op's draws by position (queries at the last positions), over
-    several splits; a hash spec is refused (its steps run the template)."""
+    several splits, and the keys a step drops are not read: their K and V rows are NaN here (a read would put NaN
+    in the output through ``0 * NaN``), with the keep masks drawn in the kernel or given. A hash spec is refused
+    (its steps run the template)."""
     g = torch.Generator().manual_seed(fresh_seed())
     B, Hq, Hk, Nq, Nk, D = 2, 4, 2, 3, 67, 32
     q, k, v = make_qkv("drop", g, B, Hq, Hk, Nq, Nk, D, torch.float32)
     spec = AttentionSpec(causal=True, causal_align="bottom_right", dtype="float32", policy=Drop(q_rate=0.3, k_rate=0.4))
     seed = fresh_seed()
-    out, lse = _decode(spec, q, k, v, None, None, None, None, None, None, seed, 3)
     qa, ka = materialize_aux(spec, q, k, seed=seed)
     assert 0 < int(ka.sum()) < ka.numel()
     ro, rl = R.attention(q.double(), k.double(), v.double(), None, spec=spec, q_aux=qa, k_aux=ka)
+    dropped = ~ka[..., None].expand_as(k)
+    k, v = k.masked_fill(dropped, float("nan")), v.masked_fill(dropped, float("nan"))
+    aux = (qa, ka) if given else (None, None)
+    out, lse = _decode(spec, q, k, v, None, None, None, *aux, None, seed, 3)
     _check(out, lse, ro, rl, torch.float32)
     with pytest.raises(ValueError, match="sorted layout"):
         _decode(spec.replace(policy=Hash()), q, k, v, None, None, None, None, None, None, seed, 3)

@@ -89,6 +89,7 @@ def _decode_split(
     them, written unnormalised to the workspace (``MWs``/``LWs``: ``(B * Hk, n_split, BLOCK_M)`` running
     max in log2 units and sum; ``AccWs``: ``(B * Hk, n_split, BLOCK_M, BLOCK_DV)``)."""
     MODS: tl.constexpr = ALIBI or REL or SOFTCAP
+    CHECK_READ: tl.constexpr = CHECK_K or AUX != 0  # drop's dropped keys are masked out of the loads
     TPOS: tl.constexpr = 2 if MPOS else POS
     split = tl.program_id(0)
     bhk = tl.program_id(1)
@@ -132,7 +133,13 @@ def _decode_split(
         start_n = t * BLOCK_N
         offs_n = start_n + _key_order(BLOCK_N, NM_M)
         nval = offs_n < Nk
-        kT = _load_tile(k_base, offs_n, nval, skn, offs_d, HEAD_D, BLOCK_D, CHECK_K, True)
+        if AUX != 0:
+            # drop: the keys this step drops are not read (their rows load as zeros; their logits are -inf below)
+            kk = _keep_bits(KAux, krow, offs_n, nval, Nk, k_rate, k_seed, 0, AUX)
+            nread = nval & kk
+        else:
+            nread = nval
+        kT = _load_tile(k_base, offs_n, nread, skn, offs_d, HEAD_D, BLOCK_D, CHECK_READ, True)
         kp, ks, kv = _tok_vals(offs_n, nval, b, KPos, s_kpos, KSeg, s_kseg, KVal, s_kval, 0, TPOS, SEG, KVAL)
         qk = _dot(q, kT, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32))
         if MODS:
@@ -147,14 +154,13 @@ def _decode_split(
                    BLOCK_M, BLOCK_N, MASK_KIND, CHECK_K, POLICY, NM_N, NM_M, EXCLUDE_SELF, POS, HAS_LEFT,
                    HAS_RIGHT, SEG, QVAL, KVAL, SPION_BS, False, PRESCALE)
         if AUX != 0:
-            kk = _keep_bits(KAux, krow, offs_n, nval, Nk, k_rate, k_seed, 0, AUX)
             s = tl.where(q_keep[:, None] & kk[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1) * sc)
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.math.exp2(m_i - m_sub)
         p = tl.math.exp2(s * sc - m_sub[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_tile(v_base, offs_n, nval, svn, offs_dv, HEAD_DV, BLOCK_DV, CHECK_K, False)
+        v = _load_tile(v_base, offs_n, nread, svn, offs_dv, HEAD_DV, BLOCK_DV, CHECK_READ, False)
         acc = _dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
     ws = (bhk.to(tl.int64) * tl.num_programs(0) + split) * BLOCK_M
