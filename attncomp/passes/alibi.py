@@ -32,7 +32,7 @@ import torch.fx as fx
 
 from ..codegen.reference import predicate_mask
 from ..spec import Predicates
-from .base import CompileContext, PassResult
+from .base import MASK_FILL_MAX, CompileContext, PassResult
 from .node_info import attention_sites, meta_shape, set_op_args, set_spec, site_report, spec_of, static_int
 from .relative_bias import _Keep, _arg, _ancestors, _evaluate, _placeholder_values, _positions
 
@@ -107,7 +107,7 @@ def _check(gm, ctx, node, spec, mask: fx.Node, slopes: fx.Node) -> None:
     d, allowed, m = d.expand(shape), allowed.expand(shape), m.expand(shape)
     if not bool(allowed.any()):
         raise _Keep("no entry is allowed on the example inputs: nothing to check against")
-    if bool((allowed & (m <= -1e4)).any()):
+    if bool((allowed & (m <= MASK_FILL_MAX)).any()):
         raise _Keep("the mask also excludes entries (values <= -1e4) that no predicate does")
     big = float("inf")
     hi = torch.where(allowed, d, torch.full_like(d, -big)).amax(-1)

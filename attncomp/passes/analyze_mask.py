@@ -59,7 +59,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.fx as fx
 
-from .base import CompileContext, PassResult
+from .base import MASK_FILL_MAX, CompileContext, PassResult
 from .node_info import attention_sites, describe, dtype_of, is_symbolic_number, meta_shape, scalar_value, \
     set_spec, site_report, spec_of, spec_index, static_int, UNKNOWN
 
@@ -69,7 +69,6 @@ __all__ = ["analyze_mask", "analyze", "MaskAnalysis"]
 
 aten = torch.ops.aten
 
-_FILL_MAX = -1e4          # additive values at or below this exclude an entry (as match_attention's fills)
 _PRED_NAMES = ("q_pos", "k_pos", "q_seg", "k_seg", "q_valid", "k_valid")
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool)
 
@@ -372,7 +371,7 @@ def _same_len(a: Any, b: Any) -> bool:
 
 
 def _is_big_negative(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and v <= _FILL_MAX
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v <= MASK_FILL_MAX
 
 
 class _Eval:
@@ -1496,7 +1495,7 @@ def _allowed(spec, mask, preds, nq: int, nk: int) -> Optional[torch.Tensor]:
     device = tensors[0].device if tensors else torch.device("cpu")  # the predicates' own (a GPU call's)
     a = predicate_mask(spec, nq, nk, device, preds)
     if isinstance(mask, torch.Tensor):
-        m = mask if mask.dtype == torch.bool else mask > _FILL_MAX
+        m = mask if mask.dtype == torch.bool else mask > MASK_FILL_MAX
         m = m.reshape((1,) * (4 - m.dim()) + tuple(m.shape)) if m.dim() < 4 else m
         a = m if a is None else a & m
     return a

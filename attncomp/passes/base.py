@@ -11,10 +11,13 @@ import torch.fx as fx
 
 from ..policy import Dense, Policy
 
-__all__ = ["PassResult", "CompileContext", "SiteReport", "counters", "SITE_META"]
+__all__ = ["PassResult", "CompileContext", "SiteReport", "counters", "SITE_META", "MASK_FILL_MAX"]
 
 #: ``node.meta`` key holding the :class:`SiteReport` of an ``attncomp::attention`` node
 SITE_META = "attncomp_site"
+#: a mask value at or below this excludes the entry: models fill disallowed logits with ``-inf``,
+#: ``finfo(dtype).min`` (or a fraction of it) or ``-1e4``, all of which dense attention weighs exactly 0
+MASK_FILL_MAX = -1e4
 
 #: process-wide counters, e.g. ``counters["match_attention"]["rewritten"]``; tests read and clear them
 counters: Dict[str, collections.Counter] = collections.defaultdict(collections.Counter)

@@ -48,7 +48,7 @@ import torch.nn as nn
 from .. import ops
 from ..policy import Dense
 from ..spec import AttentionSpec, dtype_name
-from .base import SITE_META, CompileContext, PassResult, SiteReport
+from .base import MASK_FILL_MAX, SITE_META, CompileContext, PassResult, SiteReport
 from .canonicalize import ADD, DIV, DROPOUT, MATMUL, MUL, SDPA, SOFTMAX, TRANSPOSE, WHERE, is_cast
 from .score_modifiers import drops_last_column, is_tanh, peel_sinks, softcap_of
 from .node_info import (UNKNOWN, get_attr_value, infer_meta, is_symbolic_number, meta_dtype, meta_shape, same_dim, scalar_value,
@@ -59,7 +59,6 @@ log = logging.getLogger(__name__)
 __all__ = ["match_attention"]
 
 aten = torch.ops.aten
-_MASK_FILL_MAX = -1e4
 
 
 class NoMatch(Exception):
@@ -238,7 +237,7 @@ def _match_softmax(gm: fx.GraphModule, sm: fx.Node) -> Optional[Site]:
             if fv is not UNKNOWN:
                 c = _outer_scale(gm, scale_factors, "a mask is applied")
                 fv = fv * c if c > 0 else float("nan")  # the fill as the softmax sees it, scaled after it
-            if fv is UNKNOWN or not fv <= _MASK_FILL_MAX:
+            if fv is UNKNOWN or not fv <= MASK_FILL_MAX:
                 raise NoMatch(f"where()/masked_fill fills logits with {fill!r}, not a masking value (<= -1e4)")
             # where(cond, fill, s): cond marks excluded entries; where(cond, s, fill): cond marks allowed
             exclusions_raw.append((cond, ra))
@@ -965,7 +964,7 @@ def _complement_fill(gm, biases: list, b):
         if isinstance(f, fx.Node) and _is(f, MUL):
             for c, t in (f.args[:2], f.args[1::-1]):
                 cv = scalar_value(gm, c) if not isinstance(c, fx.Node) or _is_scalar(gm, c) else UNKNOWN
-                if cv is not UNKNOWN and cv <= _MASK_FILL_MAX and complement(t):
+                if cv is not UNKNOWN and cv <= MASK_FILL_MAX and complement(t):
                     return f
     return None
 

@@ -32,7 +32,7 @@ import torch.fx as fx
 from .. import ops, spion
 from ..policy import SPION, Drop, Hash
 from ..spec import AttentionSpec
-from .base import SITE_META, CompileContext, PassResult
+from .base import MASK_FILL_MAX, SITE_META, CompileContext, PassResult
 
 __all__ = ["sparsify"]
 
@@ -68,6 +68,7 @@ def sparsify(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
             # seed in streams of its own
             with gm.graph.inserting_before(n):
                 args[A["seed"]] = gm.graph.call_function(ops.next_seed, (pol.seed,))
+        lowest = _exclude_lowest(gm, n, args, new_pol)
         n.args = tuple(args)
         if drawn and isinstance(old_seed, fx.Node) and not old_seed.users:
             gm.graph.erase_node(old_seed)
@@ -80,6 +81,8 @@ def sparsify(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
                 rep.details["buckets"] = ("derived inside the op from q and k (LSH, fixed seed), forward and "
                                           "backward: fused with the sort in the Triton kernels, "
                                           "attncomp.ops.materialize_aux on other backends")
+            if lowest:
+                rep.details["mask"] = (rep.details.get("mask", "materialised") + "; " + lowest)
             if drawn:
                 rep.details["keep masks"] = ("drawn inside the op from the site's seed (fresh per training call, "
                                              f"the policy's seed {pol.seed} in eval mode), forward and backward "
@@ -88,6 +91,27 @@ def sparsify(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
         ctx.count("sparsify", pol.name)
         modified = True
     return PassResult(gm, modified)
+
+
+def _exclude_lowest(gm: fx.GraphModule, n: fx.Node, args: list, pol) -> str:
+    """A float mask that stays materialised, under a policy that does not keep every allowed entry: its entries at
+    or below :data:`MASK_FILL_MAX` (a model's fill for disallowed logits: ``finfo(dtype).min`` or a fraction of it,
+    ``-1e4``; what the mask passes count as excluded) become ``-inf``, so that they are disallowed (DESIGN §4)
+    rather than allowed with a huge negative bias. Dense attention weighs them 0 whenever a row has any other
+    entry; a policy that drops a row's other entries (no earlier key in the query's bucket, every such key dropped)
+    would otherwise keep them and attend to the tokens the model masked (future or padding). Returns the report's
+    words, or ``""``."""
+    A = ops.ARG_INDEX
+    mask = args[A["attn_mask"]]
+    val = getattr(mask, "meta", {}).get("val") if isinstance(mask, fx.Node) else None
+    if pol.keeps_all() or not isinstance(val, torch.Tensor) or not val.is_floating_point():
+        return ""
+    with gm.graph.inserting_before(n):
+        low = gm.graph.call_function(torch.le, (mask, MASK_FILL_MAX))
+        args[A["attn_mask"]] = gm.graph.call_function(torch.masked_fill, (mask, low, float("-inf")))
+    low.meta["val"] = val.new_empty(val.shape, dtype=torch.bool)
+    args[A["attn_mask"]].meta["val"] = val
+    return f"its entries <= {MASK_FILL_MAX:g} (the model's fill for masked logits) made -inf: the policy keeps none"
 
 
 def _spion_record_node(gm: fx.GraphModule, n: fx.Node, args, key: str) -> None:
