@@ -323,7 +323,7 @@ def check(registry: str, model_type: str, class_name: Optional[str] = None, trai
             except Exception as e:  # noqa: BLE001
                 return done("wrong-decode", f"{pol}: " + first_line(e))
             det[f"decode_{pol}_err"] = err
-            if err >= TOL:
+            if err >= max(TOL, 10 * base):  # the eager steps' own rounding (BigBird's 9e-5) may sit near TOL
                 return done("wrong-decode", f"{pol}: generate's step logits differ from the full forward's last rows "
                                             f"by {err:.2g}")
 
