@@ -122,7 +122,7 @@ def write_markdown(data, path=RESULTS_MD):
     regs = list(Z.REGISTRIES)
     statuses = [s for s in ("pass", "eager-fails", "no-attention", "compile-error", "wrong-output",
                             "dynamo-differs", "sites-missing", "not-rewritten", "generate-error", "wrong-generate",
-                            "wrong-decode", "wrong-grad",
+                            "wrong-decode", "decode-refused", "wrong-grad",
                             "crash", "timeout") if any(r["status"] == s for r in fams.values())]
     by = Counter((r["registry"], r["status"]) for r in fams.values())
     lines = ["# Registry sweep results", "",
