@@ -808,46 +808,58 @@ def _full_window_layers(cache, policy: Policy, window: Optional[int] = None) -> 
     sequence: N:M groups, keep draws and block patterns would be taken at other positions than the full forward's,
     and the step's rows would differ from it. A full layer holds every key; the model's sliding-window mask still
     limits each query to its window, so dense rows are unchanged and the policy's rows are the full forward's.
-    Replaces layers that hold nothing yet (or, dynamic, nothing dropped yet) and returns their indices; a static
+    Replaces layers that hold nothing yet (or, dynamic, nothing dropped yet; a hybrid of linear attention and a
+    window only while it holds nothing at all) and returns their indices; a static
     layer shorter than the model's ``window`` (the cache is shorter than the window) never drops a key and stays.
     Raises ``ValueError`` for a layer that already dropped keys or that it does not know how to replace."""
     inner = getattr(cache, "self_attention_cache", cache)
     layers = getattr(inner, "layers", None)
     if not isinstance(layers, list) or not any(getattr(l, "is_sliding", False) for l in layers):
         return []
-    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, StaticLayer, StaticSlidingWindowLayer
+    from transformers import cache_utils as cu
 
-    full_len = max((l.max_cache_len for l in layers if type(l) is StaticLayer), default=None)
+    # window layer -> its full twin; the hybrids (linear attention beside the window) are swapped only while empty
+    twins = {cu.DynamicSlidingWindowLayer: cu.DynamicLayer, cu.StaticSlidingWindowLayer: cu.StaticLayer}
+    hybrids = {getattr(cu, w): getattr(cu, f) for w, f in (
+        ("LinearAttentionAndSlidingWindowAttentionLayer", "LinearAttentionAndFullAttentionLayer"),
+        ("LinearAttentionAndStaticSlidingWindowAttentionLayer", "LinearAttentionAndStaticFullAttentionLayer"))
+        if hasattr(cu, w) and hasattr(cu, f)}
+    full_len = max((l.max_cache_len for l in layers
+                    if isinstance(l, cu.StaticLayer) and not getattr(l, "is_sliding", False)), default=None)
     done = []
     for i, layer in enumerate(layers):
         if not getattr(layer, "is_sliding", False):
             continue
-        why = None
-        if type(layer) is DynamicSlidingWindowLayer:
-            new = DynamicLayer()
-            if layer.is_initialized:
-                if layer.cumulative_length != layer.keys.shape[-2]:
-                    why = "has already dropped the keys before its window"
-                elif layer.keys.numel():
-                    new.update(layer.keys, layer.values)
-        elif type(layer) is StaticSlidingWindowLayer:
-            if isinstance(window, int) and layer.max_cache_len < window:
-                continue
-            if layer.is_initialized:
-                why = "already holds keys (in a ring buffer)"
-            elif full_len is None:
-                why = "is static and no full-attention layer of the cache gives the cache's length"
-            else:
-                new = StaticLayer(max_cache_len=full_len)
-        else:
+        kind = type(layer)
+        static = isinstance(layer, cu.StaticLayer)
+        if static and isinstance(window, int) and layer.max_cache_len < window:
+            continue  # shorter than the window: it never drops a key
+        full, why = twins.get(kind, hybrids.get(kind)), None
+        states = [v for d in ("is_conv_states_initialized", "is_recurrent_states_initialized")
+                  for v in getattr(layer, d, {}).values()]
+        if full is None:
             why = "is of a kind that keeps only a window of keys and that attncomp does not replace"
+        elif kind in hybrids and (layer.is_initialized or any(states)):
+            why = "already holds state"
+        elif static and layer.is_initialized:
+            why = "already holds keys (in a ring buffer)"
+        elif static and full_len is None:
+            why = "is static and no full-attention layer of the cache gives the cache's length"
+        elif not static and layer.is_initialized and layer.cumulative_length != layer.keys.shape[-2]:
+            why = "has already dropped the keys before its window"
         if why is not None:
             raise ValueError(
                 f"policy {policy.name!r} keeps entries by key position, and layer {i} of this KV cache "
-                f"({type(layer).__name__}) {why}: decoding steps over it would not compute the full forward's rows. "
+                f"({kind.__name__}) {why}: decoding steps over it would not compute the full forward's rows. "
                 f"Start from a new cache (attncomp gives its sliding-window layers every key under this policy), pass "
                 f"a cache built without the model's config (transformers.DynamicCache()), or use a policy that reads "
                 f"no key index ('dense', 'hash')")
+        kw = {"max_cache_len": full_len} if static else {}
+        if kind in hybrids:
+            kw["number_of_states"] = layer.number_of_states
+        new = full(**kw)
+        if not static and layer.is_initialized and layer.keys.numel():
+            new.update(layer.keys, layer.values)  # a dynamic window layer that has dropped nothing yet
         layers[i] = new
         done.append(i)
     return done
