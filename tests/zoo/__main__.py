@@ -120,6 +120,8 @@ def result_paths(out: str = ""):
 def write_markdown(data, path=RESULTS_MD):
     fams = data["families"]
     regs = list(Z.REGISTRIES)
+    if data.get("decode"):  # a decode sweep covers the causal LMs it was given
+        regs = [r for r in regs if any(f["registry"] == r for f in fams.values())]
     statuses = [s for s in ("pass", "eager-fails", "no-attention", "compile-error", "wrong-output",
                             "dynamo-differs", "sites-missing", "not-rewritten", "generate-error", "wrong-generate",
                             "wrong-decode", "decode-refused", "wrong-grad",
@@ -141,7 +143,7 @@ def write_markdown(data, path=RESULTS_MD):
     for reg in regs + ["all"]:
         row = [sum(v for (r, s), v in by.items() if s == st and (reg == "all" or r == reg)) for st in statuses]
         lines.append(f"| {reg} | " + " | ".join(str(v) for v in row) + f" | {sum(row)} |")
-    missing = [f"{m} ({r})" for r, m, _ in Z.families() if key(r, m) not in fams]
+    missing = [f"{m} ({r})" for r, m, _ in Z.families() if key(r, m) not in fams and r in regs]
     if missing:
         lines += ["", f"Not run yet ({len(missing)}): " + ", ".join(missing) + "."]
     lines += ["", "| family | registry | class | eager calls | sites | rewritten | status | reason |",
