@@ -616,10 +616,7 @@ class _State:
         cfg = cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
         window = getattr(cfg, "sliding_window", None) or getattr(cfg, "attention_chunk_size", None)
         done = _full_window_layers(cache, self.policy, window)
-        try:
-            self.window_cache = weakref.ref(cache)
-        except TypeError:  # (an object that takes no weak reference: checked every call)
-            self.window_cache = None
+        self.window_cache = _weak(cache)
         if done:
             note = (f"KV cache: sliding-window layers keep every key under policy {self.policy.name!r}, whose keep "
                     f"rule reads key positions (a window cache drops the keys before the window and shifts them); "
@@ -654,10 +651,7 @@ class _State:
             cache = kwargs.get("past_key_values")
             if cache is not None and (self.ready_cache is None or self.ready_cache() is not cache):
                 _early_cache_init(self.model, args, kwargs)
-                try:
-                    self.ready_cache = weakref.ref(cache)
-                except TypeError:  # (an object that takes no weak reference: checked every call)
-                    self.ready_cache = None
+                self.ready_cache = _weak(cache)
         n0 = len(self.compiler.graphs)
         self.breaks = dict(torch._dynamo.utils.counters["graph_break"])
         # float attributes (dropout rates, scales) stay constants the passes can read, as in eager code.
@@ -771,6 +765,14 @@ class _State:
         if not rep.sites:
             rep.notes.append("no attention site found: the model runs unchanged")
         return rep
+
+
+def _weak(obj) -> Optional[weakref.ref]:
+    """A weak reference to ``obj``, or ``None`` for an object that takes none (then it is checked every call)."""
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return None
 
 
 def _early_cache_init(model: nn.Module, args: tuple, kwargs: dict) -> bool:

@@ -44,6 +44,26 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+def steps_vs_full_forward(model, gen, ids: torch.Tensor, am: torch.Tensor) -> float:
+    """The worst relative difference, over steps and rows, between the per-step logits of a ``generate()`` from
+    prompt ``ids`` with attention mask ``am`` (``gen``: ``output_logits=True, return_dict_in_generate=True``) and
+    ``model``'s full forward over the sequence so far, with the positions generate derives from the mask where the
+    forward takes them. A decoding step computes the last rows of the full forward (README, "Decoding")."""
+    import inspect
+
+    takes_pos = "position_ids" in inspect.signature(type(model).forward).parameters
+    worst = 0.0
+    with torch.no_grad():
+        for t, step in enumerate(gen.logits):
+            m = torch.cat([am, torch.ones(am.shape[0], t, dtype=am.dtype)], 1)
+            kw = dict(input_ids=gen.sequences[:, :ids.shape[1] + t], attention_mask=m, use_cache=False)
+            if takes_pos:
+                kw["position_ids"] = (m.cumsum(-1) - 1).clamp(min=0)
+            full = model(**kw).logits[:, -1]
+            worst = max([worst] + [rel_err(step[r], full[r]) for r in range(step.shape[0])])
+    return worst
+
+
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype = None, msg: str = ""):
     dtype = dtype or actual.dtype
     atol, rtol = TOL[dtype]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import attncomp
-from tests.utils import rel_err
+from tests.utils import rel_err, steps_vs_full_forward
 
 transformers = pytest.importorskip("transformers")
 
@@ -72,21 +72,6 @@ def test_static_cache_captures_the_decode_step_once():
     assert attncomp.report(fast).graphs == graphs <= 3, (graphs, attncomp.report(fast).graphs)
 
 
-def _steps_against_full_forward(fast, ids, am, **kw):
-    """The worst relative difference between each step's logits of a left-padded ``generate`` and the same
-    model's full forward over the sequence so far (positions as generate gives them)."""
-    with torch.no_grad():
-        gen = fast.generate(input_ids=ids, attention_mask=am, max_new_tokens=6, min_new_tokens=6, do_sample=False,
-                            output_logits=True, return_dict_in_generate=True, pad_token_id=0, **kw)
-        worst = 0.0
-        for t, step_logits in enumerate(gen.logits):
-            m = torch.cat([am, torch.ones(am.shape[0], t, dtype=am.dtype)], 1)
-            full = fast(input_ids=gen.sequences[:, :ids.shape[1] + t], attention_mask=m,
-                        position_ids=(m.cumsum(-1) - 1).clamp(min=0), use_cache=False).logits[:, -1]
-            worst = max(worst, rel_err(step_logits, full))
-    return worst
-
-
 @pytest.mark.sample(1)
 @pytest.mark.parametrize("family,policy,cache", [("mistral", "dfss", None), ("gemma2", "drop", None),
                                                  ("gemma2", "dfss", "static")])
@@ -103,7 +88,10 @@ def test_sliding_window_cache_decodes_the_full_forward(family, policy, cache):
     am = torch.ones_like(ids)
     ids[1, :2], am[1, :2] = 0, 0
     kw = {} if cache is None else dict(cache_implementation=cache, disable_compile=True)
-    err = _steps_against_full_forward(fast, ids, am, **kw)
+    with torch.no_grad():
+        gen = fast.generate(input_ids=ids, attention_mask=am, max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                            output_logits=True, return_dict_in_generate=True, pad_token_id=0, **kw)
+    err = steps_vs_full_forward(fast, gen, ids, am)
     assert err < 1e-4, f"cached decoding differs from the full forward ({err:.3g})"
     assert any("sliding-window layers keep every key" in n for n in attncomp.report(fast).notes)
 

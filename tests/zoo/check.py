@@ -28,7 +28,7 @@ if "TRITON_INTERPRET" not in os.environ:
 
 import torch  # noqa: E402
 
-from tests.utils import rel_err, tensors  # noqa: E402
+from tests.utils import rel_err, steps_vs_full_forward, tensors  # noqa: E402
 from tests.zoo import families as Z  # noqa: E402
 from tests.zoo.count import AttentionCounter  # noqa: E402
 
@@ -161,32 +161,11 @@ def _decode_policy(name: str):
     return attncomp.Drop(q_rate=0.3, k_rate=0.3, seed=5) if name == "drop" else name
 
 
-def _decode_against_full_forward(model, cfg, policy: Optional[str]) -> float:
-    """The worst relative difference, over steps and rows, between the left-padded ``generate()`` logits of
-    ``model`` compiled with ``policy`` (``None``: the model itself) and that model's full forward over the sequence
-    so far (positions as generate derives them, where the forward takes them)."""
-    import inspect
-
-    import attncomp
-
-    fast = model
-    if policy is not None:
-        torch._dynamo.reset()
-        fast = attncomp.compile(model, policy=_decode_policy(policy))
+def _decode_error(model, cfg, gen) -> float:
+    """:func:`tests.utils.steps_vs_full_forward` of ``gen``, a ``generate()`` of ``model`` from the check's
+    left-padded prompt (:func:`_generate`)."""
     x = _generate_inputs(cfg)
-    ids, am = x["input_ids"], x["attention_mask"]
-    takes_pos = "position_ids" in inspect.signature(type(model).forward).parameters
-    worst = 0.0
-    with torch.no_grad():
-        gen = _generate(fast, cfg)
-        for t, step in enumerate(gen.logits):
-            m = torch.cat([am, torch.ones(am.shape[0], t, dtype=am.dtype)], 1)
-            kw = dict(input_ids=gen.sequences[:, :ids.shape[1] + t], attention_mask=m, use_cache=False)
-            if takes_pos:
-                kw["position_ids"] = (m.cumsum(-1) - 1).clamp(min=0)
-            full = fast(**kw).logits[:, -1]
-            worst = max([worst] + [rel_err(step[r], full[r]) for r in range(step.shape[0])])
-    return worst
+    return steps_vs_full_forward(model, gen, x["input_ids"], x["attention_mask"])
 
 
 def check(registry: str, model_type: str, class_name: Optional[str] = None, train: bool = False,
@@ -315,13 +294,16 @@ def check(registry: str, model_type: str, class_name: Optional[str] = None, trai
         # a decoding step under each sparse policy computes the last rows of the full forward, where the eager
         # model's own steps do (some decoders' generate feeds other inputs than a full forward: BERT as a
         # decoder, CPM-Ant)
-        base = _decode_against_full_forward(model, cfg, None) if decode else 0.0
+        base = _decode_error(model, cfg, want) if decode else 0.0
         if base >= TOL:
             det["decode"] = f"not checked: eager's own generate differs from its full forward by {base:.2g}"
             decode = ()
         for pol in decode:
             try:
-                err = _decode_against_full_forward(model, cfg, pol)
+                torch._dynamo.reset()
+                fast = attncomp.compile(model, policy=_decode_policy(pol))
+                with torch.no_grad():
+                    err = _decode_error(fast, cfg, _generate(fast, cfg))
             except ValueError as e:
                 if "keeps entries by key position" not in str(e):
                     return done("wrong-decode", f"{pol}: " + first_line(e))

@@ -15,7 +15,8 @@ Everything else is the template's: the §4.1 predicates, the residual mask, the 
 policies' keep rules through :func:`.template._entry` and :func:`.template._modify` (each query row carries its
 own head), so a decode step keeps exactly what the template (and the reference) keeps. ``drop`` runs without a
 sorted layout: a token's keep bit comes from its position hash (as :func:`.layout._group_ids` draws it), or from
-the keep masks the caller gave. Every key tile is read; tiles that the position window excludes are skipped.
+the keep masks the caller gave, and the keys it drops are masked out of the K and V loads. Every key tile is
+visited; tiles that the position window excludes are skipped.
 ``hash`` is not run here: the template's sorted layout reads only the keys of each query's bucket, which beat
 reading them all (H200, 32k keys, bf16, LSH buckets computed from the key tiles in a version of these kernels:
 0.46 ms against 1.40 ms per step at B=32, 0.07 against 0.14 ms at B=1, ``bench decode``).
