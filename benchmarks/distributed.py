@@ -34,7 +34,7 @@ import statistics
 import sys
 import time
 import traceback
-from typing import Dict, List
+from typing import Dict
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
@@ -47,7 +47,7 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m attncomp bench distributed", description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true", help="CPU, gloo, tiny shapes: the plumbing in well under a minute")
     ap.add_argument("--gpus", type=int, default=2, help="processes (one GPU each)")
-    ap.add_argument("--parts", default="train,cp", help="comma-separated: train, cp")
+    ap.add_argument("--parts", default="train,cp", help="comma-separated, run in this order: train, cp")
     ap.add_argument("--policies", default="dense,hash", help="policies of the compiled model (train)")
     ap.add_argument("--wrappers", default="ddp,fsdp2")
     ap.add_argument("--cp-policies", default="dense,drop")
@@ -58,6 +58,9 @@ def parse_args(argv=None):
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/distributed_<device>x<gpus>.json)")
     ap.add_argument("--timeout", type=float, default=None, help="seconds for the whole run (default 3000; smoke 120)")
     a = ap.parse_args(argv)
+    bad = [p for p in a.parts.split(",") if p not in ("train", "cp")]
+    if bad:
+        ap.error(f"unknown part(s) {', '.join(bad)}; valid: train, cp")
     if a.smoke:
         a.steps = a.steps or 2
         a.timeout = a.timeout or 120
@@ -197,7 +200,7 @@ def _all_ok(ok: bool, device) -> bool:
 # ---------------------------------------------------------------------------------------------
 # Part 1: DDP / FSDP2 training steps.
 
-def train_rows(args, rank, world, device, dtype) -> List[dict]:
+def train_rows(args, rank, world, device, dtype, emit) -> None:
     import torch
     import torch.distributed as dist
 
@@ -264,18 +267,17 @@ def train_rows(args, rank, world, device, dtype) -> List[dict]:
                         row["report_error"] = _err(e)
             elif "error" not in row:
                 row["error"] = "failed on another rank"
-            rows.append(row)
+            emit(row)
             model = run = opt = step = None  # free this configuration before the next is built
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             dist.barrier()
-    return rows
 
 
 # ---------------------------------------------------------------------------------------------
 # Part 2: context-parallel attention vs one device.
 
-def cp_rows(args, rank, world, device, dtype) -> List[dict]:
+def cp_rows(args, rank, world, device, dtype, emit) -> None:
     import torch
     import torch.distributed as dist
 
@@ -341,9 +343,8 @@ def cp_rows(args, rank, world, device, dtype) -> List[dict]:
                         if "rank_ms" in row:
                             row["rank_over_one"] = row["rank_ms"] / one
                             row["scaling_efficiency"] = one / (world * row["rank_ms"])
-                    rows.append(row)
+                    emit(row)
                     dist.barrier()
-    return rows
 
 
 # ---------------------------------------------------------------------------------------------
@@ -370,21 +371,22 @@ def _worker(rank: int, world: int, port: int, args, outdir: str) -> None:
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=max(60, int(args.timeout))), **kw)
     rows = []
+
+    def emit(row):  # rank 0 keeps the rows so far on disk: a run stopped by --timeout still reports them
+        rows.append(row)
+        if rank == 0:
+            with open(os.path.join(outdir, "rows.json"), "w") as f:
+                json.dump(rows, f)
+
     try:
-        parts = args.parts.split(",")
-        if "train" in parts:
-            rows += train_rows(args, rank, world, device, dtype)
-        if "cp" in parts:
-            rows += cp_rows(args, rank, world, device, dtype)
+        for part in args.parts.split(","):  # in the order given
+            {"train": train_rows, "cp": cp_rows}[part](args, rank, world, device, dtype, emit)
         # every rank reaches the end before any tears the group down: rank 0 aborted now and then at
         # teardown ("terminate called without an active exception", CPU smoke run under load), most
         # likely because a peer closed its gloo connections while rank 0 still timed its rows. Only on
         # success: after an error the group is torn down at once, so the error is not a hang.
         dist.barrier()
     finally:
-        if rank == 0:
-            with open(os.path.join(outdir, "rows.json"), "w") as f:
-                json.dump(rows, f)
         dist.destroy_process_group()
 
 
@@ -411,29 +413,37 @@ def main(argv=None) -> int:
         ctx = mp.start_processes(_worker, args=(world, _free_port(), args, outdir), nprocs=world, join=False,
                                  start_method="spawn")
         deadline = time.monotonic() + args.timeout
+        stopped = None
         try:
             while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"the benchmark did not finish within {args.timeout:.0f} s")
+                    stopped = f"stopped by --timeout after {args.timeout:.0f} s; the rows measured before are kept"
+                    print(stopped, file=sys.stderr)
+                    break
         finally:
             for p in ctx.processes:
                 if p.is_alive():
                     p.kill()
-        with open(os.path.join(outdir, "rows.json")) as f:
-            rows = json.load(f)
-    return finish(args, world, rows, time.time() - t0, argv)
+        rows = []
+        if os.path.exists(os.path.join(outdir, "rows.json")):
+            with open(os.path.join(outdir, "rows.json")) as f:
+                rows = json.load(f)
+        if stopped and not rows:
+            raise TimeoutError(f"the benchmark measured nothing within {args.timeout:.0f} s")
+    return finish(args, world, rows, time.time() - t0, argv, stopped)
 
 
-def finish(args, world, rows, seconds, argv=None) -> int:
+def finish(args, world, rows, seconds, argv=None, stopped=None) -> int:
     from benchmarks import common as C
 
     dev = _device_name(args.smoke)
     doc = C.document("distributed", rows, argv, device=dev, gpus=0 if args.smoke else world, processes=world,
-                     backend="gloo" if args.smoke else "nccl", smoke=bool(args.smoke), seconds=round(seconds, 1))
+                     backend="gloo" if args.smoke else "nccl", smoke=bool(args.smoke), seconds=round(seconds, 1),
+                     **({"stopped": stopped} if stopped else {}))
     paths = C.write(doc, args.out or C.results_path("distributed", f"{dev}x{world}"))
     print(table(rows))
     print(f"\nwritten: {', '.join(paths)}")
-    return 0
+    return 1 if stopped else 0
 
 
 def table(rows) -> str:
