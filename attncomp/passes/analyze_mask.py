@@ -60,7 +60,7 @@ import torch
 import torch.fx as fx
 
 from .base import MASK_FILL_MAX, CompileContext, PassResult
-from .node_info import attention_sites, describe, dtype_of, is_symbolic_number, meta_shape, scalar_value, \
+from .node_info import attention_sites, describe, dtype_of, is_symbolic_number, meta_shape, mutates, scalar_value, \
     set_spec, site_report, spec_of, spec_index, static_int, UNKNOWN
 
 log = logging.getLogger(__name__)
@@ -1550,6 +1550,36 @@ def _disagreement(gm: fx.GraphModule, node: fx.Node, idx: Dict[str, int], before
     return None
 
 
+def _read_where_the_mask_read(g: fx.Graph, emitted: List[fx.Node], mask) -> None:
+    """Move the ``emitted`` nodes (the predicate vectors, in graph order) to just after the mask and everything they
+    read, so that they read the values the mask read. Emitted before the attention they would read a tensor as it is
+    there, and a graph may advance it in place in between (transformers' static cache builds the mask from the
+    layer's ``cumulative_length`` and adds the new tokens to it before the first attention: query positions read at
+    the attention are one prompt too far, and every query sees the cache's empty slots). Raises :class:`_Fail` where a
+    tensor they read is written in place before that point (the mask may have read it before or after the write)."""
+    if not emitted:
+        return
+    order = {n: i for i, n in enumerate(g.nodes)}
+    new = set(emitted)
+    reads = {a for n in emitted for a in n.all_input_nodes if a not in new}
+    last = max(reads | ({mask} if isinstance(mask, fx.Node) else set()), key=order.__getitem__, default=None)
+    if last is None:
+        return
+    for w in g.nodes:
+        if order[w] >= order[last]:
+            break
+        if mutates(w) and w.args and w.args[0] in reads and order[w] > order[w.args[0]]:
+            raise _Fail(f"{w.args[0].name}, which the predicates read, is written in place ({w.name}) before the mask "
+                        "is complete")
+    at = last.next
+    while at.op == "placeholder":
+        at = at.next
+    if at is emitted[0]:
+        return
+    for n in emitted:
+        at.prepend(n)
+
+
 def _rewrite(gm: fx.GraphModule, node: fx.Node, idx: Dict[str, int], res: MaskAnalysis, ev: _Eval) -> str:
     spec = spec_of(node)
     g = gm.graph
@@ -1558,6 +1588,7 @@ def _rewrite(gm: fx.GraphModule, node: fx.Node, idx: Dict[str, int], res: MaskAn
     fields: Dict[str, Any] = {}
     default_words = None
     q_node, k_node = node.args[idx["q"]], node.args[idx["k"]]
+    before = set(g.nodes)
     with g.inserting_before(node):
         if res.positions is not None:
             kt, qt, syms, left, right = res.positions
@@ -1628,6 +1659,7 @@ def _rewrite(gm: fx.GraphModule, node: fx.Node, idx: Dict[str, int], res: MaskAn
         old = node.args[idx[nm]]
         if old is not None:
             raise _Fail(f"the site already has {nm}")
+    _read_where_the_mask_read(g, [n for n in g.nodes if n not in before], node.args[idx["attn_mask"]])
     args = list(node.args)
     for nm, val in new.items():
         args[idx[nm]] = val

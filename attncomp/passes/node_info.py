@@ -41,7 +41,7 @@ __all__ = [
     "to_networkx", "site_name", "module_path", "module_paths", "MODULE_PATHS", "describe",
     # data movement and projections
     "view_kind", "view_input", "permutation", "exclusive_chain", "LinearInfo", "match_linear", "weight_users",
-    "new_constant",
+    "new_constant", "mutates",
     # attention sites
     "attention_sites", "spec_index", "spec_of", "set_spec", "predicates_of", "site_report", "only_getitem0", "head_dim",
 ]
@@ -684,3 +684,33 @@ def infer_meta(node: fx.Node, like: Optional[fx.Node] = None) -> fx.Node:
     except Exception:  # metadata only: the passes cope without it
         pass
     return node
+
+
+# ---------------------------------------------------------------------------------------------
+# Effects
+
+_INPLACE_OPERATORS = {operator.setitem, operator.delitem, operator.iadd, operator.isub, operator.imul,
+                      operator.itruediv, operator.ifloordiv, operator.imod, operator.ipow, operator.iand,
+                      operator.ior, operator.ixor, operator.ilshift, operator.irshift, operator.imatmul}
+
+
+def mutates(node: fx.Node) -> bool:
+    """Whether ``node`` writes into a tensor it is given: dynamo keeps in-place calls whose results are
+    unused (``group_mask.scatter_(...)``, ``ids.clamp_(max=...)``, ``x[i] = y``), and fx's impurity
+    does not see methods. Removing them as dead code changes what later readers of the tensor see
+    (an MoE router's expert choice, and with it the whole output)."""
+    if node.op == "call_method":
+        name = str(node.target)
+        return name.endswith("_") and not name.startswith("__")
+    if node.op != "call_function":
+        return False
+    t = node.target
+    if t in _INPLACE_OPERATORS or node.kwargs.get("inplace") is True or node.kwargs.get("out") is not None:
+        return True
+    schema = getattr(t, "_schema", None)
+    if schema is not None:
+        return bool(schema.is_mutable)
+    if getattr(t, "__module__", None) in ("_operator", "operator"):
+        return False  # and_, or_, not_: named with a trailing underscore, pure
+    name = getattr(t, "__name__", "")
+    return name.endswith("_") and not name.startswith("_")

@@ -7,7 +7,6 @@ A pass that raises is named in the error together with the passes that ran befor
 from __future__ import annotations
 
 import logging
-import operator
 import os
 from typing import Callable, List, Sequence, Tuple
 
@@ -15,6 +14,7 @@ import torch
 import torch.fx as fx
 
 from .base import CompileContext, PassResult
+from .node_info import mutates
 
 log = logging.getLogger(__name__)
 
@@ -45,38 +45,11 @@ def _side_effect_targets():
 _SIDE_EFFECTS = _side_effect_targets()
 
 
-_INPLACE_OPERATORS = {operator.setitem, operator.delitem, operator.iadd, operator.isub, operator.imul,
-                      operator.itruediv, operator.ifloordiv, operator.imod, operator.ipow, operator.iand,
-                      operator.ior, operator.ixor, operator.ilshift, operator.irshift, operator.imatmul}
-
-
-def _mutates(node: fx.Node) -> bool:
-    """Whether ``node`` writes into a tensor it is given: dynamo keeps in-place calls whose results are
-    unused (``group_mask.scatter_(...)``, ``ids.clamp_(max=...)``, ``x[i] = y``), and fx's impurity
-    does not see methods. Removing them as dead code changes what later readers of the tensor see
-    (an MoE router's expert choice, and with it the whole output)."""
-    if node.op == "call_method":
-        name = str(node.target)
-        return name.endswith("_") and not name.startswith("__")
-    if node.op != "call_function":
-        return False
-    t = node.target
-    if t in _INPLACE_OPERATORS or node.kwargs.get("inplace") is True or node.kwargs.get("out") is not None:
-        return True
-    schema = getattr(t, "_schema", None)
-    if schema is not None:
-        return bool(schema.is_mutable)
-    if getattr(t, "__module__", None) in ("_operator", "operator"):
-        return False  # and_, or_, not_: named with a trailing underscore, pure
-    name = getattr(t, "__name__", "")
-    return name.endswith("_") and not name.startswith("_")
-
-
 def _is_impure(node: fx.Node) -> bool:
-    """fx's impurity, in-place writes (:func:`_mutates`), and the calls that open and close a
+    """fx's impurity, in-place writes (:func:`~.node_info.mutates`), and the calls that open and close a
     ``torch.vmap`` level in dynamo graphs: they have no users, but removing them breaks the batched
     tensors between them."""
-    return (node.is_impure() or _mutates(node)
+    return (node.is_impure() or mutates(node)
             or (node.op == "call_function" and node.target in _SIDE_EFFECTS))
 
 

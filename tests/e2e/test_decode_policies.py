@@ -45,20 +45,28 @@ def test_decode_steps_equal_full_forward(policy):
     assert rel_err(full, dense) > 1e-3, "the policy changed nothing: the test would not see a wrong alignment"
 
 
-def test_static_cache_captures_the_decode_step_once():
-    """``generate(cache_implementation="static")`` on a compiled model: the per-step logits equal eager's (left
-    padding included), and the decode step is captured once: a later generate that fits the cache transformers
-    keeps (shorter or as long) compiles no new graph, nor does any step (no recompile per step or per position),
-    and the report counts the graphs (prefill and decode). (A longer generate makes transformers allocate a longer
-    cache: new shapes, one more prefill and decode graph.)"""
+@pytest.mark.parametrize("padded,mode", [(True, None), (False, None), (False, "reduce-overhead")],
+                         ids=["left-padded", "no-mask", "no-mask-reduce-overhead"])
+def test_static_cache_captures_the_decode_step_once(padded, mode):
+    """``generate(cache_implementation="static")`` on a compiled model: the per-step logits equal eager's (a
+    left-padded batch, and one row called without ``attention_mask``), and the decode step is captured once: a later
+    generate that fits the cache transformers keeps (shorter or as long) compiles no new graph, nor does any step
+    (no recompile per step or per position), and the report counts the graphs (prefill and decode). (A longer
+    generate makes transformers allocate a longer cache: new shapes, one more prefill and decode graph.) Under
+    ``mode="reduce-overhead"`` the cache's storage is allocated before the compiled prefill (on a CPU too, where no
+    CUDA graph runs): its position counter is then a tensor the mask reads before the first layer advances it in
+    place."""
     torch.manual_seed(5)
     model = ZOO["llama"].build()
-    fast = attncomp.compile(model, policy="dense")
+    fast = attncomp.compile(model, policy="dense", mode=mode)
     ids = torch.randint(3, 96, (2, 9))
     am = torch.ones_like(ids)
     ids[1, :3], am[1, :3] = 0, 0
     kw = dict(attention_mask=am, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0,
               cache_implementation="static", disable_compile=True)
+    if not padded:
+        ids = ids[:1]
+        del kw["attention_mask"]
     graphs = None
     with torch.no_grad():
         for n in (6, 3, 6):

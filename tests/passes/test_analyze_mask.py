@@ -491,6 +491,37 @@ def test_vmap_built_masks(data):
     torch.testing.assert_close(out[rows], exp[rows])
 
 
+class _CounterAdvancedAfterMask(nn.Module):
+    """A cache's position counter read into the mask, then advanced in place before the attention, as a transformers
+    static cache does (the model builds its mask from ``cumulative_length``; layer 0's update runs
+    ``cumulative_length.add_`` before the layer's attention)."""
+
+    def forward(self, q, k, v, counter):
+        q_pos = torch.arange(q.shape[-2]) + counter
+        mask = torch.arange(k.shape[-2])[None, None, None, :] <= q_pos[None, None, :, None]
+        counter.add_(q.shape[-2])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+@pytest.mark.parametrize("start", [0, 3])
+def test_positions_are_read_where_the_mask_read_them(start):
+    """The predicate vectors read the counter's value before the in-place advance, as the mask did: read at the
+    attention they would let every query see the cache's empty slots (a static cache's prefill: 0.33 off)."""
+    g = torch.Generator().manual_seed(start)
+    q, k, v = (torch.randn(B, H, n, D, dtype=torch.float64, generator=g) for n in (5, 11, 11))
+    ctx = CompileContext()
+    torch._dynamo.reset()
+    fast = torch.compile(_CounterAdvancedAfterMask(), backend=lambda gm, ex: run_passes(gm, ctx, PASSES))
+    c_got, c_want = torch.tensor([start]), torch.tensor([start])
+    got = fast(q, k, v, c_got)
+    torch._dynamo.reset()
+    want = _CounterAdvancedAfterMask()(q, k, v, c_want)
+    assert len(ctx.sites) == 1 and ctx.sites[0].rewritten
+    assert "materialised" not in ctx.sites[0].details["mask"], ctx.sites[0].details
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert int(c_got) == int(c_want) == start + 5
+
+
 @pytest.mark.parametrize("family,words", [("llama", ["causal (bottom-right)", "padding"]),
                                           ("mistral", ["window(3, 0) bottom-right", "padding"])])
 def test_hf_kv_cache_offsets(family, words):
