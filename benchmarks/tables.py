@@ -1,9 +1,10 @@
-"""The markdown tables of ``benchmarks/README.md``, computed from the results files and nothing else.
+"""The markdown tables of ``benchmarks/README.md`` and the docs it points to, computed from the results files and
+nothing else.
 
-The README marks each generated table with ``<!-- table: NAME -->`` ... ``<!-- end -->``; this module
-prints them (``python -m attncomp bench tables``), rewrites them in the README (``--write``) or checks that
-the README holds what the results files give (``--check``, exit 1 otherwise; ``tests/test_benchmarks_docs.py``
-runs it). A table whose results file is not in the repository reads "no results file yet".
+Those pages (:data:`DOCS`) mark each generated table with ``<!-- table: NAME -->`` ... ``<!-- end -->``; this module
+prints them (``python -m attncomp bench tables``), rewrites them in the pages (``--write``) or checks that the pages
+hold what the results files give (``--check``, exit 1 otherwise; ``tests/test_benchmarks_docs.py`` runs it). A
+table whose results file is not in the repository reads "no results file yet".
 
     python -m attncomp bench tables --write
 """
@@ -22,6 +23,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 from benchmarks import common as C  # noqa: E402
 
 README = os.path.join(HERE, "README.md")
+#: the pages whose marked tables this module writes: the benchmarks' README and the guides with their own tables
+DOCS = [README] + [os.path.join(os.path.dirname(HERE), "docs", f) for f in ("generation.md", "distributed.md")]
 MARK = re.compile(r"<!-- table: ([\w-]+) -->\n.*?<!-- end -->", re.S)
 
 #: the kernel targets (the issue's, for N >= 4096): (what, policy, pass, Ns, causal values, at least, baseline)
@@ -237,7 +240,8 @@ def generate(doc) -> Optional[str]:
             continue
         match = {True: "yes", False: "no", None: "-"}[r.get("logits_match")]
         out.append([*map(str, shape), r["path"], _f(r["tokens_per_s"], 1), _ratio(r["tokens_per_s"], eager.get(shape)),
-                    _f(r.get("step_ms")), _f(r.get("first_call_s"), 1), match, _f(r.get("tokens_equal")), ""])
+                    _f(r.get("step_ms")), _f(r.get("first_call_s"), 1), match, _f(r.get("tokens_equal")),
+                    r.get("note") or ""])
     return _md(["B", "prompt", "new", "path", "tokens/s", "x eager", "step ms", "first call s", "logits match",
                 "tokens equal", "note"], out)
 
@@ -266,6 +270,55 @@ def decode(doc) -> Optional[str]:
                out)
 
 
+# ---------------------------------------------------------------------------------------------- distributed
+
+def distributed(doc) -> Optional[str]:
+    """The train part (step ms of the slowest rank, compiled / eager under the same wrapper) and the context-parallel
+    part (one device on the whole sequence, the slowest rank's ms, scaling efficiency), or why a row has none."""
+    rows = doc.get("rows", []) if doc else []
+    if not rows:
+        return None
+    out = []
+    train = [r for r in rows if r["part"] == "train"]
+    if train:
+        out.append(_md(["wrapper", "variant", "step ms", "x eager"],
+                       [[r["wrapper"], r["variant"], "failed" if "error" in r else _f(r.get("step_ms")),
+                         _f(r.get("vs_eager"))] for r in train]))
+    cp = [r for r in rows if r["part"] == "cp"]
+    if cp:
+        out.append(_md(["N", "policy", "causal", "passes", "one GPU ms", "rank ms", "efficiency"],
+                       [[str(r["N"]), r["policy"], "yes" if r["causal"] else "no", r["passes"],
+                         _f(r.get("one_device_ms")), "failed" if "error" in r else _f(r.get("rank_ms")),
+                         _f(r.get("scaling_efficiency"))]
+                        for r in cp]))
+    if doc.get("stopped"):
+        out.append(f"Not measured: the rest of the run ({doc['stopped']}).")
+    return "\n\n".join(out)
+
+
+# ---------------------------------------------------------------------------------------------- quality
+
+def quality(doc) -> Optional[str]:
+    """Per policy: training steps in the budget, ms per step, the validation bits per byte at the end and at the last
+    evaluation within half the budget, and the training time at which it first reached dense's final value."""
+    rows = doc.get("rows", []) if doc else []
+    if not rows:
+        return None
+    runs = doc.get("runs", {})
+    pols = list(dict.fromkeys(r["policy"] for r in rows))
+    by = {p: [r for r in rows if r["policy"] == p] for p in pols}
+    target = by["dense"][-1]["val_bpb"] if "dense" in by else None
+    out = []
+    for p in pols:
+        rs, run = by[p], runs.get(p, {})
+        half = [r for r in rs if r["wall_s"] <= rs[-1]["wall_s"] / 2][-1]
+        hit = next((r for r in rs if target is not None and r["val_bpb"] <= target), None)
+        out.append([p, str(rs[-1]["step"]), _f(run.get("step_ms")), f"{_f(half['val_bpb'], 3)} ({half['wall_s']:.0f} s)",
+                    _f(rs[-1]["val_bpb"], 3), "never" if hit is None else f"{hit['wall_s']:.0f} s"])
+    return _md(["policy", "steps", "ms per step", "val bpb by half time", "val bpb at the end",
+                "reaches dense's final bpb"], out)
+
+
 # ---------------------------------------------------------------------------------------------- all
 
 #: table name -> (benchmark, device, function)
@@ -279,6 +332,9 @@ for _dev in ("h100", "h200"):
     TABLES[f"models-{_dev}"] = ("models", _dev, models)
     TABLES[f"generate-{_dev}"] = ("generate", _dev, generate)
     TABLES[f"decode-{_dev}"] = ("decode", _dev, decode)
+    TABLES[f"quality-{_dev}"] = ("quality", _dev, quality)
+    for _n in (2, 4):
+        TABLES[f"distributed-{_dev}x{_n}"] = ("distributed", f"{_dev}x{_n}", distributed)
 TABLES["kernels-tvm-cpu"] = ("kernels", "cpu", kernels_tvm)
 TABLES["models-cpu"] = ("models", "cpu", models)
 
@@ -300,7 +356,7 @@ def render(text: str, fn: Callable[[str], str] = table) -> str:
     def sub(m):
         name = m.group(1)
         if name not in TABLES:
-            raise KeyError(f"benchmarks/README.md names an unknown table {name!r}; known: {', '.join(TABLES)}")
+            raise KeyError(f"a page names an unknown table {name!r}; known: {', '.join(TABLES)}")
         return f"<!-- table: {name} -->\n{fn(name)}\n<!-- end -->"
 
     return MARK.sub(sub, text)
@@ -308,24 +364,30 @@ def render(text: str, fn: Callable[[str], str] = table) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m attncomp bench tables", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--write", action="store_true", help="rewrite the marked tables of benchmarks/README.md")
-    ap.add_argument("--check", action="store_true", help="exit 1 if benchmarks/README.md's tables are not current")
+    ap.add_argument("--write", action="store_true", help="rewrite the marked tables of the pages (DOCS)")
+    ap.add_argument("--check", action="store_true", help="exit 1 if a page's tables are not current")
     ap.add_argument("names", nargs="*", help=f"tables to print (default all): {', '.join(TABLES)}")
     args = ap.parse_args(argv)
     if args.write or args.check:
-        with open(README) as f:
-            text = f.read()
-        new = render(text)
-        if args.check:
-            if new != text:
-                print("benchmarks/README.md's tables differ from the results files: "
-                      "python -m attncomp bench tables --write", file=sys.stderr)
-                return 1
-            print("benchmarks/README.md's tables are current")
-            return 0
-        with open(README, "w") as f:
-            f.write(new)
-        print(f"rewrote {len(MARK.findall(text))} tables of {README}")
+        stale = []
+        for path in DOCS:
+            with open(path) as f:
+                text = f.read()
+            new = render(text)
+            rel = os.path.relpath(path, os.path.dirname(HERE))
+            if new == text:
+                continue
+            if args.check:
+                stale.append(rel)
+                continue
+            with open(path, "w") as f:
+                f.write(new)
+            print(f"rewrote {len(MARK.findall(text))} tables of {rel}")
+        if stale:
+            print(f"the tables of {', '.join(stale)} differ from the results files: "
+                  "python -m attncomp bench tables --write", file=sys.stderr)
+            return 1
+        print("every page's tables are current")
         return 0
     for name in args.names or TABLES:
         if name not in TABLES:

@@ -40,11 +40,18 @@ def test_readme_is_short():
     assert len(_readme().splitlines()) < 300
 
 
-def test_readme_tables_are_current():
-    """The marked tables are exactly what the results files give (regenerate: bench tables --write)."""
-    text = _readme()
-    assert tables.MARK.search(text), "no generated table in benchmarks/README.md"
-    assert tables.render(text) == text, "benchmarks/README.md is stale: python -m attncomp bench tables --write"
+def _page(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+@pytest.mark.parametrize("path", tables.DOCS, ids=lambda p: os.path.relpath(p, ROOT))
+def test_tables_are_current(path):
+    """The marked tables of every page that has some are exactly what the results files give (regenerate:
+    bench tables --write)."""
+    text = _page(path)
+    assert tables.MARK.search(text), f"no generated table in {path}"
+    assert tables.render(text) == text, f"{path} is stale: python -m attncomp bench tables --write"
 
 
 def _table_blocks(text: str):
@@ -71,7 +78,7 @@ def _cells(line: str):
 
 
 def _candidates(docs):
-    """Every number of a results file as the README may print it: values, and ratios of two values of one row."""
+    """Every number of a results file as a page may print it: values, and ratios of two values of one row."""
     out = set()
 
     def leaves(x):
@@ -86,8 +93,8 @@ def _candidates(docs):
             for v in x:
                 yield from leaves(v)
 
-    for doc in docs.values():
-        for row in doc.get("rows", []):
+    for doc in docs.values():  # rows, and the per-run summaries of a file that has them (quality)
+        for row in doc.get("rows", []) + list(doc.get("runs", {}).values()):
             vals = [v for v in leaves(row) if v == v]
             for v in vals:
                 for nd in range(4):
@@ -98,8 +105,12 @@ def _candidates(docs):
     return out
 
 
-def test_every_table_figure_is_in_a_results_file():
-    text = _readme()
+@pytest.mark.parametrize("path", tables.DOCS, ids=lambda p: os.path.relpath(p, ROOT))
+def test_every_table_figure_is_in_a_results_file(path):
+    """In the benchmarks' README, a table figure is generated or a command; in the guides, the generated tables'
+    figures are values of results files (their other tables are examples, not measurements)."""
+    text = _page(path)
+    readme = path == README
     cand = _candidates(_results())
     missing = []
     for generated, lines in _table_blocks(text):
@@ -109,7 +120,7 @@ def test_every_table_figure_is_in_a_results_file():
                 if head.startswith(("target", "met?")):
                     continue  # the targets themselves, and how many shapes meet them
                 for num in NUMBER.findall(cell.replace("`", " ")):
-                    if not generated and not cell.startswith("`"):
+                    if not generated and readme and not cell.startswith("`"):
                         missing.append((line, num))  # a figure typed by hand
                     elif generated and num not in cand:
                         missing.append((line, num))
@@ -121,15 +132,20 @@ def test_results_files_say_how_they_were_made():
     assert {"kernels_h100.json", "kernels_h200.json", "models_h100.json", "models_h200.json"} <= set(docs)
     for name, doc in docs.items():
         bench, device = os.path.splitext(name)[0].split("_", 1)
-        assert doc["benchmark"] == bench and doc["device"] == device, name
+        # a multi-GPU file is named for its device and GPU count (distributed_h200x2.json)
+        named = doc["device"] + (f"x{doc['gpus']}" if doc.get("gpus") else "")
+        assert doc["benchmark"] == bench and named == device, name
         for key in ("command", "commit", "device", "versions", "rows"):
             assert key in doc, (name, key)
         assert set(doc["versions"]) == {"torch", "triton", "transformers"}, name
         assert doc["rows"], name
     for p in glob.glob(os.path.join(BENCH, "results", "*")):
         assert p.endswith((".json", ".png")), p
-        if p.endswith(".png"):  # the kernel benchmark's plot, one per device it has a file for
-            assert os.path.basename(p)[:-4] + ".json" in docs and os.path.basename(p).startswith("kernels_"), p
+        if p.endswith(".png"):  # the kernel benchmark's plot per device, the quality run's two (time, steps)
+            stem = os.path.basename(p)[:-4]
+            ok = stem + ".json" in docs and stem.startswith("kernels_") or \
+                stem.startswith("quality_") and stem.rsplit("_", 1)[0] + ".json" in docs and stem.endswith(("_time", "_steps"))
+            assert ok, p
 
 
 @pytest.mark.parametrize("name", ["kernels", "models", "distributed", "tables"])
