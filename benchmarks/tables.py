@@ -230,8 +230,9 @@ def generate(doc) -> Optional[str]:
     if not rows:
         return None
     eager = {(r["B"], r["prompt"], r["new_tokens"]): r.get("tokens_per_s") for r in rows if r["path"] == "eager"}
+    paths = list(dict.fromkeys(r["path"] for r in rows))  # the benchmark's order (rows of merged runs interleave)
     out = []
-    for r in rows:
+    for r in sorted(rows, key=lambda r: (r["prompt"], r["B"], r["new_tokens"], paths.index(r["path"]))):
         shape = (r["B"], r["prompt"], r["new_tokens"])
         if r.get("tokens_per_s") is None:
             why = str(r.get("error") or "not measured")
