@@ -64,9 +64,10 @@ $(NEWEST)/.stamp: pyproject.toml
 	@touch $@
 
 # The registry sweep with the newest transformers the ranges admit: tests/zoo/results-newest.json and RESULTS-newest.md.
-# every causal LM's decoding steps under the sparse policies against its full forward (tests/zoo/RESULTS-decode.md)
+# every causal LM decoding into an initialised static cache (dense, against eager) and under the sparse policies
+# (steps against its full forward): tests/zoo/RESULTS-decode.md
 zoo-decode: $(STAMP)
-	$(PY) -m tests.zoo --jobs $(JOBS) --registry causal-lm --decode dfss,hash,drop --timeout 900 --out decode $(ZOO_ARGS)
+	$(PY) -m tests.zoo --jobs $(JOBS) --registry causal-lm --decode static,dfss,hash,drop --timeout 900 --out decode $(ZOO_ARGS)
 
 zoo-newest: $(NEWEST)/.stamp
 	$(NEWEST)/bin/python -m tests.zoo --jobs $(JOBS) --out newest $(ZOO_ARGS)

@@ -5,9 +5,10 @@ Every family runs :func:`tests.zoo.check.check` in a worker subprocess (a crash 
 family only; see :class:`Worker`), ``--jobs`` workers at a time, each family within ``--timeout`` seconds. Results go to
 ``tests/zoo/results.json`` and ``tests/zoo/RESULTS.md`` (the pinned transformers), or with ``--out newest`` to
 ``results-newest.json`` and ``RESULTS-newest.md`` (the newest transformers the ranges admit: ``make zoo-newest``); a run
-of some families (``--families``, ``--registry``) merges into the results already there. ``--decode dfss,drop``
-also checks each causal LM's decoding steps under those sparse policies against its full forward
-(:func:`tests.zoo.check.check`); name such a run's results with ``--out`` (``make zoo-decode``: ``--out decode``).
+of some families (``--families``, ``--registry``) merges into the results already there. ``--decode static,dfss,drop``
+also checks each causal LM's dense decoding into an initialised static cache against eager, and its decoding steps under
+those sparse policies against its full forward (:func:`tests.zoo.check.check`); name such a run's results with
+``--out`` (``make zoo-decode``: ``--out decode``).
 """
 
 from __future__ import annotations
@@ -117,6 +118,19 @@ def result_paths(out: str = ""):
     return os.path.join(HERE, f"results{suffix}.json"), os.path.join(HERE, f"RESULTS{suffix}.md")
 
 
+def _decode_words(checks) -> str:
+    out = ""
+    if "static" in checks:
+        out += (" Causal LMs generate with the dense compiled model into a static cache a forward already initialised "
+                "(the left-padded batch, and one row without `attention_mask`), each step's logits against eager's "
+                "(`wrong-generate` otherwise).")
+    pols = [p for p in checks if p != "static"]
+    if pols:
+        out += (" Causal LMs then generate under " + ", ".join(pols) + ", each step's logits checked against the "
+                "same compiled model's full forward (`wrong-decode` otherwise).")
+    return out
+
+
 def write_markdown(data, path=RESULTS_MD):
     fams = data["families"]
     regs = list(Z.REGISTRIES)
@@ -135,9 +149,7 @@ def write_markdown(data, path=RESULTS_MD):
              "", "Every family of transformers' causal-LM, masked-LM, seq2seq-LM and image-classification "
              "registries, built tiny from its default config with random weights, compiled with "
              "`attncomp.compile(model, policy=\"dense\")` and compared with eager (`tests/zoo/check.py` says "
-             "what each status means)." + (" Causal LMs then generate under " + ", ".join(data["decode"]) + ", each "
-             "step's logits checked against the same compiled model's full forward (`wrong-decode` otherwise)."
-             if data.get("decode") else ""), "",
+             "what each status means)." + _decode_words(data.get("decode") or []), "",
              "| registry | " + " | ".join(statuses) + " | total |",
              "| --- | " + " | ".join("---:" for _ in statuses) + " | ---: |"]
     for reg in regs + ["all"]:
@@ -169,17 +181,18 @@ def main(argv=None):
     ap.add_argument("--inductor", action="store_true", help="compile around the op with Inductor (slow on a CPU)")
     ap.add_argument("--train-every", type=int, default=20,
                     help="also check training gradients of every K-th family of the full list (0: none)")
-    ap.add_argument("--decode", default="", help="comma-separated sparse policies whose decoding steps each causal "
-                    "LM also checks against its full forward (dfss, hash, drop, spion)")
+    ap.add_argument("--decode", default="", help="comma-separated decoding checks of each causal LM: static (dense, "
+                    "into an initialised static cache, against eager), or sparse policies whose decoding steps are "
+                    "checked against the full forward (dfss, hash, drop, spion)")
     ap.add_argument("--out", default="", help="name the results: results-NAME.json and RESULTS-NAME.md (default: "
                     "results.json and RESULTS.md, the pinned transformers' sweep)")
     args = ap.parse_args(argv)
     results_json, results_md = result_paths(args.out)
-    from tests.zoo.check import DECODE_POLICIES
+    from tests.zoo.check import DECODE_CHECKS
 
     decode = tuple(p for p in args.decode.split(",") if p)
-    if set(decode) - set(DECODE_POLICIES):
-        ap.error(f"--decode takes policies among {', '.join(DECODE_POLICIES)}")
+    if set(decode) - set(DECODE_CHECKS):
+        ap.error(f"--decode takes checks among {', '.join(DECODE_CHECKS)}")
 
     regs = [r for r in args.registry.split(",") if r]
     bad = [r for r in regs if r not in Z.REGISTRIES]

@@ -1,7 +1,10 @@
 """The check of one family: build, run eager, count its attention calls, compile with
 ``policy="dense"``, compare outputs (and ``generate()`` for causal LMs, gradients where asked) with eager.
 
-With ``decode`` (causal LMs, after the dense checks pass): for each sparse policy named, the left-padded
+With ``decode`` (causal LMs, after the dense checks pass): ``static`` generates with the dense compiled model into a
+transformers ``StaticCache`` that a forward already initialised (as a second static-cache ``generate()`` or a user's
+own cache finds it), the left-padded batch and one row called without ``attention_mask``, each step's logits against
+eager's generate into the same kind of cache (``wrong-generate`` if not); for each sparse policy named, the left-padded
 ``generate()`` of the model compiled with it, each step's logits against the same compiled model's full forward
 over the sequence so far (a decoding step computes the last rows of the full forward: ``wrong-decode`` if not);
 not checked where the eager model's own steps differ from its full forward (the reason says so).
@@ -20,7 +23,7 @@ import os
 import sys
 import time
 import warnings
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 os.environ.setdefault("ATTNCOMP_INDUCTOR", "0")  # Inductor's compile dominates on a CPU; --inductor turns it on
 if "TRITON_INTERPRET" not in os.environ:
@@ -46,6 +49,8 @@ STATUSES = ("pass", "eager-fails", "no-attention", "compile-error", "wrong-outpu
             "wrong-grad", "crash", "timeout")
 #: ``--decode`` policies by name: the drop rates of ``tests/e2e/test_decode_policies.py``
 DECODE_POLICIES = ("dfss", "hash", "drop", "spion")
+#: what ``--decode`` takes: the policies, and ``static`` (dense decoding into an initialised static cache)
+DECODE_CHECKS = ("static",) + DECODE_POLICIES
 
 
 def first_line(e: BaseException, limit: int = 300) -> str:
@@ -135,6 +140,45 @@ def _generate(model, cfg):
     pad = x["input_ids"][1, 0].item()
     return model.generate(**x, max_new_tokens=5, min_new_tokens=5, do_sample=False, output_logits=True,
                           return_dict_in_generate=True, pad_token_id=pad)
+
+
+def _static_generate(model, init, cfg, x, pad: int):
+    """Greedy ``generate()`` of ``model`` from ``x`` into a transformers ``StaticCache`` that a forward of ``init``
+    (the eager model) filled and ``reset()`` emptied: its layers are initialised and their position counter is a
+    tensor the model reads into its mask (a fresh cache's is a constant 0)."""
+    from transformers import StaticCache
+
+    ids = x["input_ids"]
+    cache = StaticCache(config=cfg, max_cache_len=ids.shape[1] + 5)
+    init(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)
+    cache.reset()
+    return model.generate(**x, past_key_values=cache, max_new_tokens=5, min_new_tokens=5, do_sample=False,
+                          output_logits=True, return_dict_in_generate=True, pad_token_id=pad)
+
+
+def _static_check(model, fast, cfg) -> Tuple[Optional[str], str]:
+    """``(failure status or None, what it found)`` of the ``static`` decode check (module docstring)."""
+    x = _generate_inputs(cfg)
+    pad = int(x["input_ids"][1, 0])  # row 1's left padding (row 0 has none: its call gets no attention_mask)
+    worst = 0.0
+    for what, xi in (("left-padded batch", x), ("one row without attention_mask", dict(input_ids=x["input_ids"][:1]))):
+        try:
+            with torch.no_grad():
+                want = _static_generate(model, model, cfg, xi, pad)
+        except Exception as e:  # noqa: BLE001 (the family's own static cache: nothing of attncomp's to judge)
+            return None, "not checked: eager generate into a static cache fails: " + first_line(e)
+        try:
+            with torch.no_grad():
+                got = _static_generate(fast, model, cfg, xi, pad)
+        except Exception as e:  # noqa: BLE001
+            return "generate-error", f"static cache, {what}: " + first_line(e)
+        if not torch.equal(got.sequences, want.sequences):
+            return "wrong-generate", f"static cache, {what}: greedy tokens differ from eager's"
+        err = max(rel_err(a[r], b[r]) for a, b in zip(got.logits, want.logits) for r in range(a.shape[0]))
+        if err >= TOL:
+            return "wrong-generate", f"static cache, {what}: step logits differ from eager's by {err:.2g}"
+        worst = max(worst, err)
+    return None, f"static cache: steps within {worst:.1g} of eager's"
 
 
 def _traced_agrees(model, inputs, gots, wants) -> Optional[str]:
@@ -294,6 +338,11 @@ def check(registry: str, model_type: str, class_name: Optional[str] = None, trai
         # a decoding step under each sparse policy computes the last rows of the full forward, where the eager
         # model's own steps do (some decoders' generate feeds other inputs than a full forward: BERT as a
         # decoder, CPM-Ant)
+        if "static" in decode and want is not None:
+            status, det["static"] = _static_check(model, fast, cfg)
+            if status is not None:
+                return done(status, det["static"])
+        decode = tuple(p for p in decode if p != "static")
         base = _decode_error(model, cfg, want) if decode else 0.0
         if base >= TOL:
             det["decode"] = f"not checked: eager's own generate differs from its full forward by {base:.2g}"
@@ -345,6 +394,8 @@ def check(registry: str, model_type: str, class_name: Optional[str] = None, trai
     dec = [f"{p} {det[f'decode_{p}_err']:.1g}" for p in DECODE_POLICIES if f"decode_{p}_err" in det]
     dec_txt = f"; decoding steps vs full forward: {', '.join(dec)}" if dec else (
         f"; decoding steps {det['decode']}" if "decode" in det and det["decode"].startswith("not checked") else "")
+    if "static" in det:
+        dec_txt += f"; {det['static']}"
     return done("pass", f"{counts}; rel. err {err_txt}{dec_txt}")
 
 
@@ -376,8 +427,9 @@ def main(argv=None):
     ap.add_argument("model_type", nargs="?")
     ap.add_argument("out", nargs="?")
     ap.add_argument("--train", action="store_true")
-    ap.add_argument("--decode", default="", help=f"comma-separated sparse policies of {DECODE_POLICIES} whose "
-                                                 "decoding steps are checked against the full forward")
+    ap.add_argument("--decode", default="", help=f"comma-separated checks of {DECODE_CHECKS}: static (an initialised "
+                                                 "static cache), or sparse policies whose decoding steps are checked "
+                                                 "against the full forward")
     ap.add_argument("--serve", action="store_true", help="read tasks from stdin (the runner's workers)")
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")

@@ -92,3 +92,14 @@ def test_decode_steps_of_a_window_family(model_type, fresh_dynamo):
     res = check("causal-lm", model_type, decode=("dfss", "drop"))
     assert res["status"] == "pass", f"{model_type}: {res['status']}: {res['reason']}"
     assert res["details"]["decode_dfss_err"] < 1e-4 and res["details"]["decode_drop_err"] < 1e-4
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "llama"])
+def test_decode_into_an_initialised_static_cache(model_type, fresh_dynamo):
+    """The sweep's ``--decode static`` check: the dense compiled model generates into a static cache a forward already
+    initialised (a left-padded batch, and a row without ``attention_mask``, whose mask is built from the cache's
+    position counter) with eager's step logits."""
+    torch.manual_seed(0)
+    res = check("causal-lm", model_type, decode=("static",))
+    assert res["status"] == "pass", f"{model_type}: {res['status']}: {res['reason']}"
+    assert res["details"]["static"].startswith("static cache: steps within"), res["details"]["static"]
