@@ -156,6 +156,31 @@ def _static_generate(model, init, cfg, x, pad: int):
                           output_logits=True, return_dict_in_generate=True, pad_token_id=pad)
 
 
+def _static_traced(model, cfg, x) -> Optional[str]:
+    """Why dynamo's own trace (``torch.compile(model, backend="eager")``, no attncomp) of the prefill into an
+    initialised static cache is not eager's (it raises, or its logits differ), or ``None`` where it is."""
+    from transformers import StaticCache
+
+    def cache():
+        c = StaticCache(config=cfg, max_cache_len=x["input_ids"].shape[1] + 5)
+        model(input_ids=x["input_ids"][:, :1], past_key_values=c, use_cache=True)
+        c.reset()
+        return c
+
+    try:
+        torch._dynamo.reset()
+        with torch.no_grad():
+            want = model(**x, past_key_values=cache(), use_cache=True).logits
+            got = torch.compile(model, backend="eager")(**x, past_key_values=cache(), use_cache=True).logits
+    except Exception as e:  # noqa: BLE001
+        return "torch.compile(model, backend='eager') itself fails on the prefill: " + first_line(e)
+    finally:
+        torch._dynamo.reset()
+    err = rel_err(got, want)
+    return None if err < TOL else \
+        f"torch.compile(model, backend='eager') itself differs from eager on the prefill by {err:.2g}"
+
+
 def _static_check(model, fast, cfg) -> Tuple[Optional[str], str]:
     """``(failure status or None, what it found)`` of the ``static`` decode check (module docstring)."""
     x = _generate_inputs(cfg)
@@ -171,12 +196,16 @@ def _static_check(model, fast, cfg) -> Tuple[Optional[str], str]:
             with torch.no_grad():
                 got = _static_generate(fast, model, cfg, xi, pad)
         except Exception as e:  # noqa: BLE001
-            return "generate-error", f"static cache, {what}: " + first_line(e)
-        if not torch.equal(got.sequences, want.sequences):
-            return "wrong-generate", f"static cache, {what}: greedy tokens differ from eager's"
+            traced = _static_traced(model, cfg, xi)
+            return ("dynamo-differs", f"static cache, {what}: {traced}") if traced else \
+                ("generate-error", f"static cache, {what}: " + first_line(e))
         err = max(rel_err(a[r], b[r]) for a, b in zip(got.logits, want.logits) for r in range(a.shape[0]))
-        if err >= TOL:
-            return "wrong-generate", f"static cache, {what}: step logits differ from eager's by {err:.2g}"
+        if err >= TOL or not torch.equal(got.sequences, want.sequences):
+            traced = _static_traced(model, cfg, xi)
+            if traced:
+                return "dynamo-differs", f"static cache, {what}: {traced}"
+            return "wrong-generate", f"static cache, {what}: step logits differ from eager's by {err:.2g}" + (
+                "" if torch.equal(got.sequences, want.sequences) else " (greedy tokens differ)")
         worst = max(worst, err)
     return None, f"static cache: steps within {worst:.1g} of eager's"
 
