@@ -522,6 +522,31 @@ def test_positions_are_read_where_the_mask_read_them(start):
     assert int(c_got) == int(c_want) == start + 5
 
 
+class _BiasWhereAllowed(nn.Module):
+    def forward(self, q, k, v, allow, bias):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias.masked_fill(~allow, float("-inf")))
+
+
+def test_a_call_that_allows_nothing_compiles():
+    """The derivation's check on a first call whose mask allows no entry at all (GPT-Neo's local layers against a
+    static cache): no bias value to compare, the compile goes on (it raised on an empty ``amax``); a later call
+    that allows some entries equals eager on every row that has one."""
+    import attncomp
+
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(B, H, n, D, dtype=torch.float64, generator=g) for n in (6, 9, 9))
+    bias = torch.randn(B, 1, 6, 9, dtype=torch.float64, generator=g)
+    fast = attncomp.compile(_BiasWhereAllowed(), policy="dense")
+    with torch.no_grad():
+        out = fast(q, k, v, torch.zeros(B, 1, 6, 9, dtype=torch.bool), bias)
+        words = attncomp.report(fast).sites[0].details["mask"]
+        assert "additive bias" in words and not out.isnan().any(), words
+        allow = torch.rand(B, 1, 6, 9, generator=g) < 0.5
+        got, want = fast(q, k, v, allow, bias), _BiasWhereAllowed()(q, k, v, allow, bias)
+    rows = allow.any(-1).expand(B, H, 6)
+    torch.testing.assert_close(got[rows], want[rows], rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("family,words", [("llama", ["causal (bottom-right)", "padding"]),
                                           ("mistral", ["window(3, 0) bottom-right", "padding"])])
 def test_hf_kv_cache_offsets(family, words):
