@@ -135,43 +135,49 @@ def _generate_inputs(cfg):
     return dict(input_ids=ids, attention_mask=am)
 
 
+#: the greedy ``generate()`` of every generate check: 5 new tokens, per-step logits
+NEW_TOKENS = 5
+_GEN = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
+            return_dict_in_generate=True)
+
+
 def _generate(model, cfg):
     x = _generate_inputs(cfg)
-    pad = x["input_ids"][1, 0].item()
-    return model.generate(**x, max_new_tokens=5, min_new_tokens=5, do_sample=False, output_logits=True,
-                          return_dict_in_generate=True, pad_token_id=pad)
+    return model.generate(**x, **_GEN, pad_token_id=x["input_ids"][1, 0].item())
+
+
+def _steps_err(got, want) -> float:
+    """The worst relative difference of two generates' per-step logits, over steps and batch rows."""
+    return max(rel_err(a[r], b[r]) for a, b in zip(got.logits, want.logits) for r in range(a.shape[0]))
+
+
+def _initialised_cache(init, cfg, ids):
+    """A transformers ``StaticCache`` long enough for ``ids`` and the new tokens, that a forward of ``init`` (the
+    eager model) filled and ``reset()`` emptied: its layers are initialised and their position counter is a tensor
+    the model reads into its mask (a fresh cache's is a constant 0)."""
+    from transformers import StaticCache
+
+    cache = StaticCache(config=cfg, max_cache_len=ids.shape[1] + NEW_TOKENS)
+    init(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)
+    cache.reset()
+    return cache
 
 
 def _static_generate(model, init, cfg, x, pad: int):
-    """Greedy ``generate()`` of ``model`` from ``x`` into a transformers ``StaticCache`` that a forward of ``init``
-    (the eager model) filled and ``reset()`` emptied: its layers are initialised and their position counter is a
-    tensor the model reads into its mask (a fresh cache's is a constant 0)."""
-    from transformers import StaticCache
-
-    ids = x["input_ids"]
-    cache = StaticCache(config=cfg, max_cache_len=ids.shape[1] + 5)
-    init(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)
-    cache.reset()
-    return model.generate(**x, past_key_values=cache, max_new_tokens=5, min_new_tokens=5, do_sample=False,
-                          output_logits=True, return_dict_in_generate=True, pad_token_id=pad)
+    """Greedy ``generate()`` of ``model`` from ``x`` into :func:`_initialised_cache`."""
+    return model.generate(**x, past_key_values=_initialised_cache(init, cfg, x["input_ids"]), **_GEN, pad_token_id=pad)
 
 
 def _static_traced(model, cfg, x) -> Optional[str]:
     """Why dynamo's own trace (``torch.compile(model, backend="eager")``, no attncomp) of the prefill into an
     initialised static cache is not eager's (it raises, or its logits differ), or ``None`` where it is."""
-    from transformers import StaticCache
-
-    def cache():
-        c = StaticCache(config=cfg, max_cache_len=x["input_ids"].shape[1] + 5)
-        model(input_ids=x["input_ids"][:, :1], past_key_values=c, use_cache=True)
-        c.reset()
-        return c
-
     try:
         torch._dynamo.reset()
         with torch.no_grad():
-            want = model(**x, past_key_values=cache(), use_cache=True).logits
-            got = torch.compile(model, backend="eager")(**x, past_key_values=cache(), use_cache=True).logits
+            kw = dict(x, use_cache=True)
+            want = model(**kw, past_key_values=_initialised_cache(model, cfg, x["input_ids"])).logits
+            got = torch.compile(model, backend="eager")(
+                **kw, past_key_values=_initialised_cache(model, cfg, x["input_ids"])).logits
     except Exception as e:  # noqa: BLE001
         return "torch.compile(model, backend='eager') itself fails on the prefill: " + first_line(e)
     finally:
@@ -193,9 +199,7 @@ def _static_check(model, fast, cfg) -> Tuple[Optional[str], str]:
         except Exception as e:  # noqa: BLE001 (the family's own static cache: nothing of attncomp's to judge)
             return None, "not checked: eager generate into a static cache fails: " + first_line(e)
         with torch.no_grad():  # eager's own static-cache steps against its dynamic-cache ones
-            dyn = model.generate(**xi, max_new_tokens=5, min_new_tokens=5, do_sample=False, output_logits=True,
-                                 return_dict_in_generate=True, pad_token_id=pad)
-        base = max(rel_err(a[r], b[r]) for a, b in zip(want.logits, dyn.logits) for r in range(a.shape[0]))
+            base = _steps_err(want, model.generate(**xi, **_GEN, pad_token_id=pad))
         if base >= TOL:
             return None, (f"not checked: eager's generate into a static cache differs from its generate with a dynamic "
                           f"cache by {base:.2g} ({what})")
@@ -206,7 +210,7 @@ def _static_check(model, fast, cfg) -> Tuple[Optional[str], str]:
             traced = _static_traced(model, cfg, xi)
             return ("dynamo-differs", f"static cache, {what}: {traced}") if traced else \
                 ("generate-error", f"static cache, {what}: " + first_line(e))
-        err = max(rel_err(a[r], b[r]) for a, b in zip(got.logits, want.logits) for r in range(a.shape[0]))
+        err = _steps_err(got, want)
         if err >= TOL or not torch.equal(got.sequences, want.sequences):
             traced = _static_traced(model, cfg, xi)
             if traced:
