@@ -27,7 +27,8 @@ from .passes.capture import CaptureError, capture, fix_dynamo_bound_methods, spl
 from .passes.inline_sdpa import enabled as inline_sdpa_enabled, inline_sdpa
 from .passes.node_info import MODULE_PATHS, module_paths
 from .passes.pipeline import run_passes
-from .policy import Policy, get_policy
+from .kvcache import keep_key_buckets
+from .policy import Hash, Policy, get_policy
 from .runtime import env
 from .runtime.dispatch import MEASURING_MODES
 from .spec import BACKENDS
@@ -126,6 +127,10 @@ STORM = 8
 def _inductor_default() -> bool:
     """Inductor compiles everything around the op unless ``ATTNCOMP_INDUCTOR=0``."""
     return env.flag("ATTNCOMP_INDUCTOR", True)
+
+
+#: site details that may differ between a site's graphs and are listed from all of them
+_PER_GRAPH_DETAILS = ("buckets",)
 
 
 class _GraphCompiler:
@@ -241,6 +246,10 @@ class _GraphCompiler:
                     ctx.sites.append(site)
                     continue
                 first.details["graphs"] = first.details.get("graphs", []) + [i]
+                for k in _PER_GRAPH_DETAILS:  # details a graph's calls decide (a prefill's and a step's differ)
+                    mine = site.details.get(k)
+                    if mine and mine not in first.details.get(k, ""):
+                        first.details[k] = f"{first.details[k]}; {mine}" if first.details.get(k) else mine
                 if (site.spec, site.rewritten, site.reason) != (first.spec, first.rewritten, first.reason):
                     variants = first.details.setdefault("variants", [])
                     v = site.spec if site.rewritten else f"not rewritten: {site.reason}"
@@ -473,6 +482,8 @@ class CompiledModule(nn.Module):
             return st.forward_fn(self)(*args, **kwargs)
         if st.reads_key_index:
             st.full_windows(kwargs.get("past_key_values"))
+        if st.keeps_buckets:
+            st.key_buckets(kwargs.get("past_key_values"))
         try:
             if st.capture == "dynamo":
                 return st.run_dynamo(self, args, kwargs)
@@ -606,6 +617,9 @@ class _State:
         #: checked for sliding-window layers (a weak reference: the decode steps that follow pass it again)
         self.reads_key_index = policy.reads_key_index()
         self.window_cache = None
+        #: whether KV caches keep their keys' hash buckets (:mod:`attncomp.kvcache`), and the latest cache made so
+        self.keeps_buckets = isinstance(policy, Hash)
+        self.bucket_cache = None
 
     def full_windows(self, cache) -> None:
         """:func:`_full_window_layers` on a KV cache the compiled module meets for the first time; the report
@@ -621,6 +635,25 @@ class _State:
             note = (f"KV cache: sliding-window layers keep every key under policy {self.policy.name!r}, whose keep "
                     f"rule reads key positions (a window cache drops the keys before the window and shifts them); "
                     f"the model's mask still limits each query to its window")
+            if note not in self.notes:
+                self.notes.append(note)
+
+    def key_buckets(self, cache) -> None:
+        """:func:`attncomp.kvcache.keep_key_buckets` on a KV cache the compiled module meets for the first time; the
+        report notes which layers keep their keys' buckets and which do not."""
+        if cache is None or (self.bucket_cache is not None and self.bucket_cache() is cache):
+            return
+        kept, left = keep_key_buckets(cache, self.policy)
+        self.bucket_cache = _weak(cache)
+        if kept:
+            note = ("KV cache: its layers keep each key's hash bucket, computed once when the key is appended; a "
+                    "decoding step reads the buckets and only the keys in its queries' buckets")
+            if note not in self.notes:
+                self.notes.append(note)
+        if left:
+            kinds = sorted({k for _, k in left})
+            note = (f"KV cache: layers of kind {', '.join(kinds)} keep no buckets: their sites derive the buckets of "
+                    f"every cached key at each step")
             if note not in self.notes:
                 self.notes.append(note)
 

@@ -54,11 +54,12 @@ from torch import Tensor
 # may keep importing them from here
 from .opspec import (ARG_INDEX, MOD_NAMES, PRED_NAMES, bounded_put, bucket_range, call_signature, half_given_aux,
                      laid_out, lse_dtype, mark_buckets, output_like, output_strides, parsed, resolved, tensor_sig)
-from .policy import Drop, Hash, SPION, ceil_div, keep_mask, lsh_buckets, seed_mix
+from .policy import Drop, Hash, SPION, ceil_div, keep_mask, lsh_buckets, lsh_side, seed_mix
 from .spec import AttentionSpec, Modifiers, Predicates
 
 __all__ = ["attention", "check_inputs", "check_predicates", "materialize_aux", "bucket_range", "site_dropout",
-           "next_seed", "training_mode", "ARG_INDEX", "PRED_NAMES", "MOD_NAMES", "check_modifiers", "output_strides"]
+           "next_seed", "training_mode", "ARG_INDEX", "PRED_NAMES", "MOD_NAMES", "check_modifiers", "output_strides",
+           "lsh"]
 
 log = logging.getLogger(__name__)
 
@@ -384,6 +385,23 @@ def _attention_impl(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor]
                 key = _call_key(spec, q, k, v, attn_mask, q_valid, k_valid, dropout_p, seed, q_aux, k_aux)
             bounded_put(_CALLS, key, plan, _MAX_CALLS)
     return out, lse
+
+
+# -- LSH buckets of one side, as an op ----------------------------------------------------------------------
+def _lsh_impl(x: Tensor, kv_heads: int, n_buckets: int, seed: int) -> Tensor:
+    with torch.no_grad():
+        return lsh_side(x.detach(), kv_heads, n_buckets, seed)
+
+
+#: ``hash``'s buckets of one side's vectors (:func:`attncomp.policy.lsh_side`) as one node of a graph: a KV cache
+#: that keeps its keys' buckets (:mod:`attncomp.kvcache`) computes those of the keys it appends with it, and
+#: :mod:`attncomp.passes.sparsify` recognises it there
+lsh = torch.library.custom_op("attncomp::lsh", mutates_args=())(_lsh_impl)
+
+
+@lsh.register_fake
+def _(x, kv_heads, n_buckets, seed):
+    return x.new_empty(x.shape[:3], dtype=torch.int32)
 
 
 _attention_op = torch.library.custom_op("attncomp::attention", mutates_args=())(_attention_impl)

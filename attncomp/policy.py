@@ -31,6 +31,7 @@ __all__ = [
     "get_policy",
     "uniform_hash",
     "lsh_buckets",
+    "lsh_side",
     "keep_mask",
 ]
 
@@ -332,20 +333,24 @@ def _rotation(head_dim: int, n_buckets: int, n_heads: int, seed: int, device, dt
     return r.to(device=device, dtype=dtype)
 
 
+def lsh_side(x: torch.Tensor, kv_heads: int, n_buckets: int, seed: int) -> torch.Tensor:
+    """Angular LSH buckets of one side's vectors ``x`` ``(B, H, N, D)``: ``argmax([xR, -xR])`` of the
+    L2-normalised vectors, with the rotation ``R`` of the KV head each of the ``H`` heads belongs to (``H //
+    kv_heads`` heads per KV head). A vector's bucket depends on the vector alone. Returns int32 ``(B, H, N)``."""
+    H, D = x.shape[1], x.shape[-1]
+    ct = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+    rot = _rotation(D, n_buckets, kv_heads, seed, x.device, ct)
+    if H != kv_heads:
+        rot = rot.repeat_interleave(H // kv_heads, dim=0)
+    xr = torch.einsum("bhnd,hdc->bhnc", torch.nn.functional.normalize(x.to(ct), dim=-1), rot)
+    return torch.cat([xr, -xr], dim=-1).argmax(dim=-1).to(torch.int32)
+
+
 def lsh_buckets(q: torch.Tensor, k: torch.Tensor, n_buckets: int, seed: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Angular LSH buckets: ``argmax([xR, -xR])`` of L2-normalised vectors, one rotation ``R`` per
-    KV head shared by the queries of its group and its keys. Returns int32 ``(B, Hq, Nq)`` and
-    ``(B, Hk, Nk)``."""
-    Hq, Hk, D = q.shape[1], k.shape[1], q.shape[-1]
-    ct = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
-    R = _rotation(D, n_buckets, Hk, seed, q.device, ct)
-
-    def code(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
-        x = torch.nn.functional.normalize(x.to(ct), dim=-1)
-        xr = torch.einsum("bhnd,hdc->bhnc", x, rot)
-        return torch.cat([xr, -xr], dim=-1).argmax(dim=-1).to(torch.int32)
-
-    return code(q, R.repeat_interleave(Hq // Hk, dim=0)), code(k, R)
+    """Angular LSH buckets (:func:`lsh_side`): one rotation per KV head shared by the queries of its group and
+    its keys. Returns int32 ``(B, Hq, Nq)`` and ``(B, Hk, Nk)``."""
+    Hk = k.shape[1]
+    return lsh_side(q, Hk, n_buckets, seed), lsh_side(k, Hk, n_buckets, seed)
 
 
 def ceil_div(a: int, b: int) -> int:

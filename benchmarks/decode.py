@@ -5,7 +5,8 @@ A step of ``Nq`` queries (default 1) of ``B`` sequences, ``Hq`` query heads over
 (``table: "decode"``), per ``B`` x ``Nk`` x policy:
 
 * ``ms``: the op's route for the call (``attncomp.codegen.triton.backend.attention_forward``: the decode kernels of
-  :mod:`attncomp.codegen.triton.decode`; ``hash``, the template's sorted layout), median of
+  :mod:`attncomp.codegen.triton.decode`; ``hash``, the template's sorted layout; ``hash-cache``, hash with its buckets
+  given as a KV cache keeps them, the decode kernels, ``keys_read``: the share of the keys they read), median of
   ``triton.testing.do_bench``;
 * ``sdpa_ms``: ``torch.nn.functional.scaled_dot_product_attention(..., enable_gqa=True)`` on the same tensors
   (dense rows; the kernel PyTorch picks);
@@ -21,7 +22,7 @@ A step of ``Nq`` queries (default 1) of ``B`` sequences, ``Hq`` query heads over
 on the dense rows of the longest cache (``table: "configs"``). Results go to ``benchmarks/results/decode_<device>.json`` (``$OUT`` too);
 a table is printed last. ``--smoke``: the CPU under Triton's interpreter, tiny shapes, checks only.
 
-    python -m attncomp bench decode                       # B 1,8,32 x Nk 16384,32768 x dense,hash,drop,dfss
+    python -m attncomp bench decode                       # B 1,8,32 x Nk 16384,32768 x dense,hash,hash-cache,drop,dfss
     python -m attncomp bench decode --B 8 --nk 32768 --policies dense --sweep
 """
 
@@ -46,7 +47,7 @@ def parse_args(argv=None):
     ap.add_argument("--B", type=csv_list(int), default=[1, 8, 32])
     ap.add_argument("--nk", type=csv_list(int), default=[16384, 32768])
     ap.add_argument("--nq", type=int, default=1)
-    ap.add_argument("--policies", type=csv_list(str), default=["dense", "hash", "drop", "dfss"])
+    ap.add_argument("--policies", type=csv_list(str), default=["dense", "hash", "hash-cache", "drop", "dfss"])
     ap.add_argument("--hq", type=int, default=32)
     ap.add_argument("--hk", type=int, default=8)
     ap.add_argument("--d", type=int, default=128)
@@ -90,13 +91,14 @@ def copy_gbps(device) -> float:
 
 def _spec_and_aux(policy: str, q, k):
     """``(spec, (q_aux, k_aux) for the reference)``: the op derives hash buckets and drop draws itself (no aux
-    given); the reference gets the same tensors from the layout kernels and the op."""
+    given); the reference gets the same tensors from the layout kernels and the op. ``hash-cache``: hash with its
+    buckets given, as a KV cache that keeps its keys' buckets gives them (the same tensors go to the op)."""
     from attncomp.codegen.triton.layout import derive_layout
     from attncomp.ops import materialize_aux
     from attncomp.policy import get_policy
     from attncomp.spec import AttentionSpec
 
-    pol = get_policy(policy).resolved(q.dtype)
+    pol = get_policy(policy.replace("-cache", "")).resolved(q.dtype)
     spec = AttentionSpec(causal=True, causal_align="bottom_right", dtype=str(q.dtype).replace("torch.", ""),
                          policy=pol)
     ref_aux = (None, None)
@@ -105,6 +107,8 @@ def _spec_and_aux(policy: str, q, k):
         ref_aux = (lay.q_groups, lay.k_groups)
     elif policy == "drop":
         ref_aux = materialize_aux(spec, q, k, seed=0)
+    elif policy == "hash-cache":
+        ref_aux = materialize_aux(spec, q, k)
     return spec, ref_aux
 
 
@@ -121,18 +125,23 @@ def run_row(B: int, Nk: int, policy: str, a, copy_bw: Optional[float], sweep: bo
     k = torch.randn(B, a.hk, Nk, a.d, generator=g).to(dev, dtype)
     v = torch.randn(B, a.hk, Nk, a.d, generator=g).to(dev, dtype)
     spec, ref_aux = _spec_and_aux(policy, q, k)
-    out, _ = TB.attention_forward(spec, q, k, v)
+    given = dict(q_aux=ref_aux[0], k_aux=ref_aux[1]) if policy == "hash-cache" else {}
+    out, _ = TB.attention_forward(spec, q, k, v, **given)
     ref, _ = R.attention(q.float(), k.float(), v.float(), None, spec=spec, q_aux=ref_aux[0], k_aux=ref_aux[1])
     err = float((out.float() - ref).abs().max())
     row = dict(table="decode", B=B, Nq=a.nq, Nk=Nk, Hq=a.hq, Hk=a.hk, D=a.d, dtype=str(dtype).replace("torch.", ""),
                policy=policy, max_err=err, ms=None, graph_ms=None, sdpa_ms=None, sdpa_graph_ms=None, template_ms=None,
                kv_gbps=None, kv_bandwidth_frac=None)
+    if given:  # the share of the cached keys a step reads: those in the bucket of some query row of their group
+        qa, ka = ref_aux
+        grp = qa.reshape(B, a.hk, -1)
+        row["keys_read"] = float((ka[..., :, None] == grp[..., None, :]).any(-1).float().mean())
     rows = [row]
     if a.smoke:
         return rows
     kv_bytes = 2 * k.numel() * k.element_size()
-    row["ms"] = _bench(lambda: TB.attention_forward(spec, q, k, v))
-    row["graph_ms"] = gms = _bench_graph(lambda: TB.attention_forward(spec, q, k, v))
+    row["ms"] = _bench(lambda: TB.attention_forward(spec, q, k, v, **given))
+    row["graph_ms"] = gms = _bench_graph(lambda: TB.attention_forward(spec, q, k, v, **given))
     if gms:
         row["kv_gbps"] = kv_bytes / (gms * 1e-3) / 1e9
         row["kv_bandwidth_frac"] = row["kv_gbps"] / copy_bw if copy_bw else None
@@ -140,7 +149,8 @@ def run_row(B: int, Nk: int, policy: str, a, copy_bw: Optional[float], sweep: bo
         f = torch.nn.functional.scaled_dot_product_attention
         row["sdpa_ms"] = _bench(lambda: f(q, k, v, enable_gqa=True))
         row["sdpa_graph_ms"] = _bench_graph(lambda: f(q, k, v, enable_gqa=True))
-    row["template_ms"] = _bench(lambda: TB._forward(spec, q, k, v, None, 0.0, 0, None, None, None, None, None, None))
+    row["template_ms"] = _bench(lambda: TB._forward(spec, q, k, v, None, 0.0, 0, None, given.get("q_aux"),
+                                                    given.get("k_aux"), None, None, None))
     if sweep and policy == "dense" and Nk == max(a.nk):
         site = TB.Site(spec, q, k, v, None, 0.0, 0, None, unsorted=True)
         o = TB._out_empty(q, site.Dv)
@@ -207,7 +217,8 @@ def table(doc) -> str:
     for r in doc["rows"]:
         if r.get("table") != "decode":
             continue
-        out.append(f"| {r['B']} | {r['Nk']} | {r['policy']} | {f(r.get('ms'))} | {f(r.get('graph_ms'))} | "
+        pol = r["policy"] + (f" (reads {r['keys_read']:.2f})" if r.get("keys_read") is not None else "")
+        out.append(f"| {r['B']} | {r['Nk']} | {pol} | {f(r.get('ms'))} | {f(r.get('graph_ms'))} | "
                    f"{f(r.get('sdpa_ms'))} | {f(r.get('sdpa_graph_ms'))} | "
                    f"{f(r.get('template_ms'))} | {f(r.get('kv_gbps'))} | {f(r.get('kv_bandwidth_frac'), 2)} | "
                    f"{f(r.get('max_err'), 2)} |" + (f" {r['error']}" if r.get("error") else ""))

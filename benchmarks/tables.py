@@ -249,8 +249,9 @@ def generate(doc) -> Optional[str]:
 
 def decode(doc) -> Optional[str]:
     """Per B and cache length: the decode kernels' device time (CUDA-graph replay) with its KV read as a fraction
-    of the copy bandwidth, per policy, SDPA's device time (dense), and ``hash``'s call through the template's
-    sorted layout (which its decoding steps take)."""
+    of the copy bandwidth, per policy, SDPA's device time (dense), ``hash``'s call through the template's
+    sorted layout (its steps with derived buckets), and ``hash`` with the buckets a KV cache keeps (the decode kernels:
+    device time, the share of the keys read, and dense's time over it)."""
     rows = [r for r in (doc.get("rows", []) if doc else []) if r.get("table") == "decode" and r.get("ms")]
     if not rows:
         return None
@@ -264,11 +265,16 @@ def decode(doc) -> Optional[str]:
 
     out = []
     for (B, nk), p in sorted(by.items()):
-        d, h = p.get("dense"), p.get("hash")
+        d, h, hc = p.get("dense"), p.get("hash"), p.get("hash-cache")
+        cached = "-"
+        if hc is not None and hc.get("graph_ms"):
+            cached = f"{hc['graph_ms']:.3f} (reads {_f(hc.get('keys_read'))})"
+            if d is not None and d.get("graph_ms"):
+                cached += f", {d['graph_ms'] / hc['graph_ms']:.2f}x dense"
         out.append([str(B), str(nk), cell(d), _f(d and d.get("sdpa_graph_ms"), 3), cell(p.get("dfss")),
-                    cell(p.get("drop")), _f(h and h.get("template_ms"), 3)])
-    return _md(["B", "keys", "dense ms (x bw)", "SDPA ms", "dfss ms (x bw)", "drop ms (x bw)", "hash ms (template)"],
-               out)
+                    cell(p.get("drop")), _f(h and h.get("template_ms"), 3), cached])
+    return _md(["B", "keys", "dense ms (x bw)", "SDPA ms", "dfss ms (x bw)", "drop ms (x bw)", "hash ms (template)",
+                "hash, cache's buckets ms"], out)
 
 
 # ---------------------------------------------------------------------------------------------- distributed

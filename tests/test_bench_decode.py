@@ -24,7 +24,8 @@ def test_decode_smoke(tmp_path):
     doc = json.loads(out.read_text())
     assert doc["benchmark"] == "decode" and doc["device"] == "cpu" and doc["smoke"] is True
     rows = doc["rows"]
-    assert {(x["B"], x["policy"]) for x in rows} == {(b, p) for b in (1, 2) for p in ("dense", "hash", "drop", "dfss")}
+    policies = ("dense", "hash", "hash-cache", "drop", "dfss")
+    assert {(x["B"], x["policy"]) for x in rows} == {(b, p) for b in (1, 2) for p in policies}
     for x in rows:
         assert x["table"] == "decode" and x.get("error") is None, x
         assert x["max_err"] < 1e-4, x

@@ -55,7 +55,7 @@ def steps_vs_full_forward(model, gen, ids: torch.Tensor, am: torch.Tensor) -> fl
     worst = 0.0
     with torch.no_grad():
         for t, step in enumerate(gen.logits):
-            m = torch.cat([am, torch.ones(am.shape[0], t, dtype=am.dtype)], 1)
+            m = torch.cat([am, torch.ones(am.shape[0], t, dtype=am.dtype, device=am.device)], 1)
             kw = dict(input_ids=gen.sequences[:, :ids.shape[1] + t], attention_mask=m, use_cache=False)
             if takes_pos:
                 kw["position_ids"] = (m.cumsum(-1) - 1).clamp(min=0)

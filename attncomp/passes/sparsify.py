@@ -60,6 +60,8 @@ def sparsify(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
             _spion_record_node(gm, n, args, args[A["block_pattern"]].args[-3])
             n_spion += 1
         derived = isinstance(pol, Hash) and n.args[A["q_aux"]] is None
+        cached = derived and _buckets_from_cache(gm, n, args, pol)
+        derived = derived and not cached
         drawn = isinstance(pol, Drop) and n.args[A["q_aux"]] is None and n.args[A["k_aux"]] is None
         old_seed = args[A["seed"]]
         if drawn:
@@ -77,7 +79,9 @@ def sparsify(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
             rep.spec = spec.replace(policy=new_pol).describe()
             if pol.name not in ("dense",):
                 rep.rewrites.append(f"policy {new_pol.describe()}")
-            if derived:
+            if cached:
+                rep.details["buckets"] = _CACHED
+            if derived and rep.details.get("buckets") != _CACHED:
                 rep.details["buckets"] = ("derived inside the op from q and k (LSH, fixed seed), forward and "
                                           "backward: fused with the sort in the Triton kernels, "
                                           "attncomp.ops.materialize_aux on other backends")
@@ -91,6 +95,75 @@ def sparsify(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
         ctx.count("sparsify", pol.name)
         modified = True
     return PassResult(gm, modified)
+
+
+#: the report's words for a site whose decoding steps take the buckets a KV cache keeps
+_CACHED = ("decoding steps: the keys' kept in the KV cache, each computed once when its key was appended "
+           "(attncomp::lsh in the cache's update), the queries' by attncomp::lsh before the op; calls of more than "
+           "16 queries (a prefill) derive them inside the op")
+#: queries per call at most of a call given a KV cache's buckets (the decode kernels' limit)
+_DECODE_QUERIES = 16
+
+
+def _buckets_from_cache(gm: fx.GraphModule, n: fx.Node, args: list, pol: Hash) -> bool:
+    """Give a ``hash`` site the buckets that a KV cache layer keeps for its keys (:mod:`attncomp.kvcache`), and its
+    queries' from an ``attncomp::lsh`` node; returns whether it did. The site's keys must be the layer's keys as
+    the layer's ``update`` returns them, and its buckets must be written from the same appended keys in the same
+    way: a dynamic layer concatenates both (``cat([keys, new], -2)``, ``cat([buckets, lsh(new)], -1)``), a static
+    one copies both in place along the sequence (``keys.index_copy_(2, pos, new)``,
+    ``buckets.index_copy_(2, pos, lsh(new))``, before the site). Anything else (keys repeated for GQA, sliced,
+    converted; another policy's buckets) derives them in the op as before, and so do calls that may have more than
+    :data:`_DECODE_QUERIES` queries (a prefill: its queries see about all of the keys, and the op's own derivation
+    sorts them by bucket in one pass)."""
+    A = ops.ARG_INDEX
+    k = args[1]
+    kv = getattr(k, "meta", {}).get("val") if isinstance(k, fx.Node) else None
+    qv = getattr(args[0], "meta", {}).get("val") if isinstance(args[0], fx.Node) else None
+    if not isinstance(kv, torch.Tensor) or kv.dim() != 4 or not isinstance(kv.shape[1], int):
+        return False
+    if not isinstance(qv, torch.Tensor) or not isinstance(qv.shape[2], int) or qv.shape[2] > _DECODE_QUERIES:
+        return False
+    lsh_args = (kv.shape[1], pol.n_buckets, pol.seed)
+    order = {u: i for i, u in enumerate(gm.graph.nodes)}
+
+    def lsh_of(new):
+        return [u for u in new.users if u.op == "call_function" and u.target in _LSH and tuple(u.args[1:4]) == lsh_args]
+
+    kb = None
+    if k.op == "call_function" and k.target is torch.cat and _cat_dim(k) in (-2, 2) and len(k.args[0]) == 2:
+        new = k.args[0][1]
+        for b in (x for u in lsh_of(new) for x in u.users):
+            if (b.op == "call_function" and b.target is torch.cat and _cat_dim(b) in (-1, 2)
+                    and len(b.args[0]) == 2 and b.args[0][1] in lsh_of(new)):
+                kb = b
+    else:
+        for w in k.users:
+            if not (_copies_along_sequence(w) and w.args[0] is k and order[w] < order[n]):
+                continue
+            for b in (x for u in lsh_of(w.args[3]) for x in u.users):
+                if _copies_along_sequence(b) and b.args[3].target in _LSH and order[b] < order[n]:
+                    kb = b.args[0]
+    bv = getattr(kb, "meta", {}).get("val") if kb is not None else None
+    if not isinstance(bv, torch.Tensor) or bv.dtype != torch.int32 or tuple(bv.shape) != tuple(kv.shape[:3]):
+        return False
+    with gm.graph.inserting_before(n):
+        qb = gm.graph.call_function(torch.ops.attncomp.lsh.default, (args[0],) + lsh_args)
+    qb.meta["val"] = qv.new_empty(qv.shape[:3], dtype=torch.int32)
+    args[A["q_aux"]], args[A["k_aux"]] = qb, kb
+    return True
+
+
+_LSH = (torch.ops.attncomp.lsh.default, torch.ops.attncomp.lsh)
+
+
+def _cat_dim(node: fx.Node):
+    return node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0)
+
+
+def _copies_along_sequence(node: fx.Node) -> bool:
+    """``x.index_copy_(2, pos, src)`` (a static cache layer's write)."""
+    return (node.op == "call_method" and node.target == "index_copy_" and len(node.args) == 4
+            and node.args[1] in (2, -2) and isinstance(node.args[3], fx.Node))
 
 
 def _exclude_lowest(gm: fx.GraphModule, n: fx.Node, args: list, pol) -> str:

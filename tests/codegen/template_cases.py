@@ -106,6 +106,31 @@ CASES = [
 ]
 
 
+def given_buckets_case(g, B, Hq, Hk, Nq, Nk, D, dtype, preds, n_buckets=4, exclude_self=False, device="cpu"):
+    """A decoding step of ``hash`` with its buckets given (as a KV cache keeps them): ``(spec, q, k, v, preds, q_aux,
+    k_aux, ro, rl)`` with the float64 reference ``ro``/``rl``, and the K and V rows of every key outside the buckets
+    of its KV head's group's query rows made NaN after the reference ran (a kernel that reads one gets NaN through
+    ``0 * NaN``)."""
+    from attncomp.codegen import reference as R
+    from attncomp.ops import materialize_aux
+    from attncomp.spec import AttentionSpec
+
+    q, k, v = (t.to(device) for t in make_qkv("hash", g, B, Hq, Hk, Nq, Nk, D, dtype))
+    fields, pr = make_preds(preds, g, B, Nq, Nk)
+    if pr is not None:
+        pr = Predicates(*(None if t is None else t.to(device) for t in pr))
+    spec = AttentionSpec(dtype=str(dtype).replace("torch.", ""),
+                         policy=Hash(n_buckets=n_buckets, exclude_self=exclude_self), **fields)
+    qa, ka = materialize_aux(spec, q, k)
+    ro, rl = R.attention(q.double(), k.double(), v.double(), None, spec=spec, q_aux=qa, k_aux=ka, preds=pr)
+    rows = qa.view(B, Hk, Hq // Hk * Nq)  # the bucket of every query row of a KV head's group
+    wanted = (ka[..., :, None] == rows[..., None, :]).any(-1)
+    assert 0 < int(wanted.sum()) < wanted.numel()
+    unread = ~wanted[..., None].expand_as(k)
+    k, v = k.masked_fill(unread, float("nan")), v.masked_fill(unread, float("nan"))
+    return spec, q, k, v, pr, qa, ka, ro, rl
+
+
 def close(name, a, b, tol, grad=False):
     """``a`` equals ``b`` within ``tol = (atol, rtol)``, ``atol`` scaled by ``b``'s largest
     magnitude for gradients (sums of many rounded products); never NaN."""

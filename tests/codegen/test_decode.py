@@ -1,7 +1,8 @@
 """The split-KV decode kernels (:mod:`attncomp.codegen.triton.decode`) under Triton's interpreter.
 
 Decoding steps (1 to 16 queries, fewer than the keys) of every policy they run (dense, dfss, drop with its keep
-masks given or drawn in the kernel, spion; hash decodes through the template's sorted layout) with the §4.1 predicates (causal bottom-right, a window
+masks given or drawn in the kernel, spion; hash with its buckets given, as a KV cache keeps them: derived
+buckets decode through the template's sorted layout) with the §4.1 predicates (causal bottom-right, a window
 on position vectors, segments, padding), residual masks, score modifiers, GQA groups packed into one tile of
 rows, odd key counts and split counts from one to one per key tile: ``out`` and ``lse`` against the float64
 reference, every buffer poisoned (NaN) before the kernels write it. Then: the template's backward from the
@@ -26,7 +27,7 @@ from attncomp.codegen.triton import decode as DEC  # noqa: E402
 from attncomp.ops import materialize_aux  # noqa: E402
 from attncomp.policy import Drop, Hash  # noqa: E402
 from attncomp.spec import AttentionSpec, dtype_name  # noqa: E402
-from tests.codegen.template_cases import close, make_preds, make_qkv  # noqa: E402
+from tests.codegen.template_cases import close, given_buckets_case, make_preds, make_qkv  # noqa: E402
 from tests.codegen.test_template_modifiers import _f64, draw_case  # noqa: E402
 from tests.utils import TOL, fresh_seed, poisoned_empty  # noqa: E402
 
@@ -125,6 +126,22 @@ def test_drawn_keep_bits(given):
         _decode(spec.replace(policy=Hash()), q, k, v, None, None, None, None, None, None, seed, 3)
 
 
+@pytest.mark.parametrize("nq,exclude_self,preds", [(1, False, ("bottom_right",)), (3, True, ("bottom_right", "k_valid")),
+                                                   (2, False, ("window",))], ids=["one-query", "exclude-self", "window"])
+def test_given_buckets_read_only_their_keys(nq, exclude_self, preds):
+    """hash with its buckets given (a KV cache's, :mod:`attncomp.kvcache`): the decode kernels keep a key where its
+    bucket is the query row's, as the reference does, and read the K and V rows of only the keys in the bucket of
+    some query row of their KV head's group: the others are NaN here (a read would put NaN in the output through
+    ``0 * NaN``). LSH buckets of the vectors, 4 buckets, GQA groups of 2, several splits."""
+    g = torch.Generator().manual_seed(fresh_seed())
+    spec, q, k, v, pr, qa, ka, ro, rl = given_buckets_case(g, 2, 4, 2, nq, 71, 32, torch.float32, preds,
+                                                           exclude_self=exclude_self)
+    out, lse = _decode(spec, q, k, v, None, pr, None, qa, ka, None, 0, 3)
+    _check(out, lse, ro, rl, torch.float32)
+    with pytest.raises(ValueError, match="both"):
+        _decode(spec, q, k, v, None, pr, None, None, ka, None, 0, 3)
+
+
 def test_split_counts_agree():
     """Every split count gives the same result (the log-sum-exp merge), empty runs included."""
     g = torch.Generator().manual_seed(fresh_seed())
@@ -171,4 +188,5 @@ def test_not_eligible():
     assert DEC.eligible(spec, q[:, :, :16], k, 0.0)  # 4 x 16
     assert not DEC.eligible(spec, q[:, :, :4], k[:, :, :4], 0.0)  # as many keys as queries
     assert not DEC.eligible(spec, q[:, :, :1], k, 0.5)
-    assert not DEC.eligible(AttentionSpec(policy=Hash()), q[:, :, :1], k, 0.0)
+    assert not DEC.eligible(AttentionSpec(policy=Hash()), q[:, :, :1], k, 0.0)  # buckets derived: the template
+    assert DEC.eligible(AttentionSpec(policy=Hash()), q[:, :, :1], k, 0.0, torch.zeros(1, 2, 40, dtype=torch.int32))

@@ -14,8 +14,8 @@ import torch
 
 from attncomp.codegen import reference as R
 from attncomp.spec import AttentionSpec, dtype_name
-from tests.codegen.template_cases import CASES, close, make_mask, make_policy, make_preds, make_qkv
-from tests.utils import poisoned_empty
+from tests.codegen.template_cases import CASES, close, given_buckets_case, make_mask, make_policy, make_preds, make_qkv
+from tests.utils import fresh_seed, poisoned_empty
 
 pytestmark = pytest.mark.gpu
 
@@ -267,8 +267,8 @@ _DECODE_CASES = [
 @pytest.mark.parametrize("case", _DECODE_CASES,
                          ids=lambda c: "-".join([c[0], "+".join(c[1]), c[2], "+".join(c[3]) or "nomod", f"Nq{c[7]}"]))
 def test_decode_on_gpu(_setup, monkeypatch, case, dtype):
-    """A decoding step runs the decode kernels (workspaces poisoned; ``hash`` the template's sorted layout) and
-    equals the reference, its backward too."""
+    """A decoding step runs the decode kernels (workspaces poisoned; ``hash`` with its buckets given, as a KV cache
+    keeps them) and equals the reference, its backward too."""
     from attncomp.codegen.triton import decode as DEC
 
     monkeypatch.setattr(DEC, "_empty", poisoned_empty)
@@ -280,7 +280,29 @@ def test_decode_on_gpu(_setup, monkeypatch, case, dtype):
         _run_mods(_setup, *case, dtype)
     else:
         _run(_setup, policy, kinds, mask_kind, *sizes, dtype)
-    assert len(calls) == (policy != "hash")
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=dtype_name)
+@pytest.mark.parametrize("B,Hq,Hk,Nq,Nk,D,preds", [(4, 32, 8, 1, 8193, 128, ("bottom_right",)),
+                                                   (2, 8, 2, 3, 3001, 64, ("bottom_right", "k_valid"))],
+                         ids=["llama-like", "k_valid"])
+def test_decode_given_buckets_on_gpu(_setup, monkeypatch, B, Hq, Hk, Nq, Nk, D, preds, dtype):
+    """``hash`` with the buckets a KV cache keeps: the route takes the decode kernels, which equal the reference and
+    read only the keys in their group's buckets (the others' K and V rows are NaN), 16 buckets."""
+    from attncomp.codegen.triton import decode as DEC
+
+    monkeypatch.setattr(DEC, "_empty", poisoned_empty)
+    calls = []
+    real = DEC.decode_forward
+    monkeypatch.setattr(DEC, "decode_forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    g = torch.Generator().manual_seed(fresh_seed())
+    spec, q, k, v, pr, qa, ka, ro, rl = given_buckets_case(g, B, Hq, Hk, Nq, Nk, D, dtype, preds, n_buckets=16,
+                                                           device="cuda")
+    out, lse = _setup.attention_forward(spec, q, k, v, preds=pr, q_aux=qa, k_aux=ka)
+    assert calls == [1]
+    _close("out", out, ro, dtype)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(rl))
 
 
 @pytest.mark.parametrize("D", [64, 128])

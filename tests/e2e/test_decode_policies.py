@@ -45,6 +45,49 @@ def test_decode_steps_equal_full_forward(policy):
     assert rel_err(full, dense) > 1e-3, "the policy changed nothing: the test would not see a wrong alignment"
 
 
+@pytest.mark.parametrize("family,cache,mode,beams", [("llama", None, None, 1), ("gpt2", "static", None, 1),
+                                                    ("llama", "static", "reduce-overhead", 1), ("gpt2", None, None, 2)],
+                         ids=["llama-dynamic", "gpt2-static", "llama-static-reduce-overhead", "gpt2-beams"])
+def test_hash_steps_read_the_buckets_the_cache_keeps(family, cache, mode, beams):
+    """hash under ``generate()``: the cache's layers keep their keys' buckets (:mod:`attncomp.kvcache`), and each
+    site's decoding steps take them (the report says so; the prefill derives them): each step's logits are the full
+    forward's rows on a
+    left-padded batch, and after generate every layer's buckets are the LSH buckets of the keys it holds, also
+    after beam search has reordered the cache (whose per-step logits are the beams', not the rows')."""
+    from attncomp.kvcache import BUCKETS_ATTR
+    from attncomp.policy import lsh_side
+
+    torch.manual_seed(7)
+    model = ZOO[family].build()
+    pol = attncomp.Hash(n_buckets=4)
+    fast = attncomp.compile(model, policy=pol, mode=mode)
+    ids = torch.randint(3, 96, (2, 7))
+    am = torch.ones_like(ids)
+    ids[1, :2], am[1, :2] = 0, 0
+    kw = {} if cache is None else dict(cache_implementation=cache, disable_compile=True)
+    with torch.no_grad():
+        gen = fast.generate(input_ids=ids, attention_mask=am, max_new_tokens=5, min_new_tokens=5, do_sample=False,
+                            num_beams=beams, output_logits=True, return_dict_in_generate=True, pad_token_id=0, **kw)
+    # (before the full forwards below, which pass no cache and derive the buckets)
+    # the decoding steps' graphs (one query) take the cache's buckets; the prefill's derive them in the op
+    sites = [n for gm in fast.graphs for n in gm.graph.nodes if attncomp.ops.is_attention_node(n)]
+    steps = [n for n in sites if n.args[0].meta["val"].shape[2] == 1]
+    assert len(sites) == 2 * len(fast.graphs) and steps and len(steps) < len(sites)
+    assert all((n.args[attncomp.ops.ARG_INDEX["k_aux"]] is not None) == (n in steps) for n in sites)
+    rep = attncomp.report(fast)
+    assert rep.rewritten == 2
+    for site in rep.sites:
+        assert "kept in the KV cache" in site.details.get("buckets", ""), site.details
+    if beams == 1:
+        err = steps_vs_full_forward(fast, gen, ids, am)
+        assert err < 1e-4, f"cached decoding differs from the full forward ({err:.3g})"
+    layers = gen.past_key_values.layers
+    for i, layer in enumerate(layers):
+        n = int(layer.get_seq_length())
+        want = lsh_side(layer.keys[..., :n, :], layer.keys.shape[1], pol.n_buckets, pol.seed)
+        assert torch.equal(getattr(layer, BUCKETS_ATTR)[..., :n], want), f"layer {i}'s buckets are not its keys'"
+
+
 @pytest.mark.parametrize("padded,mode", [(True, None), (False, None), (False, "reduce-overhead")],
                          ids=["left-padded", "no-mask", "no-mask-reduce-overhead"])
 def test_static_cache_captures_the_decode_step_once(padded, mode):

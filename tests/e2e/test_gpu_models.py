@@ -234,6 +234,35 @@ def test_static_cache_generate_under_reduce_overhead(fresh_dynamo):
     assert dynamo_counters["inductor"]["cudagraph_skips"] == 0, dict(dynamo_counters["inductor"])
 
 
+def test_hash_generate_reads_the_cache_buckets_on_gpu(fresh_dynamo):
+    """``hash`` under ``generate(cache_implementation="static")`` and ``mode="reduce-overhead"`` on a GPU: the cache
+    keeps its keys' buckets in a buffer of fixed address (no CUDA graph is skipped), every site takes them, and each
+    step's logits are the full forward's rows (float32, a left-padded batch)."""
+    from torch._dynamo.utils import counters as dynamo_counters
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from tests.utils import steps_vs_full_forward
+
+    cfg = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
+    torch.manual_seed(fresh_seed())
+    model = LlamaForCausalLM(cfg).cuda().eval()
+    fast = attncomp.compile(model, policy=attncomp.Hash(n_buckets=4), mode="reduce-overhead")
+    ids = torch.randint(3, 128, (2, 40), device="cuda")
+    mask = torch.ones_like(ids)
+    ids[1, :5], mask[1, :5] = 0, 0
+    dynamo_counters["inductor"].clear()
+    with torch.no_grad():
+        gen = fast.generate(ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                            output_logits=True, return_dict_in_generate=True, pad_token_id=0,
+                            cache_implementation="static", disable_compile=True)
+    assert dynamo_counters["inductor"]["cudagraph_skips"] == 0, dict(dynamo_counters["inductor"])
+    for site in attncomp.report(fast).sites:
+        assert "kept in the KV cache" in site.details.get("buckets", ""), site.details
+    err = steps_vs_full_forward(fast, gen, ids, mask)
+    assert err < 5e-3, f"cached decoding differs from the full forward ({err:.3g})"
+
+
 _CHOICE_SCRIPT = r"""
 import json, sys, torch
 from attncomp.runtime import dispatch

@@ -503,7 +503,7 @@ def attention_forward(spec: AttentionSpec, q, k, v, attn_mask=None, dropout_p: f
     tensors of the spec's score modifiers (DESIGN.md §4.2); a site with modifiers takes no launch plan
     (its tables and learnable tensors are the call's own) and no Gluon kernel."""
     _TAKEN.plan = None
-    if config is None and layout is None and decode.eligible(spec, q, k, dropout_p):
+    if config is None and layout is None and decode.eligible(spec, q, k, dropout_p, k_aux):
         if check is not None:
             check()
         return _decode_forward(spec, q, k, v, attn_mask, seed, preds, q_aux, k_aux, block_pattern, mods)

@@ -17,9 +17,15 @@ own head), so a decode step keeps exactly what the template (and the reference) 
 sorted layout: a token's keep bit comes from its position hash (as :func:`.layout._group_ids` draws it), or from
 the keep masks the caller gave, and the keys it drops are masked out of the K and V loads. Every key tile is
 visited; tiles that the position window excludes are skipped.
-``hash`` is not run here: the template's sorted layout reads only the keys of each query's bucket, which beat
-reading them all (H200, 32k keys, bf16, LSH buckets computed from the key tiles in a version of these kernels:
-0.46 ms against 1.40 ms per step at B=32, 0.07 against 0.14 ms at B=1, ``bench decode``).
+``hash`` runs here when its buckets are given, as a KV cache that keeps its keys' buckets gives them
+(:mod:`attncomp.kvcache`): each program first lists the keys of its run whose bucket is some row's of the group
+(reading the buckets, 4 bytes a key, into a list in a workspace), then visits only those, a tile at a time, so it
+reads the K and V rows of those keys only. (Masking the other keys out of every tile's K and V loads instead took
+0.89 ms against dense's 0.94 ms on the H200 at B=32, 32 q / 8 kv heads and 32k keys, reading 23% of them; listed
+first, 0.42 ms: ``bench decode``, policy ``hash-cache``.) With buckets derived per call it takes the template's sorted layout,
+which reads only the keys of each query's bucket, which beat reading them all (H200, 32k keys, bf16, LSH buckets
+computed from the key tiles in a version of these kernels: 0.46 ms against 1.40 ms per step at B=32, 0.07 against
+0.14 ms at B=1, ``bench decode``).
 
 The forward only: a backward through a decode call runs the template's passes on the ``lse`` this writes.
 """
@@ -57,6 +63,7 @@ def _empty(shape, dtype, device, strides=None) -> torch.Tensor:
 AUX_NONE = 0
 AUX_KEEP = 1     # drop: keep masks given (q_aux, k_aux bool)
 AUX_DRAW = 2     # drop: keep bits drawn in the kernel
+AUX_BUCKETS = 3  # hash: the buckets given (q_aux, k_aux int32): a KV cache's, kept per key
 
 
 @triton.jit
@@ -77,7 +84,7 @@ def _decode_split(
     s_qpos, s_kpos, s_qseg, s_kseg, s_qval, s_kval, smb, smh, smm, smn, sph, spr, spc, slb, slh, slt, scb, sch,
     pos_off, win_left, win_right, Hq, Nq, Nk, qk_scale, sm_scale, tiles_per_split,
     Slopes, Lut, Sinks, DSlopes, DLut, softcap, rel_md,
-    QAux, KAux, q_rate, k_rate, q_seed, k_seed,
+    QAux, KAux, q_rate, k_rate, q_seed, k_seed, Scratch,
     GROUPS: tl.constexpr, HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr,
     CHECK_K: tl.constexpr, POLICY: tl.constexpr, NM_N: tl.constexpr, NM_M: tl.constexpr,
@@ -109,7 +116,10 @@ def _decode_split(
                 + offs_d[None, :], mask=rval[:, None] & (offs_d[None, :] < HEAD_D), other=0.0)
     qp, qs, qv = _tok_vals(qi, rval, b, QPos, s_qpos, QSeg, s_qseg, QVal, s_qval, pos_off, TPOS, SEG, QVAL)
     qrow = b * Hq + h
-    if AUX != 0:
+    if AUX == 3:
+        # hash: each row's bucket (rows past the group: -1, no key's)
+        q_keep = tl.load(QAux + qrow.to(tl.int64) * Nq + qi, mask=rval, other=-1)
+    elif AUX != 0:
         # queries shorter than keys are the last Nq positions (as the layout kernels draw them)
         q_keep = _keep_bits(QAux, qrow, qi, rval, Nq, q_rate, q_seed, tl.where(Nq < Nk, Nk - Nq, 0), AUX)
     else:
@@ -130,11 +140,41 @@ def _decode_split(
     k_base = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
     v_base = V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
     krow = b * Hk + hk
-    for t in range(t_lo, t_hi):
-        start_n = t * BLOCK_N
-        offs_n = start_n + _key_order(BLOCK_N, NM_M)
-        nval = offs_n < Nk
-        if AUX != 0:
+    if AUX == 3:
+        # hash with the buckets given: first the run's keys in the bucket of some row of the group are listed (their
+        # buckets read, 4 bytes a key), then only those are visited, a tile at a time: their K and V rows are the only
+        # ones read, with no load waiting on another in the same tile
+        lst = Scratch + (bhk.to(tl.int64) * tl.num_programs(0) + split) * tiles_per_split * BLOCK_N
+        cnt = tl.zeros([], dtype=tl.int32)
+        for t in range(t_lo, t_hi):
+            offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
+            kb = tl.load(KAux + krow.to(tl.int64) * Nk + offs_n, mask=offs_n < Nk, other=-2)
+            want = (tl.max((q_keep[:, None] == kb[None, :]).to(tl.int32), 0) > 0) & (offs_n < Nk)
+            w = want.to(tl.int32)
+            tl.store(lst + cnt + tl.cumsum(w, 0) - 1, offs_n, mask=want)
+            cnt += tl.sum(w, 0)
+        tl.debug_barrier()  # (the list's stores are seen by every thread of the program)
+        it_lo = 0
+        it_hi = tl.cdiv(cnt, BLOCK_N)
+    else:
+        it_lo = t_lo
+        it_hi = t_hi
+    for t in range(it_lo, it_hi):
+        if AUX == 3:
+            lane = t * BLOCK_N + tl.arange(0, BLOCK_N)
+            nval = lane < cnt
+            offs_n = tl.load(lst + lane, mask=nval, other=0)
+            start_n = 0
+        else:
+            start_n = t * BLOCK_N
+            offs_n = start_n + _key_order(BLOCK_N, NM_M)
+            nval = offs_n < Nk
+        if AUX == 3:
+            # every listed key is in some row's bucket; a row keeps those in its own
+            kb = tl.load(KAux + krow.to(tl.int64) * Nk + offs_n, mask=nval, other=-2)
+            same = q_keep[:, None] == kb[None, :]
+            nread = nval
+        elif AUX != 0:
             # drop: the keys this step drops are not read (their rows load as zeros; their logits are -inf below)
             kk = _keep_bits(KAux, krow, offs_n, nval, Nk, k_rate, k_seed, 0, AUX)
             nread = nval & kk
@@ -154,7 +194,9 @@ def _decode_split(
                    start_n, Mask, smb, smh, smm, smn, Pat, sph, spr, spc, Nq, Nk, win_left, win_right, esc,
                    BLOCK_M, BLOCK_N, MASK_KIND, CHECK_K, POLICY, NM_N, NM_M, EXCLUDE_SELF, POS, HAS_LEFT,
                    HAS_RIGHT, SEG, QVAL, KVAL, SPION_BS, False, PRESCALE)
-        if AUX != 0:
+        if AUX == 3:
+            s = tl.where(same, s, float("-inf"))
+        elif AUX != 0:
             s = tl.where(q_keep[:, None] & kk[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1) * sc)
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -213,13 +255,13 @@ def _decode_merge(MWs, LWs, AccWs, O, Lse, Sinks, sob, soh, som, Hq, Nq, n_split
         tl.store(optr, o.to(O.dtype.element_ty), mask=offs_dv < HEAD_DV)
 
 
-def eligible(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, dropout_p: float) -> bool:
+def eligible(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, dropout_p: float, k_aux=None) -> bool:
     """Whether a forward call is a decoding step this kernel runs: at most :data:`MAX_QUERIES` queries,
-    fewer than the keys, at most :data:`MAX_ROWS` rows per KV head's group, no dropout, and not ``hash`` (its
-    sorted layout, above)."""
+    fewer than the keys, at most :data:`MAX_ROWS` rows per KV head's group, no dropout, and not ``hash`` unless
+    its buckets are given (``k_aux``: a KV cache's; derived ones take the sorted layout, above)."""
     Nq, Nk = int(q.shape[2]), int(k.shape[2])
     return (0 < Nq <= MAX_QUERIES and Nk > Nq and dropout_p == 0.0 and q.shape[0] * q.shape[1] > 0
-            and (q.shape[1] // k.shape[1]) * Nq <= MAX_ROWS and not isinstance(spec.policy, Hash))
+            and (q.shape[1] // k.shape[1]) * Nq <= MAX_ROWS and (k_aux is not None or not isinstance(spec.policy, Hash)))
 
 
 def _config(site, interp: bool) -> dict:
@@ -262,13 +304,18 @@ def decode_forward(site, spec: AttentionSpec, q, k, v, out, lse, q_aux=None, k_a
     aws = _empty((B * Hk, n_split, bm, site.block_dv), torch.float32, dev)
 
     pol = spec.policy
-    if isinstance(pol, Hash):
-        raise ValueError("hash decoding steps run the template's sorted layout, not the decode kernels")
-    if (q_aux is None) != (k_aux is None) and isinstance(pol, Drop):
+    if isinstance(pol, Hash) and q_aux is None and k_aux is None:
+        raise ValueError("hash decoding steps with derived buckets run the template's sorted layout, not the "
+                         "decode kernels")
+    if (q_aux is None) != (k_aux is None) and isinstance(pol, (Drop, Hash)):
         raise half_given_aux(pol)
     aux, qw, kw = AUX_NONE, 0, 0
     q_rate = k_rate = 0.0
-    if isinstance(pol, Drop):
+    if isinstance(pol, Hash):
+        aux = AUX_BUCKETS
+        q_aux, k_aux = (t.contiguous() if t.dtype == torch.int32 else t.to(torch.int32).contiguous()
+                        for t in (q_aux, k_aux))
+    elif isinstance(pol, Drop):
         if q_aux is not None:
             aux = AUX_KEEP
             q_aux, k_aux = (t.contiguous().view(torch.uint8) if t.dtype == torch.bool else t.contiguous()
@@ -282,10 +329,12 @@ def decode_forward(site, spec: AttentionSpec, q, k, v, out, lse, q_aux=None, k_a
         meta.pop(key, None)
     meta["CHECK_K"] = Nk % bn != 0
     dummy = q
+    # hash with given buckets: each program's list of the keys it visits (see _decode_split)
+    scratch = _empty((B * Hk, n_split, tps * bn), torch.int32, dev) if aux == AUX_BUCKETS else dummy
     _decode_split[(n_split, B * Hk)](
         q, k, v, mws, lws, aws, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *site.pred_args(None, None),
         Hq, Nq, Nk, site.scale * LOG2E, site.scale, tps, *site.mod_args(),
-        dummy if q_aux is None else q_aux, dummy if k_aux is None else k_aux, q_rate, k_rate, qw, kw,
+        dummy if q_aux is None else q_aux, dummy if k_aux is None else k_aux, q_rate, k_rate, qw, kw, scratch,
         BLOCK_M=bm, BLOCK_N=bn, AUX=aux,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **meta)
     _decode_merge[(bm, B * Hk)](
