@@ -144,7 +144,7 @@ def _buckets_from_cache(gm: fx.GraphModule, n: fx.Node, args: list, pol: Hash) -
                 if _copies_along_sequence(b) and b.args[3].target in _LSH and order[b] < order[n]:
                     kb = b.args[0]
     bv = getattr(kb, "meta", {}).get("val") if kb is not None else None
-    if not isinstance(bv, torch.Tensor) or bv.dtype != torch.int32 or tuple(bv.shape) != tuple(kv.shape[:3]):
+    if not isinstance(bv, torch.Tensor) or bv.dtype != torch.int32 or not _same_sizes(bv.shape, kv.shape[:3]):
         return False
     with gm.graph.inserting_before(n):
         qb = gm.graph.call_function(torch.ops.attncomp.lsh.default, (args[0],) + lsh_args)
@@ -154,6 +154,17 @@ def _buckets_from_cache(gm: fx.GraphModule, n: fx.Node, args: list, pol: Hash) -
 
 
 _LSH = (torch.ops.attncomp.lsh.default, torch.ops.attncomp.lsh)
+
+
+def _same_sizes(a, b) -> bool:
+    """Whether two shapes had the same sizes in the example the graph was traced with (symbolic sizes by their hints:
+    a comparison of two symbols would add a guard after the trace). A dynamic cache's keys and buckets have lengths of
+    their own symbols, equal by construction (the same appends); this is a check of the structure matched, not the
+    proof."""
+    def hint(x):
+        return x if isinstance(x, int) else getattr(getattr(x, "node", None), "hint", None)
+
+    return len(a) == len(b) and all(hint(x) is not None and hint(x) == hint(y) for x, y in zip(a, b))
 
 
 def _cat_dim(node: fx.Node):

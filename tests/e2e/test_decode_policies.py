@@ -22,6 +22,19 @@ from tests.e2e.hf_zoo import ZOO  # noqa: E402
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
+def _padded_generate(fast, cache, new: int, **extra):
+    """``(gen, ids, mask)``: ``new`` greedy tokens from a batch of 2 prompts of 7 tokens, the second left-padded by 2,
+    into a cache of kind ``cache`` (None: generate's default), with each step's logits."""
+    ids = torch.randint(3, 96, (2, 7))
+    am = torch.ones_like(ids)
+    ids[1, :2], am[1, :2] = 0, 0
+    kw = {} if cache is None else dict(cache_implementation=cache, disable_compile=True)
+    with torch.no_grad():
+        gen = fast.generate(input_ids=ids, attention_mask=am, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                            output_logits=True, return_dict_in_generate=True, pad_token_id=0, **kw, **extra)
+    return gen, ids, am
+
+
 @pytest.mark.sample(2)
 @pytest.mark.parametrize("policy", ["dfss", "hash", attncomp.Drop(q_rate=0.3, k_rate=0.3, seed=5)],
                          ids=["dfss", "hash", "drop"])
@@ -61,13 +74,7 @@ def test_hash_steps_read_the_buckets_the_cache_keeps(family, cache, mode, beams)
     model = ZOO[family].build()
     pol = attncomp.Hash(n_buckets=4)
     fast = attncomp.compile(model, policy=pol, mode=mode)
-    ids = torch.randint(3, 96, (2, 7))
-    am = torch.ones_like(ids)
-    ids[1, :2], am[1, :2] = 0, 0
-    kw = {} if cache is None else dict(cache_implementation=cache, disable_compile=True)
-    with torch.no_grad():
-        gen = fast.generate(input_ids=ids, attention_mask=am, max_new_tokens=5, min_new_tokens=5, do_sample=False,
-                            num_beams=beams, output_logits=True, return_dict_in_generate=True, pad_token_id=0, **kw)
+    gen, ids, am = _padded_generate(fast, cache, 5, num_beams=beams)
     # (before the full forwards below, which pass no cache and derive the buckets)
     # the decoding steps' graphs (one query) take the cache's buckets; the prefill's derive them in the op
     sites = [n for gm in fast.graphs for n in gm.graph.nodes if attncomp.ops.is_attention_node(n)]
@@ -135,13 +142,7 @@ def test_sliding_window_cache_decodes_the_full_forward(family, policy, cache):
     model = ZOO[family].build()
     pol = attncomp.Drop(q_rate=0.3, k_rate=0.3, seed=5) if policy == "drop" else policy
     fast = attncomp.compile(model, policy=pol)
-    ids = torch.randint(3, 96, (2, 7))
-    am = torch.ones_like(ids)
-    ids[1, :2], am[1, :2] = 0, 0
-    kw = {} if cache is None else dict(cache_implementation=cache, disable_compile=True)
-    with torch.no_grad():
-        gen = fast.generate(input_ids=ids, attention_mask=am, max_new_tokens=6, min_new_tokens=6, do_sample=False,
-                            output_logits=True, return_dict_in_generate=True, pad_token_id=0, **kw)
+    gen, ids, am = _padded_generate(fast, cache, 6)
     err = steps_vs_full_forward(fast, gen, ids, am)
     assert err < 1e-4, f"cached decoding differs from the full forward ({err:.3g})"
     assert any("sliding-window layers keep every key" in n for n in attncomp.report(fast).notes)
