@@ -245,6 +245,18 @@ def _decode_policy(name: str):
     return attncomp.Drop(q_rate=0.3, k_rate=0.3, seed=5) if name == "drop" else name
 
 
+def _cached_bucket_sites(fast) -> str:
+    """``"k/n"``: of the attention sites in the compiled module's graphs of one query (its decoding steps), how many
+    take the buckets a KV cache keeps as their keys' (``k_aux`` given, :mod:`attncomp.kvcache`)."""
+    from attncomp import ops
+
+    A = ops.ARG_INDEX
+    steps = [n for gm in fast.graphs for n in gm.graph.nodes if ops.is_attention_node(n)
+             and isinstance(n.args[0], torch.fx.Node) and n.args[0].meta.get("val") is not None
+             and n.args[0].meta["val"].shape[2] == 1]
+    return f"{sum(n.args[A['k_aux']] is not None for n in steps)}/{len(steps)}"
+
+
 def _decode_error(model, cfg, gen) -> float:
     """:func:`tests.utils.steps_vs_full_forward` of ``gen``, a ``generate()`` of ``model`` from the check's
     left-padded prompt (:func:`_generate`)."""
@@ -392,7 +404,10 @@ def check(registry: str, model_type: str, class_name: Optional[str] = None, trai
                 torch._dynamo.reset()
                 fast = attncomp.compile(model, policy=_decode_policy(pol))
                 with torch.no_grad():
-                    err = _decode_error(fast, cfg, _generate(fast, cfg))
+                    gen = _generate(fast, cfg)
+                    if pol == "hash":  # the decoding steps' sites given the buckets the cache keeps (kvcache.py)
+                        det["decode_hash_cached"] = _cached_bucket_sites(fast)
+                    err = _decode_error(fast, cfg, gen)
             except ValueError as e:
                 if "keeps entries by key position" not in str(e):
                     return done("wrong-decode", f"{pol}: " + first_line(e))
@@ -431,7 +446,10 @@ def check(registry: str, model_type: str, class_name: Optional[str] = None, trai
         if worst[0] >= TOL:
             return done("wrong-grad", f"gradient of {worst[1]} differs: {worst[0]:.2g} of the largest gradient's norm")
         det["train"] = f"gradients within {worst[0]:.1g}"
-    dec = [f"{p} {det[f'decode_{p}_err']:.1g}" for p in DECODE_POLICIES if f"decode_{p}_err" in det]
+    dec = [f"{p} {det[f'decode_{p}_err']:.1g}" + (f" ({det['decode_hash_cached']} decoding-step sites took the "
+                                                   f"cache's buckets)" if p == "hash" and "decode_hash_cached" in det
+                                                   else "")
+           for p in DECODE_POLICIES if f"decode_{p}_err" in det]
     dec_txt = f"; decoding steps vs full forward: {', '.join(dec)}" if dec else (
         f"; decoding steps {det['decode']}" if "decode" in det and det["decode"].startswith("not checked") else "")
     if "static" in det:
