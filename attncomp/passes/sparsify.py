@@ -112,11 +112,12 @@ def _buckets_from_cache(gm: fx.GraphModule, n: fx.Node, args: list, pol: Hash) -
     way: a dynamic layer concatenates both (``cat([keys, new], -2)``, ``cat([buckets, lsh(new)], -1)``), a static
     one copies both in place along the sequence (``keys.index_copy_(2, pos, new)``,
     ``buckets.index_copy_(2, pos, lsh(new))``, before the site). Anything else (keys repeated for GQA, sliced,
-    converted; another policy's buckets) derives them in the op as before, and so do calls that may have more than
+    converted to a lower precision; another policy's buckets) derives them in the op as before, and so do calls that
+    may have more than
     :data:`_DECODE_QUERIES` queries (a prefill: its queries see about all of the keys, and the op's own derivation
     sorts them by bucket in one pass)."""
     A = ops.ARG_INDEX
-    k = args[1]
+    k = _before_upcast(args[1])
     kv = getattr(k, "meta", {}).get("val") if isinstance(k, fx.Node) else None
     qv = getattr(args[0], "meta", {}).get("val") if isinstance(args[0], fx.Node) else None
     if not isinstance(kv, torch.Tensor) or kv.dim() != 4 or not isinstance(kv.shape[1], int):
@@ -154,6 +155,24 @@ def _buckets_from_cache(gm: fx.GraphModule, n: fx.Node, args: list, pol: Hash) -
 
 
 _LSH = (torch.ops.attncomp.lsh.default, torch.ops.attncomp.lsh)
+
+
+_UPCASTS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _before_upcast(node):
+    """The keys before a conversion to float32 that keeps their values (``keys.to(torch.float32)`` of half or float32
+    keys, as GPT-Neo, GPT-J and CodeGen upcast them): their buckets are the converted keys' buckets, since the LSH
+    computes in float32 from half inputs too (:func:`attncomp.policy.lsh_side`)."""
+    while isinstance(node, fx.Node) and node.op == "call_method" and node.target in ("to", "float") and node.args:
+        src = node.args[0]
+        out = node.meta.get("val")
+        inp = getattr(src, "meta", {}).get("val") if isinstance(src, fx.Node) else None
+        if not (isinstance(out, torch.Tensor) and isinstance(inp, torch.Tensor) and out.dtype == torch.float32
+                and inp.dtype in _UPCASTS and out.device == inp.device):
+            break
+        node = src
+    return node
 
 
 def _same_sizes(a, b) -> bool:

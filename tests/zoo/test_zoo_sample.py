@@ -94,6 +94,18 @@ def test_decode_steps_of_a_window_family(model_type, fresh_dynamo):
     assert res["details"]["decode_dfss_err"] < 1e-4 and res["details"]["decode_drop_err"] < 1e-4
 
 
+def test_hash_steps_take_the_cache_buckets_through_an_upcast(fresh_dynamo):
+    """The sweep's ``--decode hash`` check on GPT-J, which upcasts the cache's keys to float32 before attending: every
+    decoding step's site still takes the buckets the cache keeps (an upcast keeps the keys' buckets), and each step's
+    logits are the full forward's rows."""
+    torch.manual_seed(0)
+    res = check("causal-lm", "gptj", decode=("hash",))
+    assert res["status"] == "pass", f"gptj: {res['status']}: {res['reason']}"
+    took, steps = map(int, res["details"]["decode_hash_cached"].split("/"))
+    assert steps > 0 and took == steps, res["details"]["decode_hash_cached"]
+    assert res["details"]["decode_hash_err"] < 1e-4
+
+
 @pytest.mark.parametrize("model_type", ["gpt2", "llama"])
 def test_decode_into_an_initialised_static_cache(model_type, fresh_dynamo):
     """The sweep's ``--decode static`` check: the dense compiled model generates into a static cache a forward already
