@@ -111,9 +111,9 @@ def _buckets_from_cache(gm: fx.GraphModule, n: fx.Node, args: list, pol: Hash) -
     the layer's ``update`` returns them, and its buckets must be written from the same appended keys in the same
     way: a dynamic layer concatenates both (``cat([keys, new], -2)``, ``cat([buckets, lsh(new)], -1)``), a static
     one copies both in place along the sequence (``keys.index_copy_(2, pos, new)``,
-    ``buckets.index_copy_(2, pos, lsh(new))``, before the site). Anything else (keys repeated for GQA, sliced,
-    converted to a lower precision; another policy's buckets) derives them in the op as before, and so do calls that
-    may have more than
+    ``buckets.index_copy_(2, pos, lsh(new))``, before the site), the keys possibly upcast to float32 on the way
+    (:func:`_before_upcast`). Anything else (keys repeated for GQA, reshaped, sliced, converted to a lower precision;
+    another policy's buckets) derives them in the op as before, and so do calls that may have more than
     :data:`_DECODE_QUERIES` queries (a prefill: its queries see about all of the keys, and the op's own derivation
     sorts them by bucket in one pass)."""
     A = ops.ARG_INDEX
