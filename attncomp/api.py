@@ -632,11 +632,9 @@ class _State:
         done = _full_window_layers(cache, self.policy, window)
         self.window_cache = _weak(cache)
         if done:
-            note = (f"KV cache: sliding-window layers keep every key under policy {self.policy.name!r}, whose keep "
-                    f"rule reads key positions (a window cache drops the keys before the window and shifts them); "
-                    f"the model's mask still limits each query to its window")
-            if note not in self.notes:
-                self.notes.append(note)
+            self.note(f"KV cache: sliding-window layers keep every key under policy {self.policy.name!r}, whose keep "
+                      f"rule reads key positions (a window cache drops the keys before the window and shifts them); "
+                      f"the model's mask still limits each query to its window")
 
     def key_buckets(self, cache) -> None:
         """:func:`attncomp.kvcache.keep_key_buckets` on a KV cache the compiled module meets for the first time; the
@@ -646,16 +644,17 @@ class _State:
         kept, left = keep_key_buckets(cache, self.policy)
         self.bucket_cache = _weak(cache)
         if kept:
-            note = ("KV cache: its layers keep each key's hash bucket, computed once when the key is appended; a "
-                    "decoding step reads the buckets and only the keys in its queries' buckets")
-            if note not in self.notes:
-                self.notes.append(note)
+            self.note("KV cache: its layers keep each key's hash bucket, computed once when the key is appended; a "
+                      "decoding step reads the buckets and only the keys in its queries' buckets")
         if left:
-            kinds = sorted({k for _, k in left})
-            note = (f"KV cache: layers of kind {', '.join(kinds)} keep no buckets: their sites derive the buckets of "
-                    f"every cached key at each step")
-            if note not in self.notes:
-                self.notes.append(note)
+            kinds = ", ".join(sorted({k for _, k in left}))
+            self.note(f"KV cache: layers of kind {kinds} keep no buckets: their sites derive the buckets of every "
+                      f"cached key at each step")
+
+    def note(self, text: str) -> None:
+        """A note for the report, once."""
+        if text not in self.notes:
+            self.notes.append(text)
 
     # -- the original forward, as the model's class defines it ---------------------------------
     def forward_fn(self, fast):

@@ -81,7 +81,7 @@ def sparsify(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
                 rep.rewrites.append(f"policy {new_pol.describe()}")
             if cached:
                 rep.details["buckets"] = _CACHED
-            if derived and rep.details.get("buckets") != _CACHED:
+            elif derived:
                 rep.details["buckets"] = ("derived inside the op from q and k (LSH, fixed seed), forward and "
                                           "backward: fused with the sort in the Triton kernels, "
                                           "attncomp.ops.materialize_aux on other backends")
@@ -97,12 +97,13 @@ def sparsify(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
     return PassResult(gm, modified)
 
 
+#: queries per call at most of a call given a KV cache's buckets (the decode kernels' ``MAX_QUERIES``; the passes do
+#: not import the Triton backend)
+_DECODE_QUERIES = 16
 #: the report's words for a site whose decoding steps take the buckets a KV cache keeps
 _CACHED = ("decoding steps: the keys' kept in the KV cache, each computed once when its key was appended "
            "(attncomp::lsh in the cache's update), the queries' by attncomp::lsh before the op; calls of more than "
-           "16 queries (a prefill) derive them inside the op")
-#: queries per call at most of a call given a KV cache's buckets (the decode kernels' limit)
-_DECODE_QUERIES = 16
+           f"{_DECODE_QUERIES} queries (a prefill) derive them inside the op")
 
 
 def _buckets_from_cache(gm: fx.GraphModule, n: fx.Node, args: list, pol: Hash) -> bool:
@@ -125,19 +126,19 @@ def _buckets_from_cache(gm: fx.GraphModule, n: fx.Node, args: list, pol: Hash) -
     if not isinstance(qv, torch.Tensor) or not isinstance(qv.shape[2], int) or qv.shape[2] > _DECODE_QUERIES:
         return False
     lsh_args = (kv.shape[1], pol.n_buckets, pol.seed)
-    order = {u: i for i, u in enumerate(gm.graph.nodes)}
 
     def lsh_of(new):
         return [u for u in new.users if u.op == "call_function" and u.target in _LSH and tuple(u.args[1:4]) == lsh_args]
 
     kb = None
     if k.op == "call_function" and k.target is torch.cat and _cat_dim(k) in (-2, 2) and len(k.args[0]) == 2:
-        new = k.args[0][1]
-        for b in (x for u in lsh_of(new) for x in u.users):
+        new_lsh = lsh_of(k.args[0][1])
+        for b in (x for u in new_lsh for x in u.users):
             if (b.op == "call_function" and b.target is torch.cat and _cat_dim(b) in (-1, 2)
-                    and len(b.args[0]) == 2 and b.args[0][1] in lsh_of(new)):
+                    and len(b.args[0]) == 2 and b.args[0][1] in new_lsh):
                 kb = b
     else:
+        order = {u: i for i, u in enumerate(gm.graph.nodes)}
         for w in k.users:
             if not (_copies_along_sequence(w) and w.args[0] is k and order[w] < order[n]):
                 continue

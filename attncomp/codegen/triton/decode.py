@@ -22,10 +22,10 @@ visited; tiles that the position window excludes are skipped.
 (reading the buckets, 4 bytes a key, into a list in a workspace), then visits only those, a tile at a time, so it
 reads the K and V rows of those keys only. (Masking the other keys out of every tile's K and V loads instead took
 0.89 ms against dense's 0.94 ms on the H200 at B=32, 32 q / 8 kv heads and 32k keys, reading 23% of them; listed
-first, 0.42 ms: ``bench decode``, policy ``hash-cache``.) With buckets derived per call it takes the template's sorted layout,
-which reads only the keys of each query's bucket, which beat reading them all (H200, 32k keys, bf16, LSH buckets
-computed from the key tiles in a version of these kernels: 0.46 ms against 1.40 ms per step at B=32, 0.07 against
-0.14 ms at B=1, ``bench decode``).
+first, 0.42 ms: ``bench decode``, policy ``hash-cache``.) With buckets derived per call it takes the template's
+sorted layout, which reads only the keys of each query's bucket, which beat reading them all (H200, 32k keys, bf16,
+LSH buckets computed from the key tiles in a version of these kernels: 0.46 ms against 1.40 ms per step at B=32,
+0.07 against 0.14 ms at B=1, ``bench decode``).
 
 The forward only: a backward through a decode call runs the template's passes on the ``lse`` this writes.
 """
@@ -161,25 +161,24 @@ def _decode_split(
         it_hi = t_hi
     for t in range(it_lo, it_hi):
         if AUX == 3:
+            # the listed keys: each is in some row's bucket; a row keeps those in its own
             lane = t * BLOCK_N + tl.arange(0, BLOCK_N)
             nval = lane < cnt
             offs_n = tl.load(lst + lane, mask=nval, other=0)
             start_n = 0
+            kb = tl.load(KAux + krow.to(tl.int64) * Nk + offs_n, mask=nval, other=-2)
+            same = q_keep[:, None] == kb[None, :]
+            nread = nval
         else:
             start_n = t * BLOCK_N
             offs_n = start_n + _key_order(BLOCK_N, NM_M)
             nval = offs_n < Nk
-        if AUX == 3:
-            # every listed key is in some row's bucket; a row keeps those in its own
-            kb = tl.load(KAux + krow.to(tl.int64) * Nk + offs_n, mask=nval, other=-2)
-            same = q_keep[:, None] == kb[None, :]
-            nread = nval
-        elif AUX != 0:
-            # drop: the keys this step drops are not read (their rows load as zeros; their logits are -inf below)
-            kk = _keep_bits(KAux, krow, offs_n, nval, Nk, k_rate, k_seed, 0, AUX)
-            nread = nval & kk
-        else:
-            nread = nval
+            if AUX != 0:
+                # drop: the keys this step drops are not read (their rows load as zeros; their logits are -inf below)
+                kk = _keep_bits(KAux, krow, offs_n, nval, Nk, k_rate, k_seed, 0, AUX)
+                nread = nval & kk
+            else:
+                nread = nval
         kT = _load_tile(k_base, offs_n, nread, skn, offs_d, HEAD_D, BLOCK_D, CHECK_READ, True)
         kp, ks, kv = _tok_vals(offs_n, nval, b, KPos, s_kpos, KSeg, s_kseg, KVal, s_kval, 0, TPOS, SEG, KVAL)
         qk = _dot(q, kT, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32))
@@ -261,7 +260,8 @@ def eligible(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, dropout_p: f
     its buckets are given (``k_aux``: a KV cache's; derived ones take the sorted layout, above)."""
     Nq, Nk = int(q.shape[2]), int(k.shape[2])
     return (0 < Nq <= MAX_QUERIES and Nk > Nq and dropout_p == 0.0 and q.shape[0] * q.shape[1] > 0
-            and (q.shape[1] // k.shape[1]) * Nq <= MAX_ROWS and (k_aux is not None or not isinstance(spec.policy, Hash)))
+            and (q.shape[1] // k.shape[1]) * Nq <= MAX_ROWS
+            and (k_aux is not None or not isinstance(spec.policy, Hash)))
 
 
 def _config(site, interp: bool) -> dict:
